@@ -1,0 +1,25 @@
+"""pallas_core: the Pallas programming model, implemented here.
+
+Backend-neutral names (``import pallas_core as pl``), as in the Pallas seeds::
+
+    pl.pallas_call, pl.BlockSpec, pl.Blocked, pl.Unblocked, pl.GridSpec,
+    pl.program_id, pl.num_programs, pl.cdiv, pl.when, pl.loop, pl.ds,
+    pl.load, pl.store, pl.run_scoped, pl.CompilerParams
+
+Backend-specific modules: ``pallas_core.tpu`` (VMEM, SMEM, CompilerParams),
+``pallas_core.triton`` (CompilerParams), ``pallas_core.gpu`` (SMEM,
+CompilerParams). See docs/pallas_core.md.
+"""
+from pallas_core import gpu, tpu, triton
+from pallas_core.backends import BACKENDS, default_backend
+from pallas_core.call import pallas_call
+from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams
+from pallas_core.primitives import (cdiv, ds, dslice, load, loop, num_programs, program_id,
+                                    run_scoped, store, when)
+from pallas_core.specs import Blocked, BlockSpec, GridSpec, Unblocked
+
+__all__ = [
+    "ARBITRARY", "BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "PARALLEL",
+    "Unblocked", "cdiv", "default_backend", "ds", "dslice", "gpu", "load", "loop",
+    "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
+]

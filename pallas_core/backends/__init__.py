@@ -1,0 +1,35 @@
+"""Backend registry and the platform default (DESIGN 2.3)."""
+from __future__ import annotations
+
+import jax
+
+BACKENDS = ("interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton")
+JAX_PALLAS_BACKENDS = ("mosaic_tpu", "mosaic_gpu", "pallas_triton")
+
+# Our own Triton lowering is not built yet: until it is, CUDA defaults to
+# JAX's Pallas Triton lowering.
+_PLATFORM_DEFAULT = {"cpu": "interpret", "gpu": "pallas_triton", "cuda": "pallas_triton",
+                     "tpu": "mosaic_tpu"}
+
+
+def default_backend() -> str:
+    """The backend for the default device's platform (cpu -> interpret)."""
+    return _PLATFORM_DEFAULT.get(jax.default_backend(), "interpret")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}.")
+    if backend == "triton":
+        raise NotImplementedError(
+            "backend='triton' (pallas_core's own Triton code generator) is not built yet; "
+            "use backend='pallas_triton' (JAX's Pallas Triton lowering) meanwhile.")
+    return backend
+
+
+def run(call, args):
+    if call.backend == "interpret":
+        from pallas_core.backends import interpret
+        return interpret.run(call, args)
+    from pallas_core.backends import jax_pallas
+    return jax_pallas.run(call, args, call.backend)

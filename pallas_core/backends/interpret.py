@@ -1,0 +1,125 @@
+"""The ``interpret`` backend: the grid as a loop of XLA ops (seed 001 "emulation mode").
+
+Each grid point slices its input blocks out of padded copies of the inputs,
+wraps them (and the current output blocks) in fresh ``jax.Ref``s, runs the
+kernel body, and writes the output blocks back into the loop carry. Padding
+makes every block slice in bounds: edge blocks read NaN (floats) / the integer
+minimum on input, and what they write past the array's end is cropped away.
+A revisited output block keeps its value because outputs live in the carry.
+Runs under ``jit``/``vmap`` on every platform.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_core import context, grid_analysis
+from pallas_core.memory import ScratchShape, garbage_fill_value
+from pallas_core.specs import BlockMapping
+
+
+class InterpretContext(context.KernelContext):
+    backend = "interpret"
+
+    def __init__(self, ids, grid):
+        self._ids = ids
+        self._grid = grid
+
+    def program_id(self, axis):
+        if not 0 <= axis < len(self._grid):
+            raise ValueError(f"program_id({axis}): the grid {self._grid} has rank {len(self._grid)}.")
+        return self._ids[axis]
+
+    def num_programs(self, axis):
+        if not 0 <= axis < len(self._grid):
+            raise ValueError(f"num_programs({axis}): the grid {self._grid} has rank {len(self._grid)}.")
+        return self._grid[axis]
+
+    def run_scoped(self, body, scratch_shapes):
+        refs = [jax.new_ref(_garbage(s.shape, s.dtype)) for s in scratch_shapes]
+        return body(*refs)
+
+
+def _garbage(shape, dtype):
+    return jnp.full(shape, garbage_fill_value(dtype), dtype)
+
+
+def _padded_extent(m: BlockMapping, axis: int) -> tuple[int, int]:
+    """(low, high) padding that keeps every legal block of ``m`` in bounds."""
+    d, b = m.array_shape[axis], m.block_shape[axis]
+    lo, hi = m.padding[axis]
+    if m.unblocked:
+        return lo, hi + b - 1  # a block may start at the last (padded) element
+    return 0, -(-d // b) * b - d
+
+
+def _pad(x, m: BlockMapping):
+    pads = [_padded_extent(m, a) for a in range(x.ndim)]
+    if not any(lo or hi for lo, hi in pads):
+        return x
+    return jnp.pad(x, pads, constant_values=garbage_fill_value(x.dtype))
+
+
+def _crop(x, m: BlockMapping):
+    idx = tuple(slice(_padded_extent(m, a)[0], _padded_extent(m, a)[0] + d)
+                for a, d in enumerate(m.array_shape))
+    return x[idx]
+
+
+def _starts(m: BlockMapping, ids):
+    return tuple(jnp.asarray(s, jnp.int32) for s in m.element_starts(m.index_map(*ids)))
+
+
+def _read_block(buf, m: BlockMapping, starts):
+    block = lax.dynamic_slice(buf, starts, m.block_shape)
+    return block.reshape(m.ref_shape)
+
+
+def _write_block(buf, m: BlockMapping, starts, value):
+    return lax.dynamic_update_slice(buf, value.reshape(m.block_shape), starts)
+
+
+def run(call, args):
+    """Executes a resolved pallas_call (see ``pallas_core.call``) on XLA ops."""
+    grid = call.grid
+    table = jnp.asarray(grid_analysis.grid_points(grid))
+    inputs = [_pad(jnp.asarray(x), m) for x, m in zip(args, call.in_mappings)]
+    outputs = []
+    for o, m in enumerate(call.out_mappings):
+        aliased = [i for i, oo in call.input_output_aliases.items() if oo == o]
+        init = inputs[aliased[0]] if aliased else _pad(_garbage(m.array_shape, m.dtype), m)
+        outputs.append(init)
+    scratch = [_garbage(s.shape, s.dtype) for s in call.scratch_shapes]
+
+    def body(p, carry):
+        outs, scr = carry
+        ids = tuple(table[p, a] for a in range(len(grid)))
+        in_starts = [_starts(m, ids) for m in call.in_mappings]
+        out_starts = [_starts(m, ids) for m in call.out_mappings]
+        in_refs = [jax.new_ref(_read_block(x, m, s))
+                   for x, m, s in zip(inputs, call.in_mappings, in_starts)]
+        out_refs = [jax.new_ref(_read_block(o, m, s))
+                    for o, m, s in zip(outs, call.out_mappings, out_starts)]
+        scratch_refs = [jax.new_ref(v) for v in scr]
+        with context.installed(InterpretContext(ids, grid)):
+            call.kernel(*in_refs, *out_refs, *scratch_refs)
+        outs = [_write_block(o, m, s, jax.freeze(r))
+                for o, m, s, r in zip(outs, call.out_mappings, out_starts, out_refs)]
+        scr = [jax.freeze(r) for r in scratch_refs]
+        return outs, scr
+
+    if call.debug:
+        print(f"pallas_core interpret: kernel {call.name}, grid {grid}, "
+              f"{table.shape[0]} program(s)")
+    n = int(np.prod(grid)) if grid else 1
+    outs, _ = lax.fori_loop(0, n, body, (outputs, scratch))
+    return [_crop(o, m) for o, m in zip(outs, call.out_mappings)]
+
+
+def check_scratch(scratch_shapes) -> None:
+    for s in scratch_shapes:
+        if not isinstance(s, ScratchShape):
+            raise TypeError(f"scratch_shapes: expected shapes such as "
+                            f"pallas_core.tpu.VMEM(shape, dtype), got {s!r}.")

@@ -1,0 +1,193 @@
+"""``pallas_call``: run a kernel over a grid of programs (seed 001 semantics).
+
+``pallas_call(kernel, out_shape, ...)`` returns a function of the inputs. On
+each call it (1) flattens inputs, outputs and specs, (2) resolves every
+BlockSpec against its operand, (3) validates everything it can before any
+lowering, including index maps evaluated over the whole grid, (4) settles the
+dimension semantics, and (5) hands the resolved call to one backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from pallas_core import backends, grid_analysis, validation
+from pallas_core.memory import ScratchShape
+from pallas_core.params import ResolvedParams, resolve_params
+from pallas_core.specs import BlockMapping, BlockSpec, GridSpec, normalize_grid, resolve_block_mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedCall:
+    """Everything a backend needs, already validated."""
+
+    kernel: Callable
+    name: str
+    grid: tuple[int, ...]
+    in_mappings: tuple[BlockMapping, ...]
+    out_mappings: tuple[BlockMapping, ...]
+    scratch_shapes: tuple[ScratchShape, ...]
+    input_output_aliases: Mapping[int, int]
+    semantics: tuple[str, ...]
+    params: ResolvedParams
+    backend: str
+    debug: bool
+    cost_estimate: Any
+
+
+def _is_spec_leaf(x):
+    return x is None or isinstance(x, BlockSpec)
+
+
+def _is_shape_leaf(x):
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _flatten_specs(specs, n, what):
+    """Specs as a flat list of length ``n`` (None/missing means whole-array blocks)."""
+    if specs is None:
+        return [None] * n
+    if isinstance(specs, BlockSpec):
+        if n != 1:
+            raise ValueError(f"{what}: a single BlockSpec was given for {n} operands; "
+                             "give one spec per operand.")
+        return [specs]
+    leaves = jax.tree.leaves(specs, is_leaf=_is_spec_leaf)
+    if specs and not leaves and n:
+        leaves = []
+    if len(leaves) != n:
+        raise ValueError(f"{what}: {len(leaves)} spec(s) for {n} operand(s); give one "
+                         "BlockSpec (or None) per operand.")
+    return leaves
+
+
+def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
+                out_specs=None, grid_spec: GridSpec | None = None, scratch_shapes=(),
+                input_output_aliases: Mapping[int, int] | None = None,
+                compiler_params=None, backend: str | None = None,
+                interpret: bool = False, name: str | None = None,
+                cost_estimate=None, debug: bool = False) -> Callable[..., Any]:
+    """Wraps ``kernel`` into a function of arrays that runs it over ``grid``.
+
+    Args:
+      kernel: ``kernel(*in_refs, *out_refs, *scratch_refs) -> None``.
+      out_shape: a pytree of objects with ``.shape`` and ``.dtype``
+        (``jax.ShapeDtypeStruct`` or arrays).
+      grid: an int or tuple of ints; ``()`` runs one program.
+      in_specs / out_specs: pytrees of :class:`BlockSpec` (or None for the whole
+        array) matching the inputs / ``out_shape``.
+      grid_spec: a :class:`GridSpec` instead of grid/in_specs/out_specs/scratch.
+      scratch_shapes: e.g. ``[pallas_core.tpu.VMEM((8, 128), jnp.float32)]``.
+      input_output_aliases: ``{input_index: output_index}``; the output starts
+        with (and may reuse the buffer of) that input.
+      compiler_params: see :mod:`pallas_core.params`.
+      backend: ``None`` (by platform: cpu -> interpret, gpu -> pallas_triton,
+        tpu -> mosaic_tpu), "interpret", "mosaic_tpu", "mosaic_gpu",
+        "pallas_triton"; "triton" (our own lowering) is not built yet.
+      interpret: force the interpreter.
+      name: kernel name shown in lowered modules (defaults to the kernel's).
+      cost_estimate: ``{"flops", "transcendentals", "bytes_accessed"}`` or JAX's
+        ``CostEstimate``, for backends that schedule by it.
+      debug: print what the backend generates.
+
+    Returns:
+      A function of the inputs returning outputs shaped like ``out_shape``.
+      It is not differentiable: wrap it in ``jax.custom_vjp``.
+
+    Raises:
+      ValueError / TypeError: on bad specs, before anything is lowered.
+    """
+    if grid_spec is not None:
+        if grid not in ((), None) or in_specs is not None or out_specs is not None or scratch_shapes:
+            raise ValueError("pallas_call: give either grid_spec or grid/in_specs/"
+                             "out_specs/scratch_shapes, not both.")
+        grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
+        scratch_shapes = grid_spec.scratch_shapes
+    grid = normalize_grid(grid)
+    params = resolve_params(compiler_params)
+    if interpret:
+        chosen = "interpret"
+    else:
+        chosen = backends.check_backend(backend) if backend is not None else backends.default_backend()
+    out_leaves, out_tree = jax.tree.flatten(out_shape, is_leaf=_is_shape_leaf)
+    for i, o in enumerate(out_leaves):
+        if not _is_shape_leaf(o):
+            raise TypeError(f"out_shape: leaf {i} is {type(o).__name__}; expected "
+                            "jax.ShapeDtypeStruct or an array-like with .shape and .dtype.")
+    scratch_shapes = tuple(scratch_shapes or ())
+    for s in scratch_shapes:
+        if not isinstance(s, ScratchShape):
+            raise TypeError("scratch_shapes: expected e.g. pallas_core.tpu.VMEM(shape, dtype), "
+                            f"got {s!r}.")
+    kernel_name = name or getattr(kernel, "__name__", "kernel")
+    aliases = dict(input_output_aliases or {})
+
+    def resolve(args) -> ResolvedCall:
+        validation.check_kernel_arity(kernel, len(args), len(out_leaves), len(scratch_shapes))
+        in_flat = _flatten_specs(in_specs, len(args), "in_specs")
+        out_flat = _flatten_specs(out_specs, len(out_leaves), "out_specs")
+        in_maps = tuple(resolve_block_mapping(s, f"in_specs[{i}]", np.shape(a), a.dtype, len(grid))
+                        for i, (s, a) in enumerate(zip(in_flat, args)))
+        out_maps = tuple(resolve_block_mapping(s, f"out_specs[{i}]", o.shape, o.dtype, len(grid))
+                         for i, (s, o) in enumerate(zip(out_flat, out_leaves)))
+        _check_aliases(aliases, args, out_leaves)
+        if scratch_shapes and chosen == "pallas_triton":
+            raise ValueError("scratch_shapes: the pallas_triton backend has no scratch memory.")
+        for m in in_maps + out_maps:
+            if m.unblocked and chosen not in ("interpret", "mosaic_tpu"):
+                raise ValueError(f"{m.origin}: Unblocked indexing is only supported on the "
+                                 f"interpret and mosaic_tpu backends, not {chosen!r}.")
+            if chosen in validation.TPU_BACKENDS:
+                validation.check_tpu_tiling(m)
+            if chosen in validation.POW2_BACKENDS:
+                validation.check_pow2(m, chosen)
+        out_tables = []
+        for m in in_maps + out_maps:
+            table = grid_analysis.block_index_table(m, grid)
+            if table is not None:
+                grid_analysis.check_in_bounds(m, table, grid)
+            if m in out_maps:
+                out_tables.append((m.origin, table))
+        semantics = validation.resolve_semantics(params.dimension_semantics, out_tables, grid, chosen)
+        return ResolvedCall(kernel=kernel, name=kernel_name, grid=grid, in_mappings=in_maps,
+                            out_mappings=out_maps, scratch_shapes=scratch_shapes,
+                            input_output_aliases=aliases, semantics=semantics, params=params,
+                            backend=chosen, debug=debug, cost_estimate=cost_estimate)
+
+    def wrapped(*args):
+        flat_args, _ = jax.tree.flatten(args)
+        flat_args = [a if hasattr(a, "dtype") else np.asarray(a) for a in flat_args]
+        call = resolve(flat_args)
+
+        @jax.custom_jvp
+        def run(operands):
+            return backends.run(call, list(operands))
+
+        @run.defjvp
+        def _no_autodiff(primals, tangents):
+            raise TypeError(
+                f"pallas_call (kernel {kernel_name}) is not differentiable: kernels are not "
+                "transformed by JAX autodiff. Wrap the call in jax.custom_vjp and supply a "
+                "backward pass (every op in `ops` does).")
+
+        outs = run(tuple(flat_args))
+        return jax.tree.unflatten(out_tree, outs)
+
+    return wrapped
+
+
+def _check_aliases(aliases, args, out_leaves):
+    for i, o in aliases.items():
+        if not (0 <= i < len(args)) or not (0 <= o < len(out_leaves)):
+            raise ValueError(f"input_output_aliases: {{{i}: {o}}} is out of range for "
+                             f"{len(args)} input(s) and {len(out_leaves)} output(s).")
+        a, out = args[i], out_leaves[o]
+        if tuple(np.shape(a)) != tuple(out.shape) or np.dtype(a.dtype) != np.dtype(out.dtype):
+            raise ValueError(
+                f"input_output_aliases: input {i} ({np.dtype(a.dtype).name}{list(np.shape(a))}) "
+                f"and output {o} ({np.dtype(out.dtype).name}{list(out.shape)}) must have the "
+                "same shape and dtype.")

@@ -1,0 +1,48 @@
+"""Memory spaces and scratch shapes shared by the backend modules."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySpace:
+    """A named memory space of one backend (``tpu.VMEM``, ``gpu.SMEM``...).
+
+    Calling it with a shape and dtype gives a :class:`ScratchShape`, as in
+    ``pallas_core.tpu.VMEM((128, 64), jnp.float32)``.
+    """
+
+    backend: str
+    name: str
+
+    def __call__(self, shape, dtype) -> "ScratchShape":
+        return ScratchShape(tuple(int(d) for d in shape), np.dtype(dtype), self)
+
+    def __repr__(self):
+        return f"{self.backend}.{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScratchShape:
+    """A kernel-private buffer: passed to the kernel after the output Refs."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    memory_space: MemorySpace
+
+
+def garbage_fill_value(dtype):
+    """What the interpreter puts where contents are unspecified.
+
+    NaN for floats (so reading padding or uninitialised memory shows up), the
+    minimum for ints, False for bools.
+    """
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.inexact):
+        return np.nan
+    if np.issubdtype(dtype, np.integer):
+        return np.iinfo(dtype).min
+    return False

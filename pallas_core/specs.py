@@ -1,0 +1,245 @@
+"""BlockSpec, indexing modes and GridSpec: how a grid point picks its blocks.
+
+Semantics follow the Pallas grid/BlockSpec specification (seed 000):
+
+* ``Blocked()`` (the default): ``index_map(*program_ids)`` returns one *block*
+  index per array dim; element start = block index * block size.
+* ``Unblocked(padding)``: ``index_map`` returns *element* indices into the array
+  virtually padded by ``padding`` (one ``(low, high)`` pair per dim).
+* A ``None`` block dim behaves as size 1 and is squeezed out of the kernel's Ref.
+* ``block_shape=None`` means the whole array; ``index_map=None`` means a map
+  returning all zeros.
+
+User-facing objects are normalised once, by :func:`resolve_block_mapping`, into
+a :class:`BlockMapping` that every backend consumes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+    """Index maps return block indices (scaled by the block shape)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unblocked:
+    """Index maps return element indices; optional virtual ``padding``.
+
+    Args:
+      padding: ``None`` or one ``(low, high)`` pair of non-negative ints per
+        array dim. The array behaves as if padded on input; padding values are
+        unspecified (the interpreter fills NaN / the integer minimum).
+    """
+
+    padding: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self):
+        if self.padding is not None:
+            pads = tuple(tuple(int(v) for v in p) for p in self.padding)
+            if any(len(p) != 2 or p[0] < 0 or p[1] < 0 for p in pads):
+                raise ValueError(
+                    f"Unblocked(padding={self.padding!r}): padding must be one "
+                    "(low, high) pair of non-negative ints per array dim.")
+            object.__setattr__(self, "padding", pads)
+
+
+class BlockSpec:
+    """How each grid point maps to a block of one operand.
+
+    ``BlockSpec(block_shape=None, index_map=None, *, indexing_mode=Blocked(),
+    memory_space=None)``. The legacy order ``BlockSpec(index_map, block_shape)``
+    (seed 002) is recognised by its callable first argument.
+
+    Args:
+      block_shape: tuple of positive ints or ``None`` (squeezed, size 1), or
+        ``None`` for the whole array.
+      index_map: ``f(*program_ids) -> tuple`` with one index per array dim (a
+        scalar is accepted for rank-1 blocks), or ``None`` for all zeros.
+      indexing_mode: :class:`Blocked` or :class:`Unblocked`.
+      memory_space: a backend memory space such as ``pallas_core.tpu.SMEM``,
+        or ``None`` for the backend's default.
+    """
+
+    def __init__(self, block_shape=None, index_map=None, *,
+                 indexing_mode: Blocked | Unblocked | None = None,
+                 memory_space: Any = None):
+        if callable(block_shape) and not callable(index_map):
+            block_shape, index_map = index_map, block_shape  # seed 002 order
+        if block_shape is not None:
+            if isinstance(block_shape, (int, np.integer)):
+                block_shape = (block_shape,)
+            block_shape = tuple(None if d is None else _as_int(d, "block_shape")
+                                for d in block_shape)
+        if index_map is not None and not callable(index_map):
+            raise TypeError(f"BlockSpec: index_map must be callable or None, got "
+                            f"{type(index_map).__name__}.")
+        indexing_mode = Blocked() if indexing_mode is None else indexing_mode
+        if not isinstance(indexing_mode, (Blocked, Unblocked)):
+            raise TypeError("BlockSpec: indexing_mode must be pallas_core.Blocked() "
+                            f"or pallas_core.Unblocked(...), got {indexing_mode!r}.")
+        self.block_shape = block_shape
+        self.index_map = index_map
+        self.indexing_mode = indexing_mode
+        self.memory_space = memory_space
+
+    def __repr__(self):
+        return (f"BlockSpec(block_shape={self.block_shape}, index_map="
+                f"{getattr(self.index_map, '__name__', self.index_map)}, "
+                f"indexing_mode={self.indexing_mode})")
+
+
+@dataclasses.dataclass(frozen=True)
+class GridSpec:
+    """Grid, in/out BlockSpecs and scratch shapes bundled together (seed 003)."""
+
+    grid: Any = ()
+    in_specs: Any = None
+    out_specs: Any = None
+    scratch_shapes: Sequence[Any] = ()
+
+
+def _as_int(d, what):
+    if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+        raise TypeError(f"{what}: expected an int or None per dim, got {d!r}.")
+    return int(d)
+
+
+def normalize_grid(grid) -> tuple[int, ...]:
+    """An int grid becomes a 1-tuple; ``()``/``None`` means one program."""
+    if grid is None:
+        return ()
+    if isinstance(grid, (int, np.integer)):
+        grid = (grid,)
+    try:
+        dims = tuple(grid)
+    except TypeError:
+        raise TypeError(f"grid: expected an int or a tuple of ints, got {grid!r}.") from None
+    out = []
+    for d in dims:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"grid: every dim must be a static int, got {grid!r}.")
+        if d < 0:
+            raise ValueError(f"grid: dims must be >= 0, got {grid!r}.")
+        out.append(int(d))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMapping:
+    """A BlockSpec resolved against one operand's shape: what backends consume.
+
+    Attributes:
+      origin: where the spec came from, for messages (``"in_specs[1]"``).
+      array_shape / dtype: the operand.
+      block_shape: ints, squeezed dims as 1.
+      squeezed: per dim, whether the kernel's Ref drops it.
+      index_map: returns a tuple of ``len(array_shape)`` indices.
+      unblocked: element (not block) indexing.
+      padding: ``(low, high)`` per dim (all zero unless Unblocked).
+      memory_space: as given on the BlockSpec.
+    """
+
+    origin: str
+    array_shape: tuple[int, ...]
+    dtype: Any
+    block_shape: tuple[int, ...]
+    squeezed: tuple[bool, ...]
+    index_map: Callable[..., tuple]
+    unblocked: bool
+    padding: tuple[tuple[int, int], ...]
+    memory_space: Any
+
+    @property
+    def ref_shape(self) -> tuple[int, ...]:
+        """The shape of the Ref the kernel sees (squeezed dims removed)."""
+        return tuple(b for b, s in zip(self.block_shape, self.squeezed) if not s)
+
+    def element_starts(self, indices: Sequence[Any]) -> tuple[Any, ...]:
+        """Start of the block along each dim, in (padded) element coordinates."""
+        if self.unblocked:
+            return tuple(indices)
+        return tuple(i * b for i, b in zip(indices, self.block_shape))
+
+
+def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int) -> BlockMapping:
+    """Checks a user BlockSpec against its operand and normalises it.
+
+    Raises:
+      ValueError: rank mismatch, non-positive block dims, bad padding rank,
+        index_map arity that does not match the grid.
+      TypeError: a spec that is not a BlockSpec or None.
+    """
+    if spec is None:
+        spec = BlockSpec()
+    if not isinstance(spec, BlockSpec):
+        raise TypeError(f"{origin}: expected a pallas_core.BlockSpec or None, got "
+                        f"{type(spec).__name__}.")
+    array_shape = tuple(int(d) for d in array_shape)
+    rank = len(array_shape)
+    block = spec.block_shape if spec.block_shape is not None else array_shape
+    if len(block) != rank:
+        raise ValueError(
+            f"{origin}: block_shape {tuple(block)} has rank {len(block)} but the "
+            f"array has rank {rank} (shape {array_shape}); a BlockSpec needs one "
+            "block dim per array dim (None squeezes a dim).")
+    squeezed = tuple(d is None for d in block)
+    block_ints = tuple(1 if d is None else d for d in block)
+    for d in block_ints:
+        if d <= 0:
+            raise ValueError(f"{origin}: block_shape {tuple(block)} has a dim <= 0; "
+                             "block dims must be positive ints or None.")
+    mode = spec.indexing_mode
+    unblocked = isinstance(mode, Unblocked)
+    padding = ((0, 0),) * rank
+    if unblocked and mode.padding is not None:
+        if len(mode.padding) != rank:
+            raise ValueError(f"{origin}: Unblocked padding {mode.padding} has "
+                             f"{len(mode.padding)} pairs for an array of rank {rank}.")
+        padding = mode.padding
+    index_map = _normalize_index_map(spec.index_map, origin, rank, grid_rank)
+    return BlockMapping(origin=origin, array_shape=array_shape, dtype=dtype,
+                        block_shape=block_ints, squeezed=squeezed,
+                        index_map=index_map, unblocked=unblocked,
+                        padding=padding, memory_space=spec.memory_space)
+
+
+def _normalize_index_map(index_map, origin, rank, grid_rank):
+    if index_map is None:
+        return lambda *ids: (0,) * rank
+    _check_arity(index_map, origin, grid_rank)
+
+    def wrapped(*ids):
+        out = index_map(*ids)
+        if not isinstance(out, (tuple, list)):
+            out = (out,)  # a scalar for a rank-1 block (seed 001)
+        if len(out) != rank:
+            raise ValueError(
+                f"{origin}: index_map returned {len(out)} indices for an array of "
+                f"rank {rank}; it must return one index per array dim.")
+        return tuple(out)
+
+    wrapped.__name__ = getattr(index_map, "__name__", "index_map")
+    return wrapped
+
+
+def _check_arity(fn, origin, grid_rank):
+    import inspect
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    params = list(sig.parameters.values())
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if not (len(required) <= grid_rank <= len(positional)):
+        raise ValueError(
+            f"{origin}: index_map takes {len(positional)} argument(s) but the grid has "
+            f"rank {grid_rank}; it must take one program id per grid axis.")

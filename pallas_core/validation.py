@@ -1,0 +1,115 @@
+"""Checks run before anything is lowered; each error names the spec and the rule."""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from pallas_core import grid_analysis
+from pallas_core.params import ARBITRARY, PARALLEL
+from pallas_core.specs import BlockMapping
+
+TPU_BACKENDS = ("mosaic_tpu",)
+POW2_BACKENDS = ("pallas_triton", "triton")
+# Backends that run every grid point concurrently: no grid axis may revisit an output.
+NO_SEQUENTIAL_AXES = ("pallas_triton",)
+
+
+def check_kernel_arity(kernel, n_in: int, n_out: int, n_scratch: int) -> None:
+    """The kernel takes one Ref per input, output and scratch buffer, in that order."""
+    try:
+        sig = inspect.signature(kernel)
+    except (TypeError, ValueError):
+        return
+    params = list(sig.parameters.values())
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    expected = n_in + n_out + n_scratch
+    if not (len(required) <= expected <= len(positional)):
+        name = getattr(kernel, "__name__", "kernel")
+        raise TypeError(
+            f"kernel {name}: takes {len(positional)} positional Ref(s) but pallas_call "
+            f"passes {expected} ({n_in} input(s), {n_out} output(s), {n_scratch} scratch).")
+
+
+def check_tpu_tiling(m: BlockMapping) -> None:
+    """Mosaic TPU: the last two block dims divisible by 8 and 128 or equal to the
+    array's; rank-1 blocks divisible by ``128 * (32 / bitwidth)`` or whole (seed 000)."""
+    rank = len(m.block_shape)
+    if rank == 0:
+        return
+    bits = np.dtype(m.dtype).itemsize * 8
+    if rank == 1:
+        unit = 128 * max(1, 32 // bits)
+        b, d = m.block_shape[0], m.array_shape[0]
+        if not (m.squeezed[0] or b == d or b % unit == 0):
+            raise ValueError(
+                f"{m.origin}: block_shape {m.block_shape} for an array of shape "
+                f"{m.array_shape} ({np.dtype(m.dtype).name}) breaks the TPU tiling rule: a "
+                f"rank-1 block must equal the array dim or be divisible by {unit}.")
+        return
+    for axis, unit in ((rank - 2, 8), (rank - 1, 128)):
+        b, d, sq = m.block_shape[axis], m.array_shape[axis], m.squeezed[axis]
+        if sq or b == d or b % unit == 0:
+            continue
+        raise ValueError(
+            f"{m.origin}: block_shape {m.block_shape} for an array of shape "
+            f"{m.array_shape} breaks the TPU tiling rule: the last two block dims must "
+            f"be divisible by 8 and 128 respectively or equal the array's "
+            f"(dim {axis} is {b}).")
+
+
+def check_pow2(m: BlockMapping, backend: str) -> None:
+    """Triton operates on power-of-two tiles (seed 000)."""
+    for axis, (b, sq) in enumerate(zip(m.block_shape, m.squeezed)):
+        if not sq and b & (b - 1):
+            raise ValueError(
+                f"{m.origin}: block_shape {m.block_shape} has dim {axis} = {b}, which is "
+                f"not a power of two; the {backend} backend needs power-of-two blocks "
+                "(pad the block up and mask, or pick another block size).")
+
+
+def resolve_semantics(given, out_tables, grid, backend) -> tuple[str, ...]:
+    """Checks given dimension_semantics against the output index maps, or infers them.
+
+    Raises:
+      ValueError: wrong length; a parallel axis along which an output block is
+        revisited (a write race); an output block revisited after being left;
+        on backends without sequential axes, any revisited output block.
+    """
+    rank = len(grid)
+    if given is not None and len(given) != rank:
+        raise ValueError(
+            f"dimension_semantics {given} has {len(given)} entries but the grid {grid} "
+            f"has rank {rank}; give one of {(PARALLEL, ARBITRARY)} per grid axis.")
+    revisits: set[int] = set()
+    for origin, table in out_tables:
+        if table is None:
+            continue
+        axes = grid_analysis.revisited_axes(table, grid)
+        revisits |= axes
+        again = grid_analysis.revisited_after_leaving(table)
+        if again is not None:
+            points = grid_analysis.grid_points(grid)
+            first, later = (tuple(int(v) for v in points[i]) for i in again)
+            raise ValueError(
+                f"{origin}: output block {tuple(int(v) for v in table[again[1]])} is "
+                f"written at grid point {first}, left, and revisited at {later}; an output "
+                "block may only be revisited on consecutive grid points, so reductions "
+                "must run over the minor-most (last) grid axes (seed 002).")
+        if given is not None:
+            for a in sorted(axes):
+                if given[a] == PARALLEL:
+                    raise ValueError(
+                        f"{origin}: grid axis {a} is marked 'parallel' but the output block "
+                        "is revisited along it, which is a write race; mark it 'arbitrary'.")
+    if backend in NO_SEQUENTIAL_AXES and revisits:
+        raise ValueError(
+            f"backend {backend!r} runs every grid point concurrently, but an output block "
+            f"is revisited along grid axes {sorted(revisits)}; move the reduction inside "
+            "the kernel (a loop over pl.ds slices) or use a backend with sequential axes.")
+    if given is not None:
+        return tuple(given)
+    return grid_analysis.infer_semantics(revisits, rank)

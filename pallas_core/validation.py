@@ -62,9 +62,14 @@ def check_tpu_tiling(m: BlockMapping) -> None:
 
 
 def check_pow2(m: BlockMapping, backend: str) -> None:
-    """Triton operates on power-of-two tiles (seed 000)."""
+    """Triton operates on power-of-two tiles (seed 000).
+
+    A block dim equal to the whole array dim is exempt: kernels walk such a
+    dim in power-of-two ``pl.ds`` slices (the usual GPU pattern for a
+    contraction or a sequence), never loading it whole.
+    """
     for axis, (b, sq) in enumerate(zip(m.block_shape, m.squeezed)):
-        if not sq and b & (b - 1):
+        if not sq and b & (b - 1) and b != m.array_shape[axis]:
             raise ValueError(
                 f"{m.origin}: block_shape {m.block_shape} has dim {axis} = {b}, which is "
                 f"not a power of two; the {backend} backend needs power-of-two blocks "

@@ -40,7 +40,7 @@ def _memory_space(space, backend, origin):
         return None
     if backend == "mosaic_tpu" and space.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
-        return {"VMEM": pltpu.VMEM, "SMEM": pltpu.SMEM, "ANY": pltpu.ANY}[space.name]
+        return {"VMEM": pltpu.VMEM, "SMEM": pltpu.SMEM, "ANY": _jpl().ANY}[space.name]
     if backend == "mosaic_gpu" and space.backend == "gpu":
         from jax.experimental.pallas import mosaic_gpu as plgpu
         return plgpu.SMEM

@@ -1,0 +1,431 @@
+"""Fused matmul with a bias + activation epilogue: ``act(x @ w + bias)``.
+
+The kernel is the classic tiled matmul (Triton tutorial "Matrix
+Multiplication"; seed 001's templated matmul): each program owns one
+``block_m x block_n`` output tile, walks the contraction dim in ``block_k``
+steps with a float32 accumulator, and applies bias and activation to the
+accumulator before the single store, so the pre-activation never makes a
+round trip through memory.
+
+The contraction is walked one of two ways, chosen by backend:
+
+* ``"grid"`` (interpret, mosaic_tpu): K is the last grid axis,
+  marked ``"arbitrary"``; the accumulator is a scratch buffer initialised
+  under ``pl.when(k == 0)`` and stored under ``pl.when(k == last)`` (seed 002).
+* ``"loop"`` (pallas_triton, whose programs all run concurrently): each
+  program loads ``pl.ds`` slices of full-K blocks in a ``fori_loop``.
+
+Backward (``jax.custom_vjp``): ``dz = g * act'(z)`` by one elementwise kernel
+that also emits per-row-block partial sums for ``dbias``; then
+``dx = dz @ w.T`` and ``dw = x.T @ dz`` by the same tiled kernel with
+transposed operands. ``act'`` comes from JAX autodiff of the activation,
+traced inside the kernel.
+
+Residual choice: the forward kernel also writes ``z = x @ w + bias`` (in x's
+dtype) when an activation is present and gradients are wanted. Recomputing z
+in the backward pass would cost another ``2*M*N*K`` flops (half the backward
+matmul work again) to save ``M*N`` elements that XLA's own autodiff keeps
+too; keeping it is the better trade on every accelerator we target.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas_core as pl
+from ops._checks import check_array, check_float_dtype, check_same_dtype
+from ops._implementation import resolve_implementation
+from ops.activations import resolve_activation
+
+_OP = "fused_matmul"
+
+
+def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None = None,
+                 block_sizes: Sequence[int] | None = None) -> jax.Array:
+    """``activation(x @ w + bias)`` in one kernel, with float32 accumulation.
+
+    Args:
+      x: ``[..., K]`` float32 / bfloat16 / float16; any number of leading dims.
+      w: ``[K, N]``, same dtype as x.
+      bias: ``[N]`` or None, same dtype as x.
+      activation: None; a name with JAX's meaning ("relu", "relu6", "gelu" =
+        ``jax.nn.gelu`` (tanh form), "gelu_exact" (erf form), "silu"/"swish",
+        "sigmoid", "tanh", "softplus"); or any elementwise JAX callable. It runs
+        on the float32 accumulator inside the kernel's epilogue.
+      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+        "mosaic_tpu"), "xla", "interpret", "pallas_triton", "mosaic_tpu",
+        "mosaic_gpu". "triton" (our own lowering) and "mosaic_gpu" (needs a
+        wgmma kernel) raise NotImplementedError until they land.
+      block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes; None picks
+        them by shape, dtype and backend (:func:`default_block_sizes`). The
+        backward pass reuses them by role.
+
+    Returns:
+      ``[..., N]`` in x's dtype.
+
+    Raises:
+      TypeError: non-array inputs, integer or mismatched dtypes, a bad activation.
+      ValueError: w not rank 2, K mismatch, bias not ``[N]``, unknown activation
+        name or implementation, bad block_sizes.
+
+    Differentiable in x, w and bias (``jax.custom_vjp`` with Pallas backward
+    kernels); jit- and vmap-compatible.
+    """
+    check_array(x, "x", _OP)
+    check_array(w, "w", _OP)
+    check_float_dtype(x, "x", _OP)
+    check_same_dtype(w, x, "w", "x", _OP)
+    if w.ndim != 2:
+        raise ValueError(f"{_OP}: w must have rank 2 [K, N], got shape {tuple(w.shape)}.")
+    if x.ndim < 1:
+        raise ValueError(f"{_OP}: x must have rank >= 1 [..., K], got a scalar.")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{_OP}: x's last dim ({x.shape[-1]}) must equal w's first dim "
+                         f"({w.shape[0]}); got x {tuple(x.shape)} and w {tuple(w.shape)}.")
+    if bias is not None:
+        check_array(bias, "bias", _OP)
+        check_same_dtype(bias, x, "bias", "x", _OP)
+        if tuple(bias.shape) != (w.shape[1],):
+            raise ValueError(f"{_OP}: bias must have shape [N] = ({w.shape[1]},), got "
+                             f"{tuple(bias.shape)}.")
+    act = resolve_activation(activation, _OP)
+    impl = resolve_implementation(implementation, _OP)
+    blocks = _check_block_sizes(block_sizes)
+    if impl == "mosaic_gpu":
+        raise NotImplementedError(
+            f"{_OP}: implementation='mosaic_gpu' needs a Hopper wgmma kernel, which is not "
+            "built yet (JAX's Mosaic GPU lowering has no generic dot_general); use "
+            "'pallas_triton' on GPUs.")
+    if impl == "xla":
+        return reference(x, w, bias, act)
+    lead = x.shape[:-1]
+    x2 = x.reshape((-1, x.shape[-1]))
+    config = _Config(backend=impl, block_sizes=blocks)
+    out = _fused_matmul(x2, w, bias, config, act)
+    return out.reshape(*lead, w.shape[1])
+
+
+def _check_block_sizes(block_sizes):
+    if block_sizes is None:
+        return None
+    sizes = tuple(block_sizes)
+    if len(sizes) != 3 or not all(isinstance(b, (int, np.integer)) and b > 0 for b in sizes):
+        raise ValueError(f"{_OP}: block_sizes must be three positive ints "
+                         f"(block_m, block_n, block_k), got {block_sizes!r}.")
+    return tuple(int(b) for b in sizes)
+
+
+# --------------------------------------------------------------------------
+# XLA reference (also the "xla" implementation)
+# --------------------------------------------------------------------------
+
+def reference(x, w, bias=None, activation: Callable | None = None):
+    """``act(x @ w + bias)`` with XLA: float32 accumulation, output in x's dtype."""
+    z = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    if activation is not None:
+        z = activation(z)
+    return z.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------
+# Forward kernel: a tiled matmul with the epilogue, on either contraction walk
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    backend: str
+    block_sizes: tuple[int, int, int] | None = None
+
+
+def _strategy(backend: str) -> str:
+    return "loop" if backend == "pallas_triton" else "grid"
+
+
+def _dot(a, b, ca: int, cb: int):
+    """``A @ B`` where A contracts a's dim ``ca`` and B contracts b's dim ``cb``."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _epilogue(acc, bias_ref, out_ref, preact_ref, activation):
+    z = acc
+    if bias_ref is not None:
+        z = z + bias_ref[...].astype(jnp.float32)
+    if preact_ref is not None:
+        preact_ref[...] = z.astype(preact_ref.dtype)
+    if activation is not None:
+        z = activation(z)
+    out_ref[...] = z.astype(out_ref.dtype)
+
+
+def _split_refs(refs, has_bias, want_preact):
+    refs = list(refs)
+    a_ref, b_ref = refs.pop(0), refs.pop(0)
+    bias_ref = refs.pop(0) if has_bias else None
+    out_ref = refs.pop(0)
+    preact_ref = refs.pop(0) if want_preact else None
+    return a_ref, b_ref, bias_ref, out_ref, preact_ref, refs
+
+
+def _grid_kernel(*refs, ca, cb, has_bias, want_preact, activation):
+    """K is grid axis 2 ("arbitrary"); the accumulator lives in scratch."""
+    a_ref, b_ref, bias_ref, out_ref, preact_ref, (acc_ref,) = _split_refs(refs, has_bias, want_preact)
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    acc_ref[...] += _dot(a_ref[...], b_ref[...], ca, cb)
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _store():
+        _epilogue(acc_ref[...], bias_ref, out_ref, preact_ref, activation)
+
+
+def _loop_kernel(*refs, ca, cb, has_bias, want_preact, activation, block_k, num_k):
+    """Full-K blocks walked by an in-kernel loop; the accumulator is a loop carry."""
+    a_ref, b_ref, bias_ref, out_ref, preact_ref, _ = _split_refs(refs, has_bias, want_preact)
+
+    def k_slice(ref, contract_dim, k):
+        idx = [slice(None), slice(None)]
+        idx[contract_dim] = pl.ds(k * block_k, block_k)
+        return ref[tuple(idx)]
+
+    def step(k, acc):
+        return acc + _dot(k_slice(a_ref, ca, k), k_slice(b_ref, cb, k), ca, cb)
+
+    acc = lax.fori_loop(0, num_k, step, jnp.zeros(out_ref.shape, jnp.float32))
+    _epilogue(acc, bias_ref, out_ref, preact_ref, activation)
+
+
+def _pad_axis(x, axis, size):
+    if x.shape[axis] == size:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pads)
+
+
+def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=None,
+                 activation=None, want_preact=False):
+    """``act(A @ B + bias)`` with A = a contracting dim ca, B = b contracting dim cb.
+
+    ``blocks = (block_rows, block_cols, block_k)`` for the output's two dims
+    and the contraction. The contraction dim is zero-padded to a multiple of
+    block_k (exact for a sum; a copy only when K does not divide); the free
+    dims use edge blocks, whose out-of-bounds rows are discarded.
+    """
+    bm, bn, bk = blocks
+    m, n, k = a.shape[1 - ca], b.shape[1 - cb], a.shape[ca]
+    num_k = pl.cdiv(k, bk)
+    kp = num_k * bk
+    a, b = _pad_axis(a, ca, kp), _pad_axis(b, cb, kp)
+    grid_mn = (pl.cdiv(m, bm), pl.cdiv(n, bn))
+    strategy = _strategy(backend)
+
+    out_shapes = [jax.ShapeDtypeStruct((m, n), out_dtype)]
+    if want_preact:
+        out_shapes.append(jax.ShapeDtypeStruct((m, n), out_dtype))
+    operands = [a, b] + ([bias.reshape(1, n)] if bias is not None else [])
+    kw = dict(ca=ca, cb=cb, has_bias=bias is not None, want_preact=want_preact,
+              activation=activation)
+
+    def operand_block(free, contract_dim, free_idx, k_idx, k_block):
+        shape, index = [0, 0], [0, 0]
+        shape[1 - contract_dim], shape[contract_dim] = free, k_block
+        index[1 - contract_dim], index[contract_dim] = free_idx, k_idx
+        return tuple(shape), tuple(index)
+
+    if strategy == "grid":
+        def spec(free, contract_dim, pick):
+            def index_map(i, j, kk):
+                return operand_block(free, contract_dim, pick(i, j), kk, bk)[1]
+            return pl.BlockSpec(operand_block(free, contract_dim, 0, 0, bk)[0], index_map)
+        in_specs = [spec(bm, ca, lambda i, j: i), spec(bn, cb, lambda i, j: j)]
+        if bias is not None:
+            in_specs.append(pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)))
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
+        call = pl.pallas_call(
+            functools.partial(_grid_kernel, **kw),
+            out_shape=out_shapes, grid=(*grid_mn, num_k), in_specs=in_specs,
+            out_specs=[out_spec] * len(out_shapes),
+            scratch_shapes=[pl.tpu.VMEM((bm, bn), jnp.float32)],
+            compiler_params=pl.CompilerParams(("parallel", "parallel", "arbitrary")),
+            backend=backend, name=_kernel_name(activation, bias))
+    else:
+        def spec(free, contract_dim, pick):
+            def index_map(i, j):
+                return operand_block(free, contract_dim, pick(i, j), 0, kp)[1]
+            return pl.BlockSpec(operand_block(free, contract_dim, 0, 0, kp)[0], index_map)
+        in_specs = [spec(bm, ca, lambda i, j: i), spec(bn, cb, lambda i, j: j)]
+        if bias is not None:
+            in_specs.append(pl.BlockSpec((1, bn), lambda i, j: (0, j)))
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+        call = pl.pallas_call(
+            functools.partial(_loop_kernel, block_k=bk, num_k=num_k, **kw),
+            out_shape=out_shapes, grid=grid_mn, in_specs=in_specs,
+            out_specs=[out_spec] * len(out_shapes),
+            compiler_params=pl.triton.CompilerParams(
+                num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3),
+            backend=backend, name=_kernel_name(activation, bias))
+    outs = call(*operands)
+    return tuple(outs) if want_preact else outs[0]
+
+
+def _kernel_name(activation, bias):
+    act = getattr(activation, "__name__", None) or getattr(getattr(activation, "func", None),
+                                                           "__name__", "act")
+    return "fused_matmul" + ("_bias" if bias is not None else "") + (f"_{act}" if activation else "")
+
+
+# --------------------------------------------------------------------------
+# Backward kernels
+# --------------------------------------------------------------------------
+
+def _dz_kernel(*refs, activation, want_dz, want_dbias, rows, block_rows):
+    """dz = g * act'(z); per-row-block column sums of dz for dbias."""
+    refs = list(refs)
+    g_ref = refs.pop(0)
+    z_ref = refs.pop(0) if activation is not None else None
+    dz_ref = refs.pop(0) if want_dz else None
+    dbias_ref = refs.pop(0) if want_dbias else None
+    g = g_ref[...].astype(jnp.float32)
+    if activation is not None:
+        _, pullback = jax.vjp(activation, z_ref[...].astype(jnp.float32))
+        (dz,) = pullback(g)
+    else:
+        dz = g
+    if dz_ref is not None:
+        dz_ref[...] = dz.astype(dz_ref.dtype)
+    if dbias_ref is not None:
+        if rows % block_rows:  # edge block: rows past the end hold garbage
+            row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, dz.shape, 0)
+            dz = jnp.where(row < rows, dz, 0.0)
+        dbias_ref[...] = jnp.sum(dz, axis=0, keepdims=True)
+
+
+def _dz_call(g, z, *, activation, want_dbias, blocks, backend):
+    """Returns (dz or None, dbias float32 [N] or None)."""
+    bm, bn, _ = blocks
+    m, n = g.shape
+    want_dz = activation is not None
+    grid = (pl.cdiv(m, bm), pl.cdiv(n, bn))
+    tile = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+    in_specs, operands = [tile], [g]
+    if activation is not None:
+        in_specs.append(tile)
+        operands.append(z)
+    out_shapes, out_specs = [], []
+    if want_dz:
+        out_shapes.append(jax.ShapeDtypeStruct((m, n), g.dtype))
+        out_specs.append(tile)
+    if want_dbias:
+        out_shapes.append(jax.ShapeDtypeStruct((grid[0], 1, n), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, 1, bn), lambda i, j: (i, 0, j)))
+    outs = pl.pallas_call(
+        functools.partial(_dz_kernel, activation=activation, want_dz=want_dz,
+                          want_dbias=want_dbias, rows=m, block_rows=bm),
+        out_shape=out_shapes, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        backend=backend, name="fused_matmul_dz")(*operands)
+    outs = list(outs)
+    dz = outs.pop(0) if want_dz else g
+    dbias = jnp.sum(outs.pop(0), axis=(0, 1)) if want_dbias else None
+    return dz, dbias
+
+
+# --------------------------------------------------------------------------
+# custom_vjp wiring
+# --------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_matmul(x, w, bias, config: _Config, activation):
+    blocks = _blocks_for(x.shape[0], w.shape[1], x.shape[1], x.dtype, config)
+    return _matmul_call(x, w, ca=1, cb=0, blocks=blocks, backend=config.backend,
+                        out_dtype=x.dtype, bias=bias, activation=activation)
+
+
+def _fused_matmul_fwd(x, w, bias, config, activation):
+    blocks = _blocks_for(x.shape[0], w.shape[1], x.shape[1], x.dtype, config)
+    if activation is None:
+        out, z = _matmul_call(x, w, ca=1, cb=0, blocks=blocks, backend=config.backend,
+                              out_dtype=x.dtype, bias=bias), None
+    else:
+        out, z = _matmul_call(x, w, ca=1, cb=0, blocks=blocks, backend=config.backend,
+                              out_dtype=x.dtype, bias=bias, activation=activation,
+                              want_preact=True)
+    return out, (x, w, z, bias)
+
+
+def _fused_matmul_bwd(config, activation, residuals, g):
+    x, w, z, bias = residuals
+    m, k = x.shape
+    n = w.shape[1]
+    bm, bn, bk = _blocks_for(m, n, k, x.dtype, config)
+    backend = config.backend
+    if activation is not None or bias is not None:
+        dz, dbias = _dz_call(g, z, activation=activation, want_dbias=bias is not None,
+                             blocks=(bm, bn, bk), backend=backend)
+    else:
+        dz, dbias = g, None
+    # dx[M, K] = dz[M, N] @ w[K, N]^T: output tiles (bm, bk), contraction over N by bn.
+    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, bn), backend=backend, out_dtype=x.dtype)
+    # dw[K, N] = x[M, K]^T @ dz[M, N]: output tiles (bk, bn), contraction over M by bm.
+    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, bm), backend=backend, out_dtype=w.dtype)
+    return dx, dw, (None if bias is None else dbias.astype(bias.dtype))
+
+
+_fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)
+
+
+# --------------------------------------------------------------------------
+# Block-size heuristic
+# --------------------------------------------------------------------------
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[int, int, int]:
+    """``(block_m, block_n, block_k)`` for an ``[m, k] @ [k, n]`` product.
+
+    * mosaic_tpu: whole dims when small, else 256 / 512 / 512 (multiples of the
+      8 x 128 tiling, within the default scoped VMEM with double buffering);
+      block_k prefers a size that divides K so no padded copy is made.
+    * pallas_triton: powers of two, 128 x 128 x 64 for 16-bit
+      dtypes (32 for float32), the shapes tensor cores run well.
+    * interpret: powers of two capped at 128, so edge blocks are exercised.
+
+    Every choice is valid in the backward pass too, where the same sizes are
+    reused by role (dx tiles (block_m, block_k), dw tiles (block_k, block_n)).
+    """
+    if backend == "mosaic_tpu":
+        bm = m if m <= 256 else 256
+        bn = n if n <= 512 else 512
+        if k <= 512:
+            bk = k
+        else:
+            bk = next((c for c in (512, 256, 128) if k % c == 0), 512)
+        return bm, bn, bk
+    small = 16
+    if backend == "pallas_triton":
+        cap_k = 32 if np.dtype(dtype) == np.float32 else 64
+        return (min(128, max(small, _next_pow2(m))), min(128, max(small, _next_pow2(n))),
+                min(cap_k, max(small, _next_pow2(k))))
+    return (min(128, max(8, _next_pow2(m))), min(128, max(8, _next_pow2(n))),
+            min(128, max(8, _next_pow2(k))))
+
+
+def _blocks_for(m, n, k, dtype, config: _Config):
+    if config.block_sizes is not None:
+        return config.block_sizes
+    return default_block_sizes(m, n, k, dtype, config.backend)

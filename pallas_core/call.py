@@ -163,18 +163,22 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         flat_args = [a if hasattr(a, "dtype") else np.asarray(a) for a in flat_args]
         call = resolve(flat_args)
 
+        # Differentiating a raw kernel is refused at its inputs: a custom_jvp
+        # identity whose JVP rule raises. Guarding the inputs rather than the
+        # body keeps Refs out of the custom_jvp, which JAX's state discharge
+        # cannot see through, so jit and vmap are unaffected.
         @jax.custom_jvp
-        def run(operands):
-            return backends.run(call, list(operands))
+        def not_differentiable(operands):
+            return operands
 
-        @run.defjvp
-        def _no_autodiff(primals, tangents):
+        @not_differentiable.defjvp
+        def _refuse(primals, tangents):
             raise TypeError(
                 f"pallas_call (kernel {kernel_name}) is not differentiable: kernels are not "
                 "transformed by JAX autodiff. Wrap the call in jax.custom_vjp and supply a "
                 "backward pass (every op in `ops` does).")
 
-        outs = run(tuple(flat_args))
+        outs = backends.run(call, list(not_differentiable(tuple(flat_args))))
         return jax.tree.unflatten(out_tree, outs)
 
     return wrapped

@@ -1,8 +1,10 @@
 """The ``interpret`` backend: the grid as a loop of XLA ops (seed 001 "emulation mode").
 
 Each grid point slices its input blocks out of padded copies of the inputs,
-wraps them (and the current output blocks) in fresh ``jax.Ref``s, runs the
-kernel body, and writes the output blocks back into the loop carry. Padding
+runs the kernel body on Refs over them (and over the current output blocks),
+and writes the output blocks back into the loop carry. The body is traced
+once and its Refs discharged into pure values (``_jax_internals``), so the
+program the interpreter builds holds no Refs and JAX transforms it freely. Padding
 makes every block slice in bounds: edge blocks read NaN (floats) / the integer
 minimum on input, and what they write past the array's end is cropped away.
 A revisited output block keeps its value because outputs live in the carry.
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_core import context, grid_analysis
+from pallas_core import _jax_internals, context, grid_analysis
 from pallas_core.memory import ScratchShape, garbage_fill_value
 from pallas_core.specs import BlockMapping
 
@@ -81,6 +83,27 @@ def _write_block(buf, m: BlockMapping, starts, value):
     return lax.dynamic_update_slice(buf, value.reshape(m.block_shape), starts)
 
 
+def _pure_body(call, in_avals, out_avals, scratch_avals):
+    """One grid point's work as a pure jaxpr: (ids, blocks, scratch) -> (blocks, scratch).
+
+    The kernel is traced once with fresh Refs over its blocks, then JAX's state
+    discharge removes the Refs, so the loop below is made of plain XLA ops.
+    """
+    grid = call.grid
+
+    def body(ids, in_blocks, out_blocks, scratch):
+        in_refs = [jax.new_ref(v) for v in in_blocks]
+        out_refs = [jax.new_ref(v) for v in out_blocks]
+        scratch_refs = [jax.new_ref(v) for v in scratch]
+        with context.installed(InterpretContext(tuple(ids), grid)):
+            call.kernel(*in_refs, *out_refs, *scratch_refs)
+        return [jax.freeze(r) for r in out_refs], [jax.freeze(r) for r in scratch_refs]
+
+    ids_avals = [jax.ShapeDtypeStruct((), jnp.int32)] * len(grid)
+    closed = jax.make_jaxpr(body)(ids_avals, in_avals, out_avals, scratch_avals)
+    return _jax_internals.discharge_refs(closed)
+
+
 def run(call, args):
     """Executes a resolved pallas_call (see ``pallas_core.call``) on XLA ops."""
     grid = call.grid
@@ -92,29 +115,30 @@ def run(call, args):
         init = inputs[aliased[0]] if aliased else _pad(_garbage(m.array_shape, m.dtype), m)
         outputs.append(init)
     scratch = [_garbage(s.shape, s.dtype) for s in call.scratch_shapes]
+    block_aval = lambda m: jax.ShapeDtypeStruct(m.ref_shape, m.dtype)
+    pure = _pure_body(call, [block_aval(m) for m in call.in_mappings],
+                      [block_aval(m) for m in call.out_mappings],
+                      [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in call.scratch_shapes])
+    n_out = len(call.out_mappings)
 
-    def body(p, carry):
+    def step(p, carry):
         outs, scr = carry
-        ids = tuple(table[p, a] for a in range(len(grid)))
+        ids = [table[p, a] for a in range(len(grid))]
         in_starts = [_starts(m, ids) for m in call.in_mappings]
         out_starts = [_starts(m, ids) for m in call.out_mappings]
-        in_refs = [jax.new_ref(_read_block(x, m, s))
-                   for x, m, s in zip(inputs, call.in_mappings, in_starts)]
-        out_refs = [jax.new_ref(_read_block(o, m, s))
-                    for o, m, s in zip(outs, call.out_mappings, out_starts)]
-        scratch_refs = [jax.new_ref(v) for v in scr]
-        with context.installed(InterpretContext(ids, grid)):
-            call.kernel(*in_refs, *out_refs, *scratch_refs)
-        outs = [_write_block(o, m, s, jax.freeze(r))
-                for o, m, s, r in zip(outs, call.out_mappings, out_starts, out_refs)]
-        scr = [jax.freeze(r) for r in scratch_refs]
+        in_blocks = [_read_block(x, m, s) for x, m, s in zip(inputs, call.in_mappings, in_starts)]
+        out_blocks = [_read_block(o, m, s) for o, m, s in zip(outs, call.out_mappings, out_starts)]
+        results = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *in_blocks, *out_blocks, *scr)
+        new_blocks, scr = results[:n_out], list(results[n_out:])
+        outs = [_write_block(o, m, s, v)
+                for o, m, s, v in zip(outs, call.out_mappings, out_starts, new_blocks)]
         return outs, scr
 
     if call.debug:
         print(f"pallas_core interpret: kernel {call.name}, grid {grid}, "
-              f"{table.shape[0]} program(s)")
+              f"{table.shape[0]} program(s)\n{pure}")
     n = int(np.prod(grid)) if grid else 1
-    outs, _ = lax.fori_loop(0, n, body, (outputs, scratch))
+    outs, _ = lax.fori_loop(0, n, step, (outputs, scratch))
     return [_crop(o, m) for o, m in zip(outs, call.out_mappings)]
 
 

@@ -1,0 +1,156 @@
+"""Bad specs are refused before lowering, with errors naming the spec and the rule."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_core as pl
+
+
+def copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+
+def call(x, *, in_spec, out_spec=None, grid=(1,), backend=None, interpret=None, **kw):
+    out_spec = in_spec if out_spec is None else out_spec
+    fn = pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=grid,
+                        in_specs=[in_spec], out_specs=out_spec, backend=backend,
+                        interpret=bool(interpret), **kw)
+    return fn(x)
+
+
+X = jax.random.normal(jax.random.key(0), (16, 256))
+
+
+def test_block_rank_vs_array_rank():
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*rank 3.*rank 2"):
+        call(X, in_spec=pl.BlockSpec((8, 128, 1), lambda i: (i, 0, 0)))
+
+
+def test_index_map_arity_vs_grid_rank():
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*index_map takes 1.*grid has rank 2"):
+        call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), grid=(2, 2))
+
+
+def test_index_map_return_count():
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*returned 3 indices.*rank 2"):
+        call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0, 0)), grid=(2,))
+
+
+def test_index_map_non_integer():
+    with pytest.raises(TypeError, match=r"in_specs\[0\].*integers"):
+        call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i * 0.5, 0)), grid=(2,))
+
+
+def test_block_with_no_in_bounds_element():
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*grid point \(2,\).*at least one in-bounds"):
+        call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), grid=(3,))
+
+
+def test_non_positive_block_dim():
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*dim <= 0"):
+        call(X, in_spec=pl.BlockSpec((0, 128), lambda i: (i, 0)))
+
+
+@pytest.mark.parametrize("block", [(4, 256), (16, 100)])
+def test_tpu_tiling_rule(block):
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*TPU tiling rule.*8 and 128"):
+        call(X, in_spec=pl.BlockSpec(block, lambda i: (0, 0)), backend="mosaic_tpu")
+
+
+def test_tpu_tiling_rank1_bitwidth():
+    x = jnp.zeros((2048,), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"rank-1 block must equal the array dim or be divisible by 256"):
+        call(x, in_spec=pl.BlockSpec((128,), lambda i: (i,)), grid=(16,), backend="mosaic_tpu")
+
+
+def test_gpu_power_of_two_blocks():
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*dim 1 = 96.*not a power of two"):
+        call(X, in_spec=pl.BlockSpec((8, 96), lambda i: (0, i)), grid=(2,), backend="pallas_triton")
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match=r"backend: unknown backend 'cuda_magic'"):
+        call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend="cuda_magic")
+
+
+def test_parallel_axis_with_revisited_output_is_a_race():
+    def sum_kernel(x_ref, o_ref):
+        o_ref[...] += x_ref[...]
+
+    with pytest.raises(ValueError, match=r"out_specs\[0\].*axis 0.*'parallel'.*write race"):
+        pl.pallas_call(sum_kernel, out_shape=jax.ShapeDtypeStruct((8, 256), X.dtype), grid=(2,),
+                       in_specs=[pl.BlockSpec((8, 256), lambda i: (i, 0))],
+                       out_specs=pl.BlockSpec((8, 256), lambda i: (0, 0)),
+                       compiler_params=pl.CompilerParams(("parallel",)), interpret=True)(X)
+
+
+def test_output_revisited_after_being_left():
+    with pytest.raises(ValueError, match=r"out_specs\[0\].*revisited.*minor-most"):
+        pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct((8, 256), X.dtype), grid=(2, 2),
+                       in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
+                       out_specs=pl.BlockSpec((8, 128), lambda i, j: (0, j)), interpret=True)(X)
+
+
+def test_dimension_semantics_length_and_values():
+    spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+    with pytest.raises(ValueError, match=r"dimension_semantics.*1 entries.*rank 2|has 1 entries"):
+        call(X, in_spec=pl.BlockSpec((8, 128), lambda i, j: (i, j)), grid=(2, 2),
+             compiler_params=pl.CompilerParams(("parallel",)))
+    with pytest.raises(ValueError, match=r"'sideways' is not one of"):
+        call(X, in_spec=spec, compiler_params=pl.CompilerParams(("sideways",)))
+
+
+def test_alias_shape_mismatch():
+    with pytest.raises(ValueError, match=r"input_output_aliases.*same shape and dtype"):
+        pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                       input_output_aliases={0: 0}, interpret=True)(X)
+
+
+def test_out_shape_not_array_like():
+    with pytest.raises(TypeError, match=r"out_shape.*ShapeDtypeStruct"):
+        pl.pallas_call(copy_kernel, out_shape=[(16, 256)], interpret=True)
+
+
+def test_kernel_arity():
+    with pytest.raises(TypeError, match=r"kernel copy_kernel.*takes 2.*passes 3"):
+        pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(X.shape, X.dtype),
+                       scratch_shapes=[pl.tpu.VMEM((8, 128), jnp.float32)], interpret=True)(X)
+
+
+def test_scratch_on_backend_without_it():
+    with pytest.raises(ValueError, match=r"scratch_shapes.*pallas_triton.*no scratch"):
+        pl.pallas_call(lambda x, o, s: None, out_shape=jax.ShapeDtypeStruct(X.shape, X.dtype),
+                       scratch_shapes=[pl.tpu.VMEM((8, 128), jnp.float32)],
+                       backend="pallas_triton")(X)
+
+
+def test_raw_pallas_call_is_not_differentiable():
+    f = pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(X.shape, X.dtype), interpret=True)
+    with pytest.raises(TypeError, match=r"not differentiable.*jax.custom_vjp"):
+        jax.grad(lambda x: f(x).sum())(X)
+
+
+def test_program_id_outside_a_kernel():
+    with pytest.raises(RuntimeError, match=r"only be used inside a kernel"):
+        pl.program_id(0)
+
+
+def test_triton_backend_not_built_yet():
+    with pytest.raises(NotImplementedError, match=r"pallas_triton"):
+        call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend="triton")
+
+
+def test_semantics_are_inferred_from_revisits():
+    """A kernel that revisits along the last axis runs sequentially and accumulates."""
+    def acc_kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        o_ref[...] += x_ref[...]
+
+    x = jax.random.normal(jax.random.key(1), (16, 512))
+    out = pl.pallas_call(acc_kernel, out_shape=jax.ShapeDtypeStruct((16, 128), x.dtype), grid=(2, 4),
+                         in_specs=[pl.BlockSpec((8, 128), lambda i, k: (i, k))],
+                         out_specs=pl.BlockSpec((8, 128), lambda i, k: (i, 0)), interpret=True)(x)
+    np.testing.assert_allclose(out, x.reshape(16, 4, 128).sum(1), rtol=1e-5, atol=1e-5)

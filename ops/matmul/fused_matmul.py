@@ -227,7 +227,9 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
     """
     bm, bn, bk = blocks
     m, n, k = a.shape[1 - ca], b.shape[1 - cb], a.shape[ca]
-    num_k = pl.cdiv(k, bk)
+    # At least one step: an empty contraction (K == 0, or M == 0 in dw) still
+    # owes the epilogue its zero accumulator.
+    num_k = max(1, pl.cdiv(k, bk))
     kp = num_k * bk
     a, b = _pad_axis(a, ca, kp), _pad_axis(b, cb, kp)
     grid_mn = (pl.cdiv(m, bm), pl.cdiv(n, bn))

@@ -115,6 +115,9 @@ def run(call, args):
         init = inputs[aliased[0]] if aliased else _pad(_garbage(m.array_shape, m.dtype), m)
         outputs.append(init)
     scratch = [_garbage(s.shape, s.dtype) for s in call.scratch_shapes]
+    n = int(np.prod(grid)) if grid else 1
+    if n == 0:  # a grid with an empty axis runs no program
+        return [_crop(o, m) for o, m in zip(outputs, call.out_mappings)]
     block_aval = lambda m: jax.ShapeDtypeStruct(m.ref_shape, m.dtype)
     pure = _pure_body(call, [block_aval(m) for m in call.in_mappings],
                       [block_aval(m) for m in call.out_mappings],
@@ -137,7 +140,6 @@ def run(call, args):
     if call.debug:
         print(f"pallas_core interpret: kernel {call.name}, grid {grid}, "
               f"{table.shape[0]} program(s)\n{pure}")
-    n = int(np.prod(grid)) if grid else 1
     outs, _ = lax.fori_loop(0, n, step, (outputs, scratch))
     return [_crop(o, m) for o, m in zip(outs, call.out_mappings)]
 

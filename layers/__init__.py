@@ -1,0 +1,16 @@
+"""Drop-in Flax layers backed by the fused kernels in :mod:`ops` (DESIGN 4).
+
+* :class:`layers.Dense` -- a subclass of ``flax.nnx.Linear`` computing
+  ``activation(x @ kernel + bias)`` with ``ops.fused_matmul``.
+* :class:`layers.linen.Dense` -- the same for ``flax.linen.Dense``.
+
+Both keep their Flax parent's constructor arguments, defaults, parameter
+names, shapes, initializers and metadata, so state and checkpoints made by
+the Flax layer load unchanged; they add keyword ``activation`` (None, a name
+from ``ops.ACTIVATIONS`` or a callable) and ``implementation`` (None or one of
+``ops.IMPLEMENTATIONS``), both validated at construction.
+"""
+from layers import linen
+from layers.dense import Dense
+
+__all__ = ["Dense", "linen"]

@@ -6,19 +6,13 @@ float32 reference only by summation order; 16-bit outputs carry one rounding
 of their 8 (bf16) or 11 (f16) mantissa bits, plus rounded intermediates in
 the backward pass.
 """
+import jax.numpy as jnp
 import numpy as np
 
-import jax.numpy as jnp
+from benchmarks.harness import max_relative_error  # one definition, shared with the benchmarks
 
 FORWARD = {jnp.float32: 2e-6, jnp.bfloat16: 1.6e-2, jnp.float16: 2e-3}
 BACKWARD = {jnp.float32: 2e-5, jnp.bfloat16: 4e-2, jnp.float16: 6e-3}
-
-
-def max_relative_error(actual, expected) -> float:
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    scale = max(float(np.max(np.abs(expected))), 1e-30)
-    return float(np.max(np.abs(actual - expected))) / scale
 
 
 def assert_close(actual, expected, tol, what=""):

@@ -1,0 +1,47 @@
+"""``python -m benchmarks --quick``: runs end to end and writes well-formed results.
+
+Only the files and the accuracy are checked; timings are reported, never asserted.
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# The documented keys of each results.json row (see benchmarks.harness.run_case).
+ROW_KEYS = {"op", "case", "variant", "shape", "dtype", "pass", "implementation", "median_ms",
+            "p10_ms", "p90_ms", "runs", "compile_ms", "tflops", "gbps", "speedup_vs_xla",
+            "fraction_of_ceiling", "max_rel_error", "error", "device_kind", "platform"}
+
+
+def test_quick_run_writes_results(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert str(tmp_path) in proc.stdout  # the run names its output folder
+    for name in ("results.json", "results.md", "results.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    meta, rows = results["meta"], results["rows"]
+    assert {"device_kind", "platform", "date", "jax_version", "git_commit", "ceilings"} <= set(meta)
+    assert meta["ceilings"]["copy_gbps"] > 0 and meta["ceilings"]["matmul_tflops"] > 0
+    assert rows
+    for row in rows:
+        assert set(row) == ROW_KEYS, row
+        assert row["error"] is None, row
+        assert row["median_ms"] > 0 and row["tflops"] > 0
+        assert math.isfinite(row["max_rel_error"]) and row["max_rel_error"] < 2e-2, row
+        if row["implementation"] == "xla":
+            assert row["speedup_vs_xla"] == 1.0
+
+    # Every case has the baseline and one kernel implementation, for both passes.
+    by_case = {}
+    for row in rows:
+        by_case.setdefault(row["case"], set()).add(row["implementation"])
+    assert all(len(impls) == 2 and "xla" in impls for impls in by_case.values()), by_case
+    assert {row["pass"] for row in rows} == {"fwd", "fwd+bwd"}
+    assert {row["variant"] for row in rows} == {"plain", "bias+gelu_exact"}
+    assert "| speed-up vs XLA |" in (tmp_path / "results.md").read_text()

@@ -13,13 +13,13 @@ CompilerParams). See docs/pallas_core.md.
 from pallas_core import gpu, tpu, triton
 from pallas_core.backends import BACKENDS, default_backend
 from pallas_core.call import pallas_call
-from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams
+from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
 from pallas_core.primitives import (cdiv, ds, dslice, load, loop, num_programs, program_id,
                                     run_scoped, store, when)
 from pallas_core.specs import Blocked, BlockSpec, GridSpec, Unblocked
 
 __all__ = [
-    "ARBITRARY", "BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "PARALLEL",
+    "ARBITRARY", "BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "ds", "dslice", "gpu", "load", "loop",
     "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
 ]

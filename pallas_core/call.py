@@ -17,7 +17,7 @@ import numpy as np
 
 from pallas_core import backends, grid_analysis, validation
 from pallas_core.memory import ScratchShape
-from pallas_core.params import ResolvedParams, resolve_params
+from pallas_core.params import InterpretParams, ResolvedParams, resolve_params
 from pallas_core.specs import BlockMapping, BlockSpec, GridSpec, normalize_grid, resolve_block_mapping
 
 
@@ -37,6 +37,7 @@ class ResolvedCall:
     backend: str
     debug: bool
     cost_estimate: Any
+    interpret_params: InterpretParams = InterpretParams()
 
 
 def _is_spec_leaf(x):
@@ -69,7 +70,7 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
                 out_specs=None, grid_spec: GridSpec | None = None, scratch_shapes=(),
                 input_output_aliases: Mapping[int, int] | None = None,
                 compiler_params=None, backend: str | None = None,
-                interpret: bool = False, name: str | None = None,
+                interpret: bool | InterpretParams = False, name: str | None = None,
                 cost_estimate=None, debug: bool = False) -> Callable[..., Any]:
     """Wraps ``kernel`` into a function of arrays that runs it over ``grid``.
 
@@ -88,7 +89,8 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
       backend: ``None`` (by platform: cpu -> interpret, gpu -> pallas_triton,
         tpu -> mosaic_tpu), "interpret", "mosaic_tpu", "mosaic_gpu",
         "pallas_triton"; "triton" (our own lowering) is not built yet.
-      interpret: force the interpreter.
+      interpret: True (or an :class:`InterpretParams`) forces the interpreter;
+        by default it simulates a two-core megacore (see InterpretParams).
       name: kernel name shown in lowered modules (defaults to the kernel's).
       cost_estimate: ``{"flops", "transcendentals", "bytes_accessed"}`` or JAX's
         ``CostEstimate``, for backends that schedule by it.
@@ -109,7 +111,10 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         scratch_shapes = grid_spec.scratch_shapes
     grid = normalize_grid(grid)
     params = resolve_params(compiler_params)
-    if interpret:
+    if not isinstance(interpret, (bool, InterpretParams)):
+        raise TypeError(f"interpret: expected a bool or pallas_core.InterpretParams, got {interpret!r}.")
+    interpret_params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
+    if interpret is not False:
         chosen = "interpret"
     else:
         chosen = backends.check_backend(backend) if backend is not None else backends.default_backend()
@@ -156,7 +161,8 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         return ResolvedCall(kernel=kernel, name=kernel_name, grid=grid, in_mappings=in_maps,
                             out_mappings=out_maps, scratch_shapes=scratch_shapes,
                             input_output_aliases=aliases, semantics=semantics, params=params,
-                            backend=chosen, debug=debug, cost_estimate=cost_estimate)
+                            backend=chosen, debug=debug, cost_estimate=cost_estimate,
+                            interpret_params=interpret_params)
 
     def wrapped(*args):
         flat_args, _ = jax.tree.flatten(args)

@@ -103,3 +103,40 @@ def revisited_after_leaving(table: np.ndarray) -> tuple[int, int] | None:
 def infer_semantics(revisits: set[int], grid_rank: int) -> tuple[str, ...]:
     """Arbitrary where an output block is revisited, parallel elsewhere."""
     return tuple(ARBITRARY if a in revisits else PARALLEL for a in range(grid_rank))
+
+
+def execution_order(grid: tuple[int, ...], semantics: tuple[str, ...], num_cores: int,
+                    shuffle_seed: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The order the interpreter runs grid points in, simulating megacore.
+
+    Points are grouped by their indices along the parallel axes; within a
+    group, arbitrary axes keep their sequential order. The outermost parallel
+    axis is split into ``num_cores`` contiguous ranges, one per simulated core
+    (as Mosaic splits it across TensorCores); each core runs its groups in
+    row-major order, or in a seeded random order when ``shuffle_seed`` is set.
+
+    Returns:
+      ``(points [P, len(grid)], core_starts [P] bool)``: the points in
+      execution order, and where each simulated core begins (its scratch
+      starts as garbage there).
+    """
+    points = grid_points(grid)
+    starts = np.zeros(points.shape[0], bool)
+    parallel = [a for a, s in enumerate(semantics) if s == PARALLEL]
+    if points.shape[0] == 0 or not parallel:
+        starts[:1] = True
+        return points, starts
+    _, group = np.unique(points[:, parallel], axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    extent = grid[parallel[0]]
+    per_core = -(-extent // max(1, min(num_cores, extent)))
+    core = points[:, parallel[0]] // per_core
+    rank = np.arange(group.max() + 1)
+    if shuffle_seed is not None:
+        rank = np.random.default_rng(shuffle_seed).permutation(rank)
+    # A stable sort keeps row-major (sequential) order inside each group.
+    order = np.argsort(core * (group.max() + 1) + rank[group], kind="stable")
+    ordered_core = core[order]
+    starts[0] = True
+    starts[1:] = ordered_core[1:] != ordered_core[:-1]
+    return points[order], starts

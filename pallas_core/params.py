@@ -98,3 +98,26 @@ def _check_semantics(semantics):
 
 
 check_semantics = _check_semantics
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretParams:
+    """How the interpreter simulates parallel hardware (``pallas_call(interpret=...)``).
+
+    Args:
+      num_cores: simulated cores (2, like a TPU megacore). The outermost
+        ``"parallel"`` grid axis is split across them and each core's scratch
+        starts as garbage, so a kernel that carries scratch across a parallel
+        axis gives wrong results here, as it would on hardware. 1 runs the grid
+        in plain sequential order.
+      shuffle_seed: if set, each core runs its parallel grid points in a
+        random order drawn from this seed (arbitrary axes keep their order),
+        exposing kernels that depend on the order of parallel programs.
+    """
+
+    num_cores: int = 2
+    shuffle_seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.num_cores, int) or self.num_cores < 1:
+            raise ValueError(f"InterpretParams: num_cores must be an int >= 1, got {self.num_cores!r}.")

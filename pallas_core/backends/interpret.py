@@ -8,6 +8,9 @@ program the interpreter builds holds no Refs and JAX transforms it freely. Paddi
 makes every block slice in bounds: edge blocks read NaN (floats) / the integer
 minimum on input, and what they write past the array's end is cropped away.
 A revisited output block keeps its value because outputs live in the carry.
+Grid points run in the order of ``grid_analysis.execution_order``: a
+simulated megacore (parallel axes split across cores with separate scratch)
+and, optionally, a seeded shuffle of parallel points.
 Runs under ``jit``/``vmap`` on every platform.
 """
 from __future__ import annotations
@@ -107,7 +110,10 @@ def _pure_body(call, in_avals, out_avals, scratch_avals):
 def run(call, args):
     """Executes a resolved pallas_call (see ``pallas_core.call``) on XLA ops."""
     grid = call.grid
-    table = jnp.asarray(grid_analysis.grid_points(grid))
+    params = call.interpret_params
+    points, core_starts = grid_analysis.execution_order(grid, call.semantics, params.num_cores,
+                                                        params.shuffle_seed)
+    table, core_starts = jnp.asarray(points), jnp.asarray(core_starts)
     inputs = [_pad(jnp.asarray(x), m) for x, m in zip(args, call.in_mappings)]
     outputs = []
     for o, m in enumerate(call.out_mappings):
@@ -127,6 +133,8 @@ def run(call, args):
     def step(p, carry):
         outs, scr = carry
         ids = [table[p, a] for a in range(len(grid))]
+        # Each simulated core has its own scratch, garbage when the core starts.
+        scr = [jnp.where(core_starts[p], _garbage(v.shape, v.dtype), v) for v in scr]
         in_starts = [_starts(m, ids) for m in call.in_mappings]
         out_starts = [_starts(m, ids) for m in call.out_mappings]
         in_blocks = [_read_block(x, m, s) for x, m, s in zip(inputs, call.in_mappings, in_starts)]

@@ -17,12 +17,22 @@ _PLATFORM_DEFAULT = {"cpu": "xla", "gpu": "pallas_triton", "cuda": "pallas_trito
                      "tpu": "mosaic_tpu"}
 
 
-def resolve_implementation(implementation: str | None, op: str) -> str:
+KERNEL_BACKENDS = ("interpret", "pallas_triton", "mosaic_tpu")
+
+
+def resolve_implementation(implementation: str | None, op: str, *,
+                           kernel_backends=KERNEL_BACKENDS, missing_reason: str = "") -> str:
     """The implementation to run for ``op``.
+
+    Args:
+      kernel_backends: the pallas_core backends ``op`` has kernels for.
+      missing_reason: why a backend outside ``kernel_backends`` is missing,
+        appended to the error.
 
     Raises:
       ValueError: an unknown name.
-      NotImplementedError: ``"triton"`` until our own Triton lowering lands.
+      NotImplementedError: ``"triton"`` until our own Triton lowering lands, or
+        a backend ``op`` has no kernel for.
     """
     if implementation is None:
         return _PLATFORM_DEFAULT.get(jax.default_backend(), "xla")
@@ -33,4 +43,8 @@ def resolve_implementation(implementation: str | None, op: str) -> str:
         raise NotImplementedError(
             f"{op}: implementation='triton' (pallas_core's own Triton lowering) is not built "
             "yet; use 'pallas_triton' (JAX's Pallas Triton lowering) on GPUs meanwhile.")
+    if implementation != "xla" and implementation not in kernel_backends:
+        raise NotImplementedError(
+            f"{op}: implementation={implementation!r} has no kernel yet{missing_reason}; "
+            f"available: 'xla', {', '.join(repr(b) for b in kernel_backends)}.")
     return implementation

@@ -95,13 +95,10 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
             raise ValueError(f"{_OP}: bias must have shape [N] = ({w.shape[1]},), got "
                              f"{tuple(bias.shape)}.")
     act = resolve_activation(activation, _OP)
-    impl = resolve_implementation(implementation, _OP)
+    impl = resolve_implementation(
+        implementation, _OP, missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's "
+        "Mosaic GPU lowering has no generic dot_general)")
     blocks = _check_block_sizes(block_sizes)
-    if impl == "mosaic_gpu":
-        raise NotImplementedError(
-            f"{_OP}: implementation='mosaic_gpu' needs a Hopper wgmma kernel, which is not "
-            "built yet (JAX's Mosaic GPU lowering has no generic dot_general); use "
-            "'pallas_triton' on GPUs.")
     if impl == "xla":
         return reference(x, w, bias, act)
     lead = x.shape[:-1]

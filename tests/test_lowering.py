@@ -83,3 +83,27 @@ def test_unblocked_with_padding_lowers_for_tpu():
             out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend="mosaic_tpu")(x)
 
     assert "tpu_custom_call" in lower_text(f, "mosaic_tpu", ((14, 128), jnp.float32))
+
+
+def exp_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.exp(x_ref[...])
+
+
+def exp_call(backend, debug=False):
+    return pl.pallas_call(exp_kernel, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                          backend=backend, name="exp_kernel", debug=debug,
+                          cost_estimate=dict(flops=0, transcendentals=2048, bytes_accessed=16384))
+
+
+def test_cost_estimate_and_name_reach_mosaic():
+    text = lower_text(exp_call("mosaic_tpu"), "mosaic_tpu", ((16, 128), jnp.float32))
+    assert "cost_estimate" in text and "16384" in text and "2048" in text
+    assert 'kernel_name = "exp_kernel"' in text
+
+
+def test_debug_prints_what_the_backend_generates(capsys):
+    exp_call("interpret", debug=True)(jnp.ones((16, 128)))
+    assert "exp_kernel" in capsys.readouterr().out
+    lower_text(exp_call("mosaic_tpu", debug=True), "mosaic_tpu", ((16, 128), jnp.float32))
+    out = capsys.readouterr().out
+    assert "func.func @exp_kernel" in out and "math.exp" in out

@@ -154,3 +154,10 @@ def test_semantics_are_inferred_from_revisits():
                          in_specs=[pl.BlockSpec((8, 128), lambda i, k: (i, k))],
                          out_specs=pl.BlockSpec((8, 128), lambda i, k: (i, 0)), interpret=True)(x)
     np.testing.assert_allclose(out, x.reshape(16, 4, 128).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_unblocked_only_on_interpret_and_mosaic_tpu():
+    spec = pl.BlockSpec((8, 128), lambda i: (8 * i, 0), indexing_mode=pl.Unblocked(((1, 1), (0, 0))))
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*Unblocked.*interpret and mosaic_tpu"):
+        call(X, in_spec=spec, out_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), grid=(2,),
+             backend="pallas_triton")

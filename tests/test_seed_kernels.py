@@ -171,3 +171,52 @@ def test_seed003_ref_at_scratch_gridspec_when_loop():
     expected = jnp.concatenate([blocks[:, :2] * 2, jnp.cumsum(blocks[:, 2:], axis=1)], axis=1)
     expected = expected.at[1].multiply(-1).reshape(16, 128)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- the seed kernels whose blocks suit a TPU, lowered for it from this host ----
+
+def _lower_tpu(fn, *shapes):
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+def test_seed002_kernels_lower_for_tpu():
+    spec = pl.BlockSpec(lambda i, j: (i, j), (256, 256))
+    add = lambda x, y: pl.pallas_call(add_matrices_kernel, out_shape=x, in_specs=[spec, spec],
+                                      out_specs=spec, grid=(2, 2), backend="mosaic_tpu",
+                                      compiler_params=dict(mosaic=dict(
+                                          dimension_semantics=("parallel", "parallel"))))(x, y)
+    assert "tpu_custom_call" in _lower_tpu(add, (512, 512), (512, 512))
+
+    def sum_kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(axis=0) == 0)
+        def _():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        o_ref[...] += x_ref[...]
+
+    total = lambda x: pl.pallas_call(
+        sum_kernel, grid=8, in_specs=[pl.BlockSpec(lambda i: (i, 0, 0), (None, 512, 512))],
+        out_specs=pl.BlockSpec(lambda i: (0, 0), (512, 512)),
+        out_shape=jax.ShapeDtypeStruct((512, 512), x.dtype), backend="mosaic_tpu")(x)
+    assert "arbitrary" in _lower_tpu(total, (8, 512, 512))
+
+
+def test_seed003_scratch_and_run_scoped_lower_for_tpu():
+    def kernel(x_ref, o_ref, acc_ref):
+        acc_ref[...] = x_ref[...] * 2
+
+        def scoped(tmp_ref):
+            tmp_ref[...] = acc_ref[...] + 1
+            o_ref[...] = tmp_ref[...]
+        pl.run_scoped(scoped, pl.tpu.VMEM((8, 128), jnp.float32))
+
+    spec = pl.GridSpec(grid=2, in_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                       out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                       scratch_shapes=[pl.tpu.VMEM((8, 128), jnp.float32)])
+    f = lambda x: pl.pallas_call(kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                 backend="mosaic_tpu")(x)
+    assert "tpu_custom_call" in _lower_tpu(f, (16, 128))
+    x = jax.random.normal(jax.random.key(7), (16, 128))
+    interp = pl.pallas_call(kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            interpret=True)(x)
+    np.testing.assert_allclose(interp, x * 2 + 1, rtol=1e-6)

@@ -17,7 +17,7 @@ _PLATFORM_DEFAULT = {"cpu": "xla", "gpu": "pallas_triton", "cuda": "pallas_trito
                      "tpu": "mosaic_tpu"}
 
 
-KERNEL_BACKENDS = ("interpret", "pallas_triton", "mosaic_tpu")
+KERNEL_BACKENDS = ("interpret", "triton", "pallas_triton", "mosaic_tpu")
 
 
 def resolve_implementation(implementation: str | None, op: str, *,
@@ -31,18 +31,13 @@ def resolve_implementation(implementation: str | None, op: str, *,
 
     Raises:
       ValueError: an unknown name.
-      NotImplementedError: ``"triton"`` until our own Triton lowering lands, or
-        a backend ``op`` has no kernel for.
+      NotImplementedError: a backend ``op`` has no kernel for.
     """
     if implementation is None:
         return _PLATFORM_DEFAULT.get(jax.default_backend(), "xla")
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{op}: implementation must be None or one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}.")
-    if implementation == "triton":
-        raise NotImplementedError(
-            f"{op}: implementation='triton' (pallas_core's own Triton lowering) is not built "
-            "yet; use 'pallas_triton' (JAX's Pallas Triton lowering) on GPUs meanwhile.")
     if implementation != "xla" and implementation not in kernel_backends:
         raise NotImplementedError(
             f"{op}: implementation={implementation!r} has no kernel yet{missing_reason}; "

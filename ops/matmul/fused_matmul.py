@@ -400,7 +400,7 @@ def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[in
     * mosaic_tpu: whole dims when small, else 256 / 512 / 512 (multiples of the
       8 x 128 tiling, within the default scoped VMEM with double buffering);
       block_k prefers a size that divides K so no padded copy is made.
-    * pallas_triton: powers of two, 128 x 128 x 64 for 16-bit
+    * pallas_triton / triton: powers of two, 128 x 128 x 64 for 16-bit
       dtypes (32 for float32), the shapes tensor cores run well.
     * interpret: powers of two capped at 128, so edge blocks are exercised.
 
@@ -416,7 +416,7 @@ def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[in
             bk = next((c for c in (512, 256, 128) if k % c == 0), 512)
         return bm, bn, bk
     small = 16
-    if backend == "pallas_triton":
+    if backend in ("pallas_triton", "triton"):
         cap_k = 32 if np.dtype(dtype) == np.float32 else 64
         return (min(128, max(small, _next_pow2(m))), min(128, max(small, _next_pow2(n))),
                 min(cap_k, max(small, _next_pow2(k))))

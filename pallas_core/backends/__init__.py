@@ -20,10 +20,6 @@ def default_backend() -> str:
 def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}.")
-    if backend == "triton":
-        raise NotImplementedError(
-            "backend='triton' (pallas_core's own Triton code generator) is not built yet; "
-            "use backend='pallas_triton' (JAX's Pallas Triton lowering) meanwhile.")
     return backend
 
 
@@ -31,5 +27,8 @@ def run(call, args):
     if call.backend == "interpret":
         from pallas_core.backends import interpret
         return interpret.run(call, args)
+    if call.backend == "triton":
+        from pallas_core.triton import backend
+        return backend.run(call, args)
     from pallas_core.backends import jax_pallas
     return jax_pallas.run(call, args, call.backend)

@@ -1,0 +1,72 @@
+"""Triton-specific names (``pltriton``) and our own Triton lowering.
+
+``backend="triton"`` generates Triton source from the kernel's jaxpr
+(:mod:`pallas_core.triton.codegen`), launches it with ``jax_triton`` on CUDA
+and runs it in Triton's interpreter elsewhere.
+
+* :class:`CompilerParams`: ``num_warps``, ``num_stages``.
+* :func:`source`: the generated source of every triton pallas_call in ``f``.
+* :func:`compile`: ahead-of-time compilation for a named GPU (``"sm_90"``),
+  which works on a host without a GPU.
+"""
+from __future__ import annotations
+
+import builtins
+
+import jax
+
+from pallas_core.triton.params import CompilerParams
+
+__all__ = ["CompilerParams", "compile", "source"]
+
+
+def _trace(f, *args, **kwargs):
+    from pallas_core.triton import backend
+    with backend.capturing() as records:
+        jax.make_jaxpr(f)(*args, **kwargs)
+    return records
+
+
+def source(f, *args, **kwargs) -> list[str]:
+    """Generated Triton source of every ``backend="triton"`` pallas_call in ``f(*args)``.
+
+    ``f`` is only traced (``jax.make_jaxpr``); nothing runs. ``args`` may be
+    arrays or ``jax.ShapeDtypeStruct``s.
+    """
+    return [r["source"] for r in _trace(f, *args, **kwargs)]
+
+
+def compile(f, *args, target: str = "sm_90", **kwargs) -> list[dict]:  # noqa: A001 - Triton's verb
+    """Compiles every triton pallas_call in ``f(*args)`` ahead of time for ``target``.
+
+    Works without a GPU (Triton ships its own ptxas). Returns one report per
+    kernel: ``name``, ``target``, ``num_warps``, ``num_stages``,
+    ``shared_memory_bytes`` and ``registers`` (None when the compiler's
+    metadata does not carry it offline).
+
+    Raises:
+      ValueError: a target other than ``"sm_XY"``.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pallas_core.triton import runtime
+
+    if not (isinstance(target, str) and target.startswith("sm_") and target[3:].isdigit()):
+        raise ValueError(f"target: expected a CUDA target such as 'sm_90', got {target!r}.")
+    capability = int(target[3:])
+    reports = []
+    for r in _trace(f, *args, **kwargs):
+        kernel = runtime.load(r["source"], r["name"], "jit")
+        signature = {p: runtime.pointer_type(d) for p, d in builtins.zip(r["params"], r["pointer_dtypes"])}
+        signature.update({c: "constexpr" for c in r["constexprs"]})
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=dict(r["constexprs"])),
+            target=GPUTarget("cuda", capability, 32),
+            options=dict(num_warps=r["num_warps"], num_stages=r["num_stages"]))
+        metadata = compiled.metadata
+        reports.append(dict(name=r["name"], target=target, num_warps=metadata.num_warps,
+                            num_stages=metadata.num_stages, shared_memory_bytes=metadata.shared,
+                            registers=getattr(compiled, "n_regs", None), asm=compiled.asm))
+    return reports

@@ -1,0 +1,779 @@
+"""Kernel jaxpr -> Triton source: pallas_core's own Triton lowering.
+
+The kernel is traced once with its grid ids as scalar inputs and Refs over
+its operands (:func:`trace_kernel`); :class:`KernelWriter` then walks the
+jaxpr and writes one readable ``@jit`` function:
+
+* every operand is a pointer plus ``tl.constexpr`` array and block dims; a
+  Ref is that pointer seen through its block (the index_map, itself traced
+  and emitted, gives the block origin) and any ``.at`` views, kept as one
+  ``(start, size, stride)`` range or fixed index per array dim;
+* loads and stores are masked wherever a block can run past the array, so
+  edge blocks need no hand-written masks (seed 000 semantics);
+* parallel grid axes are the launch grid (flattened into axis 0, decoded
+  with constexpr div/mod); arbitrary axes run as loops inside each program,
+  so a TPU-style reduction over a grid axis is correct (DESIGN 2.4);
+* jaxpr primitives map to ``tl`` builtins only. Combine functions for
+  reductions are defined in the generated module under the name ``jit``,
+  bound when the source is loaded (``triton.jit`` for GPUs and ahead-of-time
+  compiles, the interpreter's wrapper on a CPU), so one source serves both.
+
+Anything not covered raises NotImplementedError naming the primitive, the
+kernel and the user's source line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from pallas_core import context
+from pallas_core.params import ARBITRARY, PARALLEL
+
+_TL_DTYPES = {
+    "float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16",
+    "float64": "tl.float64", "int8": "tl.int8", "int16": "tl.int16", "int32": "tl.int32",
+    "int64": "tl.int64", "uint8": "tl.uint8", "uint16": "tl.uint16", "uint32": "tl.uint32",
+    "uint64": "tl.uint64", "bool": "tl.int1",
+}
+_INT32_MAX = 2**31 - 1
+
+
+def tl_dtype(dtype) -> str:
+    name = np.dtype(dtype).name
+    try:
+        return _TL_DTYPES[name]
+    except KeyError:
+        raise NotImplementedError(f"the triton backend has no dtype {name}") from None
+
+
+class TritonTraceContext(context.KernelContext):
+    """Grid ids are the traced scalar inputs; num_programs is static."""
+
+    backend = "triton"
+
+    def __init__(self, ids, grid):
+        self._ids, self._grid = ids, grid
+
+    def program_id(self, axis):
+        return self._ids[axis]
+
+    def num_programs(self, axis):
+        return self._grid[axis]
+
+    def run_scoped(self, body, scratch_shapes):
+        raise NotImplementedError("run_scoped is not supported by the triton backend yet; "
+                                  "use scratch_shapes or values carried in the kernel.")
+
+
+def trace_kernel(call) -> jex_core.ClosedJaxpr:
+    """The kernel as a jaxpr of (grid ids, operand blocks, scratch) with Ref effects."""
+    grid = call.grid
+    mappings = list(call.in_mappings) + list(call.out_mappings)
+
+    def body(ids, blocks, scratch):
+        refs = [jax.new_ref(v) for v in blocks] + [jax.new_ref(v) for v in scratch]
+        with context.installed(TritonTraceContext(tuple(ids), grid)):
+            call.kernel(*refs)
+        return [jax.freeze(r) for r in refs]
+
+    ids = [jax.ShapeDtypeStruct((), jnp.int32)] * len(grid)
+    blocks = [jax.ShapeDtypeStruct(m.ref_shape, m.dtype) for m in mappings]
+    scratch = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in call.scratch_shapes]
+    return jax.make_jaxpr(body)(ids, blocks, scratch)
+
+
+# ------------------------------------------------------------------------------------
+# Values and Refs as the writer sees them
+# ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Val:
+    """A Triton value: an expression (usually a local name) with its JAX type."""
+
+    expr: str
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    start: str  # an expression in elements of the underlying array
+    size: int
+    stride: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RefView:
+    """A Ref: an operand's pointer seen through its block and ``.at`` views.
+
+    ``dims`` has one entry per array dim: a Range (kept) or a str (fixed index).
+    ``masked`` marks array dims a block may run past (loads/stores get masks).
+    """
+
+    ptr: str
+    array_shape: tuple[int, ...]
+    dim_names: tuple[str, ...]  # constexpr names of the array dims
+    dims: tuple[Range | str, ...]
+    masked: tuple[bool, ...]
+    dtype: Any
+    wide: bool  # more than 2**31 elements: int64 offsets
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(d.size for d in self.dims if isinstance(d, Range))
+
+    def index(self, indexer, scalar) -> "RefView":
+        """Applies one NDIndexer (ints, static or dynamic slices) to the view."""
+        if tuple(indexer.int_indexer_shape):
+            raise NotImplementedError("array (gather-style) indexing of a Ref is not supported "
+                                      "by the triton backend; use slices or pl.ds.")
+        kept = [i for i, d in enumerate(self.dims) if isinstance(d, Range)]
+        if len(indexer.indices) != len(kept):
+            raise NotImplementedError(f"indexer of rank {len(indexer.indices)} for a view of rank {len(kept)}")
+        dims = list(self.dims)
+        for axis, idx in zip(kept, indexer.indices):
+            base: Range = dims[axis]
+            if hasattr(idx, "size") and hasattr(idx, "stride") and hasattr(idx, "start"):
+                start = scalar(idx.start)
+                dims[axis] = Range(_add(base.start, _mul(start, str(base.stride))), int(idx.size),
+                                   base.stride * int(idx.stride))
+            else:
+                dims[axis] = _add(base.start, _mul(scalar(idx), str(base.stride)))
+        return dataclasses.replace(self, dims=tuple(dims))
+
+
+def _add(a: str, b: str) -> str:
+    if b == "0":
+        return a
+    if a == "0":
+        return b
+    return f"({a} + {b})"
+
+
+def _mul(a: str, b: str) -> str:
+    if a == "0" or b == "0":
+        return "0"
+    if b == "1":
+        return a
+    if a == "1":
+        return b
+    return f"({a} * {b})"
+
+
+# ------------------------------------------------------------------------------------
+# The writer
+# ------------------------------------------------------------------------------------
+
+_BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
+           "gt": ">", "ge": ">=", "and": "&", "or": "|", "xor": "^", "shift_left": "<<",
+           "shift_right_arithmetic": ">>"}
+_UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt",
+             "rsqrt": "tl.rsqrt", "abs": "tl.abs", "floor": "tl.floor", "ceil": "tl.ceil",
+             "sin": "tl.sin", "cos": "tl.cos", "erf": "tl.erf"}
+# Reductions: combine function name -> body.
+_COMBINERS = {"sum": "a + b", "max": "tl.maximum(a, b)", "min": "tl.minimum(a, b)"}
+
+
+class KernelWriter:
+    """Writes the Triton source of one resolved pallas_call."""
+
+    def __init__(self, call):
+        self.call = call
+        self.name = _identifier(call.name)
+        self.lines: list[str] = []
+        self.indent = 1
+        self.counter = 0
+        self.combiners: set[str] = set()
+        self.params: list[str] = []
+        self.constexprs: dict[str, int] = {}
+        self.used: set = set()  # jaxpr vars read by some equation or returned
+        self.eqn_stack: list = []  # equations being written, outermost first
+
+    # ---- small helpers -------------------------------------------------------------
+    def fresh(self, prefix="v") -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def emit(self, line: str) -> None:
+        self.lines.append("    " * self.indent + line)
+
+    def assign(self, expr: str, shape, dtype, prefix="v") -> Val:
+        name = self.fresh(prefix)
+        self.emit(f"{name} = {expr}")
+        return Val(name, tuple(shape), np.dtype(dtype))
+
+    def constexpr(self, name: str, value: int) -> str:
+        self.constexprs[name] = int(value)
+        return name
+
+    def unsupported(self, eqn, what=None):
+        # Equations inside an inlined call (jnp functions are jitted) carry only
+        # JAX-internal frames: report the innermost enclosing user line instead.
+        where = next((w for w in map(_user_frame, [eqn, *reversed(self.eqn_stack)]) if w), "")
+        raise NotImplementedError(
+            f"triton backend: {what or 'primitive'} {eqn.primitive.name!r} in kernel "
+            f"{self.call.name} is not supported{where}.")
+
+    # ---- the kernel ----------------------------------------------------------------
+    def write(self) -> str:
+        call = self.call
+        closed = trace_kernel(call)
+        jaxpr = closed.jaxpr
+        grid = call.grid
+        parallel = [a for a, s in enumerate(call.semantics) if s == PARALLEL]
+        arbitrary = [a for a, s in enumerate(call.semantics) if s == ARBITRARY]
+        for a, n in enumerate(grid):
+            self.constexpr(f"G{a}", n)
+        # Program ids: parallel axes decoded from the flat launch id, arbitrary axes looped.
+        ids: dict[int, str] = {}
+        if parallel:
+            self.emit("pid = tl.program_id(0)")
+            for pos, a in enumerate(reversed(parallel)):
+                last = pos == len(parallel) - 1
+                ids[a] = f"i{a}"
+                self.emit(f"i{a} = pid % G{a}" if not last else f"i{a} = pid")
+                if not last:
+                    self.emit(f"pid = pid // G{a}")
+        for a in arbitrary:
+            self.emit(f"for i{a} in range(G{a}):")
+            self.indent += 1
+            ids[a] = f"i{a}"
+        env: dict = {}
+        id_vars = jaxpr.invars[:len(grid)]
+        for a, var in enumerate(id_vars):
+            env[var] = Val(ids[a], (), np.dtype(np.int32))
+        mappings = list(call.in_mappings) + list(call.out_mappings)
+        operand_vars = jaxpr.invars[len(grid):len(grid) + len(mappings)]
+        scratch_vars = jaxpr.invars[len(grid) + len(mappings):]
+        self.ref_of_value: dict = {}
+        for k, (m, var) in enumerate(zip(mappings, operand_vars)):
+            self.ref_of_value[var] = self._operand_ref(k, m, ids)
+        for k, (s, var) in enumerate(zip(call.scratch_shapes, scratch_vars)):
+            self.ref_of_value[var] = self._scratch_ref(k, s, parallel)
+        self.body(jaxpr, closed.consts, env)
+        self.emit("pass")  # keeps a loop over arbitrary axes well-formed if its body is empty
+        header = self._header(len(mappings))
+        combiners = "".join(f"\n@jit\ndef _combine_{n}(a, b):\n    return {_COMBINERS[n]}\n"
+                            for n in sorted(self.combiners))
+        return ("import triton.language as tl\n" + combiners + "\n\n@jit\n" + header + "\n"
+                + "\n".join(self.lines) + "\n")
+
+    def _header(self, n_operands) -> str:
+        ptrs = [f"p{k}" for k in range(n_operands)] + [f"s{k}" for k in range(len(self.call.scratch_shapes))]
+        consts = [f"{n}: tl.constexpr" for n in self.constexprs]
+        self.params = ptrs
+        return f"def {self.name}(" + ", ".join(ptrs + consts) + "):"
+
+    def _operand_ref(self, k, m, ids) -> RefView:
+        rank = len(m.array_shape)
+        names = tuple(self.constexpr(f"A{k}_{d}", m.array_shape[d]) for d in range(rank))
+        blocks = [self.constexpr(f"B{k}_{d}", m.block_shape[d]) for d in range(rank)]
+        # The block origin, from the index_map traced at the program ids.
+        block_idx = self._index_map(m, ids)
+        dims, masked = [], []
+        for d in range(rank):
+            start = _mul(block_idx[d], blocks[d])
+            if m.squeezed[d]:
+                dims.append(start)
+            else:
+                dims.append(Range(start, m.block_shape[d], 1))
+            masked.append(m.array_shape[d] % m.block_shape[d] != 0)
+        numel = int(np.prod(m.array_shape)) if rank else 1
+        return RefView(ptr=f"p{k}", array_shape=m.array_shape, dim_names=names, dims=tuple(dims),
+                       masked=tuple(masked), dtype=np.dtype(m.dtype), wide=numel > _INT32_MAX)
+
+    def _scratch_ref(self, k, s, parallel) -> RefView:
+        """Scratch lives in global memory, one private slice per launched program."""
+        rank = len(s.shape)
+        names = tuple(self.constexpr(f"S{k}_{d}", s.shape[d]) for d in range(rank))
+        numel = int(np.prod(s.shape)) if rank else 1
+        ptr = f"s{k}" if not parallel else f"(s{k} + tl.program_id(0) * {numel})"
+        return RefView(ptr=ptr, array_shape=tuple(s.shape), dim_names=names,
+                       dims=tuple(Range("0", n, 1) for n in s.shape), masked=(False,) * rank,
+                       dtype=np.dtype(s.dtype), wide=False)
+
+    def _index_map(self, m, ids) -> list[str]:
+        grid = self.call.grid
+        closed = jax.make_jaxpr(m.index_map)(*[jnp.int32(0)] * len(grid))
+        env = {v: Val(ids[a], (), np.dtype(np.int32)) for a, v in enumerate(closed.jaxpr.invars)}
+        outs = self.body(closed.jaxpr, closed.consts, env, returns=True)
+        return [o.expr for o in outs]
+
+    # ---- jaxpr walking -------------------------------------------------------------
+    def read(self, env, atom) -> Any:
+        if isinstance(atom, jex_core.Literal):
+            return _literal(atom.val, atom.aval)
+        if atom in self.ref_of_value:
+            return self.ref_of_value[atom]
+        return env[atom]
+
+    def body(self, jaxpr, consts, env, returns=False):
+        self.used.update(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jex_core.Literal))
+        self.used.update(v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal))
+        for var, c in zip(jaxpr.constvars, consts):
+            env[var] = _literal(c, var.aval)
+        for eqn in jaxpr.eqns:
+            self.equation(eqn, env)
+        if returns:
+            return [self.read(env, v) for v in jaxpr.outvars]
+        return None
+
+    def scalar(self, env):
+        def convert(x):
+            if isinstance(x, (int, np.integer)):
+                return str(int(x))
+            val = self.read(env, x)
+            return val.expr
+        return convert
+
+    def equation(self, eqn, env):
+        self.eqn_stack.append(eqn)
+        try:
+            self._equation(eqn, env)
+        finally:
+            self.eqn_stack.pop()
+
+    def _equation(self, eqn, env):
+        name = eqn.primitive.name
+        args = [self.read(env, v) for v in eqn.invars]
+        handler = getattr(self, f"_p_{name}", None)
+        if handler is None:
+            if name in _BINARY:
+                a, b = args
+                out = self.assign(f"{_expr(a)} {_BINARY[name]} {_expr(b)}", eqn.outvars[0].aval.shape,
+                                  eqn.outvars[0].aval.dtype)
+                env[eqn.outvars[0]] = out
+                return
+            if name in _UNARY_TL:
+                env[eqn.outvars[0]] = self._unary(f"{_UNARY_TL[name]}({{x}})", args[0], eqn)
+                return
+            self.unsupported(eqn)
+        outs = handler(eqn, env, *args)
+        if outs is None:
+            return
+        if not isinstance(outs, (list, tuple)):
+            outs = [outs]
+        for var, out in zip(eqn.outvars, outs):
+            env[var] = out
+
+    def _unary(self, template, x, eqn):
+        aval = eqn.outvars[0].aval
+        xf = _expr(x)
+        needs_f32 = np.dtype(aval.dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+        if needs_f32 and not template.startswith("tl.abs"):
+            xf = f"{xf}.to(tl.float32)"
+            return self.assign(template.format(x=xf) + f".to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
+        return self.assign(template.format(x=xf), aval.shape, aval.dtype)
+
+    # ---- refs ----------------------------------------------------------------------
+    def _view(self, ref: RefView, transforms, env) -> RefView:
+        for t in transforms:
+            ref = ref.index(t, self.scalar(env))
+        return ref
+
+    def _addresses(self, ref: RefView):
+        """(offsets expr, mask expr or None, result shape) of a view."""
+        rank = len(ref.shape)
+        axis = 0
+        offsets, masks = [], []
+        # Row-major strides, written with the constexpr array dims.
+        strides = ["1"] * len(ref.array_shape)
+        for d in reversed(range(len(ref.array_shape) - 1)):
+            strides[d] = _mul(strides[d + 1], ref.dim_names[d + 1])
+        for d, dim in enumerate(ref.dims):
+            if isinstance(dim, Range):
+                if dim.size & (dim.size - 1):
+                    raise NotImplementedError(
+                        f"triton backend: kernel {self.call.name} accesses a slice of {dim.size} "
+                        "elements; Triton tensors need power-of-two sizes (pad the block up to a "
+                        "power of two and mask).")
+                index = self.fresh("r")
+                shape_ix = ", ".join(":" if k == axis else "None" for k in range(rank))
+                step = f" * {dim.stride}" if dim.stride != 1 else ""
+                lanes = f"tl.arange(0, {dim.size}){step}"
+                self.emit(f"{index} = ({_add(dim.start, lanes)})[{shape_ix}]")
+                axis += 1
+            else:
+                index = self.fresh("r")
+                self.emit(f"{index} = {dim}")
+            if ref.wide:
+                index_wide = f"{index}.to(tl.int64)"
+            else:
+                index_wide = index
+            offsets.append(_mul(index_wide, strides[d]))
+            if ref.masked[d]:
+                masks.append(f"({index} < {ref.dim_names[d]})")
+        offset = " + ".join(offsets) if offsets else "0"
+        mask = " & ".join(masks) if masks else None
+        return offset, mask, ref.shape
+
+    def _load(self, ref: RefView) -> Val:
+        offset, mask, shape = self._addresses(ref)
+        extra = f", mask={mask}, other=0" if mask else ""
+        return self.assign(f"tl.load({ref.ptr} + {offset}{extra})", shape, ref.dtype)
+
+    def _store(self, ref: RefView, val: Val) -> None:
+        offset, mask, shape = self._addresses(ref)
+        value = _expr(val)
+        if shape and not val.shape:
+            value = f"tl.full({_shape(shape)}, {value}, {tl_dtype(ref.dtype)})"
+        elif tuple(val.shape) != tuple(shape):
+            value = f"tl.broadcast_to({value}, {_shape(shape)})"
+        extra = f", mask={mask}" if mask else ""
+        self.emit(f"tl.store({ref.ptr} + {offset}, {value}{extra})")
+
+    def _transforms(self, eqn, env, n_leading):
+        return jax.tree.unflatten(eqn.params["tree"], eqn.invars[n_leading:])
+
+    def _p_get(self, eqn, env, ref, *idx):
+        return self._load(self._view(ref, self._transforms(eqn, env, 1), env))
+
+    def _p_swap(self, eqn, env, ref, val, *idx):
+        view = self._view(ref, self._transforms(eqn, env, 2), env)
+        old = None
+        if eqn.outvars[0] in self.used:  # the value a swap returns is rarely read
+            old = self._load(view)
+        self._store(view, val)
+        return old
+
+    def _p_addupdate(self, eqn, env, ref, val, *idx):
+        view = self._view(ref, self._transforms(eqn, env, 2), env)
+        current = self._load(view)
+        total = self.assign(f"{current.expr} + {_expr(val)}", current.shape, current.dtype)
+        self._store(view, total)
+
+    def _p_new_ref(self, eqn, env, value):
+        if isinstance(value, RefView):  # the Ref over an operand (or scratch) block
+            return value
+        self.unsupported(eqn, "allocating a Ref inside the kernel (run_scoped)")
+
+    def _p_freeze(self, eqn, env, ref):
+        return None
+
+    # ---- elementwise ---------------------------------------------------------------
+    def _p_neg(self, eqn, env, x):
+        return self.assign(f"-{_expr(x)}", x.shape, x.dtype)
+
+    def _p_not(self, eqn, env, x):
+        if np.dtype(x.dtype) == np.bool_:
+            return self.assign(f"{_expr(x)} == 0", x.shape, x.dtype)
+        return self.assign(f"~{_expr(x)}", x.shape, x.dtype)
+
+    def _p_div(self, eqn, env, a, b):
+        aval = eqn.outvars[0].aval
+        op = "//" if np.issubdtype(aval.dtype, np.integer) else "/"
+        return self.assign(f"{_expr(a)} {op} {_expr(b)}", aval.shape, aval.dtype)
+
+    def _p_rem(self, eqn, env, a, b):
+        aval = eqn.outvars[0].aval
+        return self.assign(f"{_expr(a)} % {_expr(b)}", aval.shape, aval.dtype)
+
+    def _p_max(self, eqn, env, a, b):
+        aval = eqn.outvars[0].aval
+        return self.assign(f"tl.maximum({_expr(a)}, {_expr(b)})", aval.shape, aval.dtype)
+
+    def _p_min(self, eqn, env, a, b):
+        aval = eqn.outvars[0].aval
+        return self.assign(f"tl.minimum({_expr(a)}, {_expr(b)})", aval.shape, aval.dtype)
+
+    def _p_pow(self, eqn, env, a, b):
+        aval = eqn.outvars[0].aval
+        return self.assign(f"tl.exp2({_expr(b)} * tl.log2({_expr(a)}))", aval.shape, aval.dtype)
+
+    def _p_integer_pow(self, eqn, env, x):
+        y = int(eqn.params["y"])
+        if y == 0:
+            return self.assign(f"tl.full({_shape(x.shape)}, 1, {tl_dtype(x.dtype)})", x.shape, x.dtype)
+        expr = " * ".join([_expr(x)] * abs(y))
+        if y < 0:
+            expr = f"1.0 / ({expr})"
+        return self.assign(expr, x.shape, x.dtype)
+
+    def _p_square(self, eqn, env, x):
+        return self.assign(f"{_expr(x)} * {_expr(x)}", x.shape, x.dtype)
+
+    def _p_logistic(self, eqn, env, x):
+        return self._unary("1.0 / (1.0 + tl.exp(-{x}))", x, eqn)
+
+    def _p_tanh(self, eqn, env, x):
+        # tanh(x) = 2 * sigmoid(2x) - 1, stable for large |x| (exp overflows to inf -> 1 / inf = 0).
+        return self._unary("2.0 / (1.0 + tl.exp(-2.0 * {x})) - 1.0", x, eqn)
+
+    def _p_log1p(self, eqn, env, x):
+        return self._unary("tl.log(1.0 + {x})", x, eqn)
+
+    def _p_expm1(self, eqn, env, x):
+        return self._unary("tl.exp({x}) - 1.0", x, eqn)
+
+    def _p_sign(self, eqn, env, x):
+        return self.assign(f"tl.where({_expr(x)} > 0, 1, tl.where({_expr(x)} < 0, -1, 0)).to({tl_dtype(x.dtype)})",
+                           x.shape, x.dtype)
+
+    def _p_round(self, eqn, env, x):
+        return self._unary("tl.floor({x} + 0.5)", x, eqn)
+
+    def _p_clamp(self, eqn, env, lo, x, hi):
+        return self.assign(f"tl.minimum(tl.maximum({_expr(x)}, {_expr(lo)}), {_expr(hi)})", x.shape, x.dtype)
+
+    def _p_select_n(self, eqn, env, pred, *cases):
+        aval = eqn.outvars[0].aval
+        if len(cases) != 2:
+            self.unsupported(eqn, "select_n with more than two cases")
+        return self.assign(f"tl.where({_expr(pred)}, {_expr(cases[1])}, {_expr(cases[0])})",
+                           aval.shape, aval.dtype)
+
+    def _p_convert_element_type(self, eqn, env, x):
+        aval = eqn.outvars[0].aval
+        src, dst = np.dtype(x.dtype), np.dtype(aval.dtype)
+        # JAX rounds float downcasts to nearest-even; say so, Triton's default may differ.
+        rounding = (', fp_downcast_rounding="rtne"'
+                    if np.issubdtype(src, np.floating) and np.issubdtype(dst, np.floating)
+                    and dst.itemsize < src.itemsize else "")
+        if not x.shape and not _is_tensor(x):
+            return self.assign(f"tl.cast({_expr(x)}, {tl_dtype(dst)}{rounding})", aval.shape, dst)
+        return self.assign(f"{_expr(x)}.to({tl_dtype(dst)}{rounding})", aval.shape, dst)
+
+    def _p_iota(self, eqn, env):
+        aval = eqn.outvars[0].aval
+        shape, dim = aval.shape, eqn.params["dimension"]
+        ix = ", ".join(":" if k == dim else "None" for k in range(len(shape)))
+        expr = f"tl.arange(0, {shape[dim]})[{ix}]"
+        return self.assign(f"tl.broadcast_to({expr}, {_shape(shape)}).to({tl_dtype(aval.dtype)})",
+                           shape, aval.dtype)
+
+    def _p_broadcast_in_dim(self, eqn, env, x):
+        aval = eqn.outvars[0].aval
+        shape, dims = aval.shape, eqn.params["broadcast_dimensions"]
+        if not x.shape:
+            return self.assign(f"tl.full({_shape(shape)}, {_expr(x)}, {tl_dtype(aval.dtype)})",
+                               shape, aval.dtype)
+        ix = ", ".join(":" if k in dims else "None" for k in range(len(shape)))
+        return self.assign(f"tl.broadcast_to({_expr(x)}[{ix}], {_shape(shape)})", shape, aval.dtype)
+
+    def _p_reshape(self, eqn, env, x, *dyn):
+        aval = eqn.outvars[0].aval
+        if tuple(aval.shape) == tuple(x.shape):
+            return x
+        if not aval.shape:
+            return self._reduce_to_scalar(x, aval)
+        return self.assign(f"tl.reshape({_expr(x)}, {_shape(aval.shape)})", aval.shape, aval.dtype)
+
+    def _p_squeeze(self, eqn, env, x):
+        aval = eqn.outvars[0].aval
+        if not aval.shape:
+            return self._reduce_to_scalar(x, aval)
+        return self.assign(f"tl.reshape({_expr(x)}, {_shape(aval.shape)})", aval.shape, aval.dtype)
+
+    def _reduce_to_scalar(self, x, aval):
+        self.combiners.add("sum")
+        flat = f"tl.reshape({_expr(x)}, ({int(np.prod(x.shape))},))"
+        return self.assign(f"tl.reduce({flat}, 0, _combine_sum)", (), aval.dtype)
+
+    def _p_transpose(self, eqn, env, x):
+        aval = eqn.outvars[0].aval
+        perm = tuple(eqn.params["permutation"])
+        return self.assign(f"tl.permute({_expr(x)}, {perm})", aval.shape, aval.dtype)
+
+    def _p_slice(self, eqn, env, x):
+        self.unsupported(eqn, "slicing a value (slice the Ref instead)")
+
+    def _reduce(self, eqn, x, combiner):
+        aval = eqn.outvars[0].aval
+        axes = sorted(eqn.params["axes"], reverse=True)
+        self.combiners.add(combiner)
+        expr, shape = _expr(x), list(x.shape)
+        needs_f32 = combiner == "sum" and np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+        if needs_f32:
+            expr = f"{expr}.to(tl.float32)"
+        for axis in axes:
+            expr = f"tl.reduce({expr}, {axis}, _combine_{combiner})"
+            shape.pop(axis)
+        if needs_f32:
+            expr = f"({expr}).to({tl_dtype(aval.dtype)})"
+        return self.assign(expr, aval.shape, aval.dtype)
+
+    def _p_reduce_sum(self, eqn, env, x):
+        return self._reduce(eqn, x, "sum")
+
+    def _p_reduce_max(self, eqn, env, x):
+        return self._reduce(eqn, x, "max")
+
+    def _p_reduce_min(self, eqn, env, x):
+        return self._reduce(eqn, x, "min")
+
+    def _p_dot_general(self, eqn, env, a, b):
+        aval = eqn.outvars[0].aval
+        (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
+        if ba or bb or len(a.shape) != 2 or len(b.shape) != 2:
+            self.unsupported(eqn, "batched or non-2-D dot_general")
+        lhs = _expr(a) if tuple(ca) == (1,) else f"tl.trans({_expr(a)})"
+        rhs = _expr(b) if tuple(cb) == (0,) else f"tl.trans({_expr(b)})"
+        for dim in (*a.shape, *b.shape):
+            if dim < 16:
+                self.unsupported(eqn, f"dot_general with a dim of {dim} (< 16, tl.dot's minimum)")
+        acc = "tl.float32" if np.issubdtype(aval.dtype, np.floating) else "tl.int32"
+        precision = eqn.params.get("precision")
+        ieee = np.dtype(a.dtype) == np.float32 and precision is not None and any(
+            "HIGHEST" in str(p) for p in (precision if isinstance(precision, tuple) else (precision,)))
+        prec = ', input_precision="ieee"' if ieee else ""
+        out = self.assign(f"tl.dot({lhs}, {rhs}{prec}, out_dtype={acc})", aval.shape, np.float32)
+        if np.dtype(aval.dtype) != np.float32:
+            out = self.assign(f"{out.expr}.to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
+        return out
+
+    # ---- control flow and calls ----------------------------------------------------
+    def _inline(self, closed, args, env):
+        sub = {v: a for v, a in zip(closed.jaxpr.invars, args) if not isinstance(a, RefView)}
+        saved = {}
+        for v, a in zip(closed.jaxpr.invars, args):
+            if isinstance(a, RefView):
+                saved[v] = a
+        self.ref_of_value.update(saved)
+        return self.body(closed.jaxpr, closed.consts, sub, returns=True)
+
+    def _p_pjit(self, eqn, env, *args):
+        return self._inline(eqn.params["jaxpr"], args, env)
+
+    _p_jit = _p_pjit
+
+    def _p_closed_call(self, eqn, env, *args):
+        return self._inline(eqn.params["call_jaxpr"], args, env)
+
+    def _p_custom_jvp_call(self, eqn, env, *args):
+        return self._inline(eqn.params["call_jaxpr"], args, env)
+
+    def _p_custom_vjp_call(self, eqn, env, *args):
+        jaxpr = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        return self._inline(jaxpr, args, env)
+
+    def _bind_outputs(self, eqn):
+        return [self.fresh("c") for _ in eqn.outvars]
+
+    def _p_cond(self, eqn, env, index, *args):
+        branches = eqn.params["branches"]
+        names = self._bind_outputs(eqn)
+        for k, branch in enumerate(branches):
+            if k == 0:
+                cond = f"{_expr(index)} == 0" if len(branches) > 1 else "True"
+                self.emit(f"if {cond}:")
+            elif k < len(branches) - 1:
+                self.emit(f"elif {_expr(index)} == {k}:")
+            else:
+                self.emit("else:")
+            self.indent += 1
+            start = len(self.lines)
+            outs = self._inline(branch, args, env)
+            for name, out in zip(names, outs):
+                self.emit(f"{name} = {_expr(out)}")
+            if len(self.lines) == start:
+                self.emit("pass")
+            self.indent -= 1
+        return [Val(n, v.aval.shape, np.dtype(v.aval.dtype)) for n, v in zip(names, eqn.outvars)]
+
+    def _p_scan(self, eqn, env, *args):
+        p = eqn.params
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        if len(args) != n_consts + n_carry or p["reverse"]:
+            self.unsupported(eqn, "scan with stacked inputs/outputs or reverse=True")
+        consts, init = args[:n_consts], args[n_consts:]
+        carry = [self.fresh("c") for _ in init]
+        for name, value in zip(carry, init):
+            self.emit(f"{name} = {_expr(value)}")
+        self.emit(f"for _ in range({int(p['length'])}):")
+        self.indent += 1
+        avals = [v.aval for v in eqn.outvars]
+        current = [Val(n, a.shape, np.dtype(a.dtype)) for n, a in zip(carry, avals)]
+        outs = self._inline(p["jaxpr"], list(consts) + current, env)
+        for name, out in zip(carry, outs):
+            self.emit(f"{name} = {_expr(out)}")
+        self.indent -= 1
+        return current
+
+    def _p_while(self, eqn, env, *args):
+        p = eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts, init = args[:nc], args[nc:nc + nb], args[nc + nb:]
+        carry = [self.fresh("c") for _ in init]
+        for name, value in zip(carry, init):
+            self.emit(f"{name} = {_expr(value)}")
+        avals = [v.aval for v in eqn.outvars]
+        current = [Val(n, a.shape, np.dtype(a.dtype)) for n, a in zip(carry, avals)]
+        flag = self.fresh("w")
+        (first,) = self._inline(p["cond_jaxpr"], list(cond_consts) + current, env)
+        self.emit(f"{flag} = {_expr(first)}")
+        self.emit(f"while {flag}:")
+        self.indent += 1
+        outs = self._inline(p["body_jaxpr"], list(body_consts) + current, env)
+        for name, out in zip(carry, outs):
+            self.emit(f"{name} = {_expr(out)}")
+        (again,) = self._inline(p["cond_jaxpr"], list(cond_consts) + current, env)
+        self.emit(f"{flag} = {_expr(again)}")
+        self.indent -= 1
+        return current
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, Val) and bool(x.shape)
+
+
+def _expr(x) -> str:
+    if isinstance(x, Val):
+        return x.expr
+    raise NotImplementedError(f"triton backend: a Ref was used as a value ({x!r})")
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(int(d)) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _literal(value, aval) -> Val:
+    arr = np.asarray(value)
+    if arr.shape:
+        if arr.size and np.all(arr == arr.flat[0]):
+            dtype = np.dtype(arr.dtype)
+            scalar = _literal(arr.flat[0], jax.core.ShapedArray((), dtype))
+            return Val(f"tl.full({_shape(arr.shape)}, {scalar.expr}, {tl_dtype(dtype)})",
+                       tuple(arr.shape), dtype)
+        raise NotImplementedError("triton backend: kernels cannot close over non-constant arrays; "
+                                  "pass them as inputs.")
+    dtype = np.dtype(getattr(aval, "dtype", arr.dtype))
+    v = arr.item()
+    if np.issubdtype(dtype, np.bool_):
+        return Val("True" if v else "False", (), dtype)
+    if np.issubdtype(dtype, np.integer):
+        return Val(str(int(v)), (), dtype)
+    if math.isnan(v):
+        return Val('float("nan")', (), dtype)
+    if math.isinf(v):
+        return Val('float("inf")' if v > 0 else 'float("-inf")', (), dtype)
+    return Val(repr(float(v)), (), dtype)
+
+
+def _identifier(name: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return out if out and not out[0].isdigit() else f"k_{out}"
+
+
+def _user_frame(eqn) -> str:
+    try:
+        from jax._src import source_info_util
+        frame = source_info_util.user_frame(eqn.source_info.traceback)
+        if frame is not None:
+            return f" (at {frame.file_name}:{frame.start_line})"
+    except Exception:  # noqa: BLE001 - best effort only
+        pass
+    return ""
+
+
+def generate(call) -> tuple[str, str, dict[str, int], list[str]]:
+    """``(source, function name, constexprs, pointer parameter names)`` of a call."""
+    writer = KernelWriter(call)
+    source = writer.write()
+    return source, writer.name, dict(writer.constexprs), list(writer.params)

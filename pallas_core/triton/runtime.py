@@ -1,0 +1,111 @@
+"""Loading generated Triton source and launching it.
+
+* On CUDA: ``triton.jit`` compiles the source and ``jax_triton.triton_call``
+  launches it from JAX (imported lazily: it only imports where jaxlib has GPU
+  support).
+* Anywhere else: the same source runs in Triton's interpreter, with torch CPU
+  tensors as the bridge, inside ``jax.pure_callback`` so it works under
+  ``jit`` and ``vmap``. That is how CI checks the code generator without a GPU.
+
+Triton's JIT reads a function's source: each generated module is registered
+in ``linecache`` under a unique file name before it is executed. Loaded
+kernels are cached by (source, mode).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import linecache
+import types
+
+import jax
+import numpy as np
+
+from pallas_core.memory import garbage_fill_value
+
+_POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp64",
+                  "int8": "*i8", "int16": "*i16", "int32": "*i32", "int64": "*i64",
+                  "uint8": "*u8", "uint16": "*u16", "uint32": "*u32", "uint64": "*u64",
+                  "bool": "*i1"}
+
+
+@functools.lru_cache(maxsize=512)
+def load(source: str, name: str, mode: str):
+    """The kernel ``name`` of ``source`` as a Triton function.
+
+    Args:
+      mode: "jit" (``triton.jit``: GPU launches and ahead-of-time compiles) or
+        "interpret" (Triton's CPU interpreter).
+    """
+    import triton
+    if mode == "jit":
+        decorator = triton.jit
+    else:
+        from triton.runtime.interpreter import InterpretedFunction
+        decorator = InterpretedFunction
+    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
+    filename = f"<pallas_core triton {name} {digest} {mode}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(f"pallas_core_generated_{name}_{digest}")
+    module.__file__ = filename
+    module.jit = decorator
+    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own generated code
+    return getattr(module, name)
+
+
+def pointer_type(dtype) -> str:
+    return _POINTER_TYPES[np.dtype(dtype).name]
+
+
+def _to_torch(array):
+    import torch
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    if array.dtype == np.bool_:
+        return torch.from_numpy(array.copy())
+    return torch.from_numpy(array.copy())
+
+
+def _from_torch(tensor, dtype):
+    import torch
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return tensor.view(torch.int16).numpy().view(dtype)
+    return tensor.numpy().astype(dtype, copy=False)
+
+
+def launch_interpreted(kernel, *, grid, args, out_avals, aliases, constexprs):
+    """Runs an interpreted kernel on numpy inputs; returns numpy outputs."""
+    import torch  # noqa: F401 - the interpreter's tensor bridge
+    ins = [_to_torch(np.asarray(a)) for a in args]
+    outs = []
+    for o, aval in enumerate(out_avals):
+        aliased = [i for i, oo in aliases.items() if oo == o]
+        if aliased:
+            outs.append(ins[aliased[0]].clone())
+        else:
+            fill = garbage_fill_value(aval.dtype)
+            outs.append(_to_torch(np.full(aval.shape, fill, aval.dtype)))
+    kernel[grid](*ins, *outs, **constexprs)
+    return [_from_torch(t, aval.dtype) for t, aval in zip(outs, out_avals)]
+
+
+def launch(kernel_source, name, *, grid, args, out_avals, aliases, constexprs,
+           num_warps, num_stages, on_gpu):
+    """Launches a generated kernel from JAX; returns the outputs.
+
+    Outputs start as garbage (NaN / the integer minimum on the interpreter),
+    except aliased ones, which start as their input.
+    """
+    if on_gpu:
+        import jax_triton as jt
+        kernel = load(kernel_source, name, "jit")
+        return jt.triton_call(*args, kernel=kernel, out_shape=list(out_avals), grid=grid,
+                              num_warps=num_warps, num_stages=num_stages,
+                              input_output_aliases=dict(aliases), **constexprs)
+    kernel = load(kernel_source, name, "interpret")
+    run = functools.partial(launch_interpreted, kernel, grid=grid, out_avals=out_avals,
+                            aliases=aliases, constexprs=constexprs)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+    return jax.pure_callback(lambda *a: run(args=a), shapes, *args, vmap_method="sequential")

@@ -1,0 +1,255 @@
+"""Rung 3: our Triton lowering, run in Triton's CPU interpreter and compiled for sm_90.
+
+Every kernel is compared with the interpret backend on the same inputs.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+import pallas_core as pl
+from ops.matmul import reference
+from tests.tolerances import BACKWARD, FORWARD, assert_close
+
+pytest.importorskip("triton")
+pytest.importorskip("torch")
+
+SM90_SHARED_BYTES = 232448  # H100 / H200: 227 KiB of shared memory per block
+
+
+def both(kernel, out_shape, *args, **kw):
+    run = lambda backend: pl.pallas_call(kernel, out_shape=out_shape, backend=backend, **kw)(*args)
+    return run("triton"), run("interpret")
+
+
+def assert_same(kernel, out_shape, *args, rtol=1e-5, atol=1e-6, **kw):
+    got, want = both(kernel, out_shape, *args, **kw)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=rtol, atol=atol)
+
+
+X = jax.random.normal(jax.random.key(0), (16, 32))
+Y = jax.random.normal(jax.random.key(1), (16, 32))
+SPEC = pl.BlockSpec((8, 16), lambda i, j: (i, j))
+SDS = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+
+ELEMENTWISE = {
+    "arith": lambda x, y: (x + y) * (x - y) / (jnp.abs(y) + 1.0) - (-x),
+    "math": lambda x, y: jnp.exp(x) + jnp.exp2(y) + jnp.log(jnp.abs(x) + 1) + jnp.log1p(jnp.abs(y))
+                         + jnp.sqrt(jnp.abs(x)) + jax.lax.rsqrt(jnp.abs(y) + 1),
+    "transcendental": lambda x, y: jnp.tanh(x) + jax.nn.sigmoid(y) + jax.lax.erf(x) + jnp.sin(y) * jnp.cos(x),
+    "rounding": lambda x, y: jnp.floor(x) + jnp.ceil(y) + jnp.sign(x) + jnp.round(y) + jnp.clip(x, -0.5, 0.5),
+    "pow": lambda x, y: x ** 3 + jnp.abs(y) ** 1.5 + jax.lax.square(x) + 1.0 / (x * x + 1),
+    "minmax_rem": lambda x, y: jnp.maximum(x, y) - jnp.minimum(x, y) + jnp.fmod(x, 0.7),
+    "compare_select": lambda x, y: jnp.where((x > y) & ~(x < 0) | (y == 0), x, y * 2),
+    "casts": lambda x, y: (x * 10).astype(jnp.int32).astype(jnp.float32) + y.astype(jnp.bfloat16).astype(jnp.float32),
+    "gelu_silu": lambda x, y: jax.nn.gelu(x) + jax.nn.silu(y) + ops.ACTIVATIONS["gelu_exact"](x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+def test_elementwise(name):
+    fn = ELEMENTWISE[name]
+
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = fn(x_ref[...], y_ref[...])
+
+    # Triton's CPU interpreter truncates float32 -> bfloat16 whatever rounding mode the
+    # source asks for (GPUs round to nearest-even, as JAX does): allow one bf16 ulp there.
+    tol = dict(rtol=8e-3, atol=8e-3) if name == "casts" else {}
+    assert_same(kernel, SDS, X, Y, grid=(2, 2), in_specs=[SPEC, SPEC], out_specs=SPEC, **tol)
+
+
+def test_integer_and_bitwise_ops():
+    a = jax.random.randint(jax.random.key(2), (16, 32), -100, 100, jnp.int32)
+    b = jax.random.randint(jax.random.key(3), (16, 32), 1, 7, jnp.int32)
+
+    def kernel(a_ref, b_ref, o_ref):
+        a, b = a_ref[...], b_ref[...]
+        o_ref[...] = (a // b) + jax.lax.rem(a, b) + (a & b) + (a | 3) + (a ^ b) + (b << 2) + (a >> 1)
+
+    assert_same(kernel, jax.ShapeDtypeStruct((16, 32), jnp.int32), a, b, grid=(2, 2),
+                in_specs=[SPEC, SPEC], out_specs=SPEC)
+
+
+def test_iota_broadcast_reshape_transpose_reductions():
+    def kernel(x_ref, o_ref, s_ref):
+        x = x_ref[...]
+        rows = jax.lax.broadcasted_iota(jnp.int32, (16, 32), 0)
+        t = jnp.transpose(x)  # (32, 16)
+        y = x + rows.astype(jnp.float32) + jnp.sum(t, axis=0)[:, None] - jnp.max(x, axis=1, keepdims=True)
+        o_ref[...] = y.reshape(16, 32) + jnp.min(x)
+        s_ref[...] = jnp.sum(x, axis=0, keepdims=True)
+
+    assert_same(kernel, (SDS, jax.ShapeDtypeStruct((1, 32), jnp.float32)), X)
+
+
+def test_static_strided_dynamic_slices_and_at_views():
+    x = jax.random.normal(jax.random.key(4), (4, 16, 64))
+
+    def helper(view_ref, out_ref):
+        out_ref[...] = view_ref[...] * 3
+
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        o_ref[0:4, :] = x_ref.at[0][0:4, ::2]  # (JAX's discharge rejects int + strided in one indexer)
+        o_ref[pl.ds(4, 4), :] = x_ref.at[1][pl.ds(i * 4, 4), pl.ds(1, 32, stride=2)]
+        helper(x_ref.at[2, 8:16, 0:32], o_ref.at[8:16, :])
+
+    assert_same(kernel, jax.ShapeDtypeStruct((2, 16, 32), jnp.float32), x, grid=(2,),
+                in_specs=[pl.BlockSpec((4, 16, 64), lambda i: (0, 0, 0))],
+                out_specs=pl.BlockSpec((None, 16, 32), lambda i: (i, 0, 0)))
+
+
+def test_load_store_masks_and_aliasing():
+    x = jax.random.normal(jax.random.key(5), (32,))
+
+    def kernel(x_ref, o_ref):
+        idx = jnp.arange(16)
+        v = pl.load(x_ref, (pl.ds(0, 16),), mask=idx < 11, other=-1.0)
+        pl.store(o_ref, (pl.ds(16, 16),), v * 2, mask=idx % 3 == 0)
+
+    assert_same(kernel, jax.ShapeDtypeStruct((32,), jnp.float32), x, input_output_aliases={0: 0})
+
+
+def test_control_flow_when_loop_fori_while_cond():
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+        @pl.loop(0, 4)
+        def _(k):
+            o_ref[...] += x_ref[...] * k
+
+        acc = jax.lax.fori_loop(0, 3, lambda k, a: a + x_ref[...], jnp.zeros((8, 16), jnp.float32))
+        n = jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] * 1.5), (i, 1.0))[1]
+        o_ref[...] += jax.lax.cond(i == 0, lambda: acc, lambda: -acc) * n
+
+        @pl.when(i == 1)
+        def _():
+            o_ref[...] = o_ref[...] + 100.0
+
+    assert_same(kernel, jax.ShapeDtypeStruct((16, 16), jnp.float32), X[:, :16], grid=(2,),
+                in_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0))],
+                out_specs=pl.BlockSpec((8, 16), lambda i: (i, 0)))
+
+
+def test_dot_general_with_transposes_and_precision():
+    a = jax.random.normal(jax.random.key(6), (32, 16))
+    b = jax.random.normal(jax.random.key(7), (32, 16))
+
+    def kernel(a_ref, b_ref, o_ref, t_ref):
+        hi = jax.lax.Precision.HIGHEST
+        o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((0,), (0,)), ((), ())), precision=hi)
+        t_ref[...] = jnp.dot(a_ref[...], b_ref[...].T, precision=hi)
+
+    assert_same(kernel, (jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((32, 32), jnp.float32)),
+                a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_arbitrary_axis_reduction_runs_as_a_loop():
+    """The TPU-style reduction of seed 002 is correct: arbitrary axes run in order."""
+    def sum_kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        o_ref[...] += x_ref[...]
+
+    x = jax.random.normal(jax.random.key(8), (16, 64))
+    got = pl.pallas_call(sum_kernel, out_shape=jax.ShapeDtypeStruct((16, 16), x.dtype), grid=(2, 4),
+                         in_specs=[pl.BlockSpec((8, 16), lambda i, k: (i, k))],
+                         out_specs=pl.BlockSpec((8, 16), lambda i, k: (i, 0)), backend="triton")(x)
+    np.testing.assert_allclose(got, x.reshape(16, 4, 16).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_seed000_program_ids_with_edge_blocks_and_squeezed_dims():
+    def program_ids_kernel(o_ref):
+        o_ref[...] = jnp.full(o_ref.shape, 10 * pl.program_id(0) + pl.program_id(1), jnp.int32)
+
+    got = pl.pallas_call(program_ids_kernel, out_shape=jax.ShapeDtypeStruct((7, 5), jnp.int32), grid=(4, 2),
+                         out_specs=pl.BlockSpec((2, 4), lambda i, j: (i, j)), backend="triton")()
+    expected = (10 * (np.arange(7)[:, None] // 2) + np.arange(5)[None, :] // 4)
+    np.testing.assert_array_equal(got, expected)
+
+    def squeezed(o_ref):
+        o_ref[...] = jnp.full((2,), 10 * pl.program_id(1) + pl.program_id(0), jnp.int32)
+
+    got = pl.pallas_call(squeezed, jax.ShapeDtypeStruct((3, 4), np.int32),
+                         out_specs=pl.BlockSpec((None, 2), lambda i, j: (i, j)), grid=(3, 2), backend="triton")()
+    np.testing.assert_array_equal(got, [[0, 0, 10, 10], [1, 1, 11, 11], [2, 2, 12, 12]])
+
+
+def test_scratch_shapes_and_jit_vmap():
+    def kernel(x_ref, o_ref, acc_ref):
+        acc_ref[...] = x_ref[...] * 2
+        o_ref[...] = acc_ref[...] + 1
+
+    def f(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+                              in_specs=[pl.BlockSpec((8, 32), lambda i: (i, 0))],
+                              out_specs=pl.BlockSpec((8, 32), lambda i: (i, 0)),
+                              scratch_shapes=[pl.tpu.VMEM((8, 32), jnp.float32)], backend="triton")(x)
+
+    xs = jnp.stack([X, Y])
+    np.testing.assert_allclose(jax.jit(jax.vmap(f))(xs), xs * 2 + 1, rtol=1e-6)
+
+
+def test_unsupported_primitive_names_kernel_and_line():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.cumprod(x_ref[...], axis=0)
+
+    with pytest.raises(NotImplementedError, match=r"'cumprod'.*kernel kernel.*test_triton_backend.py"):
+        pl.pallas_call(kernel, out_shape=SDS, backend="triton")(X)
+
+
+def test_source_and_debug_print(capsys):
+    def add_kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = x_ref[...] + y_ref[...]
+
+    f = lambda x, y: pl.pallas_call(add_kernel, out_shape=SDS, grid=(2, 2), in_specs=[SPEC, SPEC],
+                                    out_specs=SPEC, backend="triton", debug=True)(x, y)
+    (src,) = pl.triton.source(f, SDS, SDS)
+    assert "def add_kernel(" in src and "tl.constexpr" in src and "tl.load" in src
+    assert "def add_kernel(" in capsys.readouterr().out
+
+
+# ---- ops through our lowering ----------------------------------------------------------
+
+@pytest.mark.parametrize("act", [None, "gelu_exact"])
+def test_fused_matmul_forward_and_gradients(act):
+    k = jax.random.split(jax.random.key(9), 4)
+    x = jax.random.normal(k[0], (37, 50))
+    w = jax.random.normal(k[1], (50, 70)) / 7
+    b = jax.random.normal(k[2], (70,))
+    fn = ops.ACTIVATIONS.get(act) if act else None
+    mm = functools.partial(ops.fused_matmul, activation=act, implementation="triton", block_sizes=(16, 32, 16))
+    assert_close(mm(x, w, b), reference(x, w, b, fn), FORWARD[jnp.float32])
+    cot = jax.random.normal(k[3], (37, 70))
+    grads = jax.grad(lambda *a: jnp.sum(mm(*a) * cot), (0, 1, 2))(x, w, b)
+    expected = jax.grad(lambda *a: jnp.sum(reference(*a, fn) * cot), (0, 1, 2))(x, w, b)
+    for g, e in zip(grads, expected):
+        assert_close(g, e, BACKWARD[jnp.float32])
+
+
+SHIPPED_MATMULS = [((4096, 4096, 4096), jnp.bfloat16), ((8192, 4096, 16384), jnp.bfloat16),
+                   ((1000, 384, 777), jnp.float32), ((256, 512, 384), jnp.float16)]
+
+
+@pytest.mark.parametrize("shape, dtype", SHIPPED_MATMULS)
+def test_shipped_fused_matmul_kernels_compile_for_sm90(shape, dtype):
+    m, k, n = shape
+
+    def train_step(x, w, b):
+        f = lambda x, w, b: ops.fused_matmul(x, w, b, activation="gelu_exact", implementation="triton")
+        y, pullback = jax.vjp(f, x, w, b)
+        return y, pullback(y)
+
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in [(m, k), (k, n), (n,)]]
+    reports = pl.triton.compile(train_step, *args, target="sm_90")
+    assert len(reports) == 4  # forward, dz, dx, dw
+    for r in reports:
+        assert r["shared_memory_bytes"] <= SM90_SHARED_BYTES, r["name"]
+        assert "cubin" in r["asm"]

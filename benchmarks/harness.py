@@ -38,11 +38,25 @@ MAX_CALLS_PER_SAMPLE = 100
 ROW_KEYS = ("op", "case", "variant", "shape", "dtype", "pass", "implementation", "median_ms",
             "p10_ms", "p90_ms", "runs", "compile_ms", "tflops", "gbps", "speedup_vs_xla",
             "fraction_of_ceiling", "max_rel_error", "error", "device_kind", "platform")
+# Keys only in the rows of cases that ask for them (see Case.report_memory).
+OPTIONAL_ROW_KEYS = ("peak_bytes",)
 
 
 def kernel_implementation(platform: str) -> str:
     """Our kernel implementation for a JAX platform name ("cpu", "gpu", "tpu")."""
     return _KERNEL_IMPLEMENTATION.get(platform, "interpret")
+
+
+# On GPUs our own Triton lowering runs beside JAX's Pallas Triton lowering of the
+# same kernel source, the yardstick it must match or beat.
+_GPU_IMPLEMENTATIONS = ("triton", "pallas_triton")
+
+
+def kernel_implementations(platform: str) -> tuple[str, ...]:
+    """Every kernel implementation benchmarked on ``platform`` (beside the XLA baseline)."""
+    if platform in ("gpu", "cuda"):
+        return _GPU_IMPLEMENTATIONS
+    return (kernel_implementation(platform),)
 
 
 def device_info(device: jax.Device | None = None) -> dict[str, str]:
@@ -80,6 +94,11 @@ class Case:
         (compute-bound ops) or "copy" (memory-bound ops).
       bytes_accessed: bytes one call must read and write, for GB/s; None when
         not meaningful.
+      report_memory: add ``peak_bytes`` to this case's rows: the compiled
+        executable's temporary plus output buffer bytes
+        (:func:`compiled_peak_bytes`), for ops whose point is memory (e.g. a
+        loss that never materialises its logits). Off by default, so rows of
+        other cases keep exactly :data:`ROW_KEYS`.
     """
     op: str
     variant: str
@@ -92,6 +111,7 @@ class Case:
     reference: Callable
     ceiling: str = "matmul"
     bytes_accessed: float | None = None
+    report_memory: bool = False
 
     @property
     def name(self) -> str:
@@ -103,6 +123,19 @@ class Case:
 def compile_fn(fn: Callable, *args) -> Callable:
     """``fn`` jitted and compiled ahead of time for ``args``' shapes and dtypes."""
     return jax.jit(fn).lower(*args).compile()
+
+
+def compiled_peak_bytes(compiled) -> int | None:
+    """Device memory a compiled executable needs beyond its arguments: temporary
+    plus output buffer bytes from XLA's ``memory_analysis()``; None where the
+    platform does not report it."""
+    try:
+        stats = compiled.memory_analysis()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+    if stats is None:
+        return None
+    return int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
 
 
 def _stats_ms(seconds: Sequence[float]) -> dict[str, float]:
@@ -133,8 +166,8 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20,
     Returns:
       ``median_ms``, ``p10_ms``, ``p90_ms``, ``min_ms``, ``mean_ms`` (ms per
       call), ``runs`` (timed samples), ``calls_per_sample``, ``compile_ms``
-      (ms to trace and compile) and ``output`` (the first call's result, for
-      accuracy checks).
+      (ms to trace and compile), ``peak_bytes`` (:func:`compiled_peak_bytes`)
+      and ``output`` (the first call's result, for accuracy checks).
     """
     start = time.perf_counter()
     call = compile_fn(fn, *args)
@@ -159,7 +192,7 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20,
         if over_budget and len(seconds) >= MIN_TIMED_RUNS:
             break
     return {**_stats_ms(seconds), "calls_per_sample": calls_per_sample, "compile_ms": compile_ms,
-            "output": output}
+            "peak_bytes": compiled_peak_bytes(call), "output": output}
 
 
 def max_relative_error(output, reference) -> float:
@@ -234,6 +267,7 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
     ceiling), max_rel_error (vs the float32 reference), error (None, or why
     the implementation failed: a failure is recorded rather than raised so
     that one broken kernel does not lose a long run), device_kind and platform.
+    Rows of a case with ``report_memory`` also have ``peak_bytes``.
     """
     inputs = case.make_inputs(key)
     reference = jax.jit(case.reference)(*inputs)
@@ -242,6 +276,8 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
     rows, baseline_ms = [], None
     for impl_name, fn in _baseline_first(case.implementations):
         row = {**dict.fromkeys(ROW_KEYS), **base, "implementation": impl_name}
+        if case.report_memory:
+            row["peak_bytes"] = None
         try:
             timing = time_fn(fn, *inputs, warmup=warmup, iters=iters, max_seconds=max_seconds)
         except Exception as e:  # noqa: BLE001 - recorded in the row, reported, exit code 1
@@ -259,6 +295,8 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
             achieved, ceiling = gbps, ceilings.get("copy_gbps")
         row.update({field: timing[field] for field in ("median_ms", "p10_ms", "p90_ms", "runs",
                                                      "compile_ms")})
+        if case.report_memory:
+            row["peak_bytes"] = timing["peak_bytes"]
         row.update({
             "tflops": tflops,
             "gbps": gbps,

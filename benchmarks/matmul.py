@@ -56,7 +56,7 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
 
     ``quick`` keeps one tiny shape (still every variant and pass), for smoke tests.
     """
-    ours = harness.kernel_implementation(platform)
+    ours = harness.kernel_implementations(platform)
     return [make_case(shape, dtype, variant, pass_name, ours)
             for shape, dtype in shapes(platform, quick)
             for variant in VARIANTS
@@ -64,15 +64,14 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
 
 
 def make_case(shape, dtype: str, variant: str, pass_name: str,
-              implementation: str) -> harness.Case:
-    """One case: ``shape = (M, K, N)``, our ``implementation`` vs the XLA baseline."""
+              implementations: tuple[str, ...]) -> harness.Case:
+    """One case: ``shape = (M, K, N)``, our ``implementations`` vs the XLA baseline."""
     m, k, n = shape
     has_bias, activation = VARIANTS[variant]
-    fns = {
-        harness.BASELINE: functools.partial(_xla_baseline, activation=activation),
-        implementation: functools.partial(_ours, activation=activation,
-                                          implementation=implementation),
-    }
+    fns = {harness.BASELINE: functools.partial(_xla_baseline, activation=activation)}
+    for implementation in implementations:
+        fns[implementation] = functools.partial(_ours, activation=activation,
+                                                implementation=implementation)
     reference = functools.partial(_float32_reference, activation=activation)
     if pass_name == "fwd+bwd":
         fns = {name: _forward_and_backward(fn) for name, fn in fns.items()}

@@ -157,7 +157,9 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
                 grid_analysis.check_in_bounds(m, table, grid)
             if m in out_maps:
                 out_tables.append((m.origin, table))
-        semantics = validation.resolve_semantics(params.dimension_semantics, out_tables, grid, chosen)
+        semantics = validation.resolve_semantics(
+            params.dimension_semantics, out_tables, grid, chosen,
+            uses_atomics=lambda: _uses_atomics(kernel, in_maps + out_maps, scratch_shapes, grid))
         return ResolvedCall(kernel=kernel, name=kernel_name, grid=grid, in_mappings=in_maps,
                             out_mappings=out_maps, scratch_shapes=scratch_shapes,
                             input_output_aliases=aliases, semantics=semantics, params=params,
@@ -201,3 +203,30 @@ def _check_aliases(aliases, args, out_leaves):
                 f"input_output_aliases: input {i} ({np.dtype(a.dtype).name}{list(np.shape(a))}) "
                 f"and output {o} ({np.dtype(out.dtype).name}{list(out.shape)}) must have the "
                 "same shape and dtype.")
+
+
+def _uses_atomics(kernel, mappings, scratch_shapes, grid) -> bool:
+    """Whether the kernel calls a ``pallas_core.triton`` atomic (traced only when asked)."""
+    from pallas_core import context
+    from pallas_core.backends.interpret import InterpretContext
+    from pallas_core.triton.atomics import ATOMIC_PREFIX
+
+    def body(ids, blocks, scratch):
+        refs = [jax.new_ref(v) for v in blocks] + [jax.new_ref(v) for v in scratch]
+        with context.installed(InterpretContext(tuple(ids), grid)):
+            kernel(*refs)
+
+    closed = jax.make_jaxpr(body)([jax.ShapeDtypeStruct((), np.int32)] * len(grid),
+                                  [jax.ShapeDtypeStruct(m.ref_shape, m.dtype) for m in mappings],
+                                  [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in scratch_shapes])
+
+    def walk(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            if str(eqn.params.get("name", "")).startswith(ATOMIC_PREFIX):
+                return True
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                if walk(sub):
+                    return True
+        return False
+
+    return walk(closed.jaxpr)

@@ -76,12 +76,14 @@ def check_pow2(m: BlockMapping, backend: str) -> None:
                 "(pad the block up and mask, or pick another block size).")
 
 
-def resolve_semantics(given, out_tables, grid, backend) -> tuple[str, ...]:
+def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: False) -> tuple[str, ...]:
     """Checks given dimension_semantics against the output index maps, or infers them.
 
     Raises:
       ValueError: wrong length; a parallel axis along which an output block is
-        revisited (a write race); an output block revisited after being left;
+        revisited (a write race, unless the kernel updates memory only through
+        ``pallas_core.triton`` atomics, checked by ``uses_atomics()``); an output
+        block revisited after being left;
         on backends without sequential axes, any revisited output block.
     """
     rank = len(grid)
@@ -106,7 +108,7 @@ def resolve_semantics(given, out_tables, grid, backend) -> tuple[str, ...]:
                 "must run over the minor-most (last) grid axes (seed 002).")
         if given is not None:
             for a in sorted(axes):
-                if given[a] == PARALLEL:
+                if given[a] == PARALLEL and not uses_atomics():
                     raise ValueError(
                         f"{origin}: grid axis {a} is marked 'parallel' but the output block "
                         "is revisited along it, which is a write race; mark it 'arbitrary'.")

@@ -253,3 +253,38 @@ def test_shipped_fused_matmul_kernels_compile_for_sm90(shape, dtype):
     for r in reports:
         assert r["shared_memory_bytes"] <= SM90_SHARED_BYTES, r["name"]
         assert "cubin" in r["asm"]
+
+
+def test_atomics_histogram_and_cas():
+    """Every program adds into one shared output block: a race unless the adds are atomic."""
+    x = jax.random.normal(jax.random.key(10), (64, 16))
+
+    def kernel(x_ref, o_ref, m_ref, c_ref):
+        pl.triton.atomic_add(o_ref, (pl.ds(0, 16),), jnp.sum(x_ref[...], axis=0))
+        pl.triton.atomic_max(m_ref, (pl.ds(0, 16),), jnp.max(x_ref[...], axis=0))
+        pl.triton.atomic_min(m_ref, (pl.ds(16, 16),), jnp.min(x_ref[...], axis=0))
+        pl.triton.atomic_cas(c_ref, (pl.ds(0, 16),), jnp.zeros(16, jnp.int32), jnp.ones(16, jnp.int32))
+
+    zeros = jnp.zeros((16,))
+    inits = (zeros, jnp.concatenate([jnp.full((16,), -jnp.inf), jnp.full((16,), jnp.inf)]),
+             jnp.zeros((16,), jnp.int32))
+    out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inits)
+    for backend in ("triton", "interpret"):
+        total, mm, flags = pl.pallas_call(
+            lambda x_ref, _a, _b, _c, o_ref, m_ref, c_ref: kernel(x_ref, o_ref, m_ref, c_ref),
+            out_shape=out_shape, grid=(4,),
+            in_specs=[pl.BlockSpec((16, 16), lambda i: (i, 0)), None, None, None],
+            out_specs=(None, None, None), input_output_aliases={1: 0, 2: 1, 3: 2},
+            compiler_params=pl.CompilerParams(("parallel",)), backend=backend)(x, *inits)
+        np.testing.assert_allclose(total, x.sum(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(mm[:16], x.max(0))
+        np.testing.assert_array_equal(mm[16:], x.min(0))
+        np.testing.assert_array_equal(flags, np.ones(16, np.int32))
+    (src,) = pl.triton.source(lambda *a: pl.pallas_call(
+        lambda x_ref, _a, _b, _c, o_ref, m_ref, c_ref: kernel(x_ref, o_ref, m_ref, c_ref),
+        out_shape=out_shape, grid=(4,), in_specs=[pl.BlockSpec((16, 16), lambda i: (i, 0)), None, None, None],
+        out_specs=(None, None, None), input_output_aliases={1: 0, 2: 1, 3: 2},
+        compiler_params=pl.CompilerParams(("parallel",)), backend="triton")(*a), x, *inits)
+    assert "pid = tl.program_id(0)" in src  # the axis is launched in parallel, not looped
+    for op in ("atomic_add", "atomic_max", "atomic_min", "atomic_cas"):
+        assert f"tl.{op}(" in src

@@ -5,6 +5,8 @@
 and runs it in Triton's interpreter elsewhere.
 
 * :class:`CompilerParams`: ``num_warps``, ``num_stages``.
+* atomics: :func:`atomic_add`, ``atomic_max``, ``atomic_min``, ``atomic_xchg``,
+  ``atomic_cas`` (read-modify-write on a Ref; return the old values).
 * :func:`source`: the generated source of every triton pallas_call in ``f``.
 * :func:`compile`: ahead-of-time compilation for a named GPU (``"sm_90"``),
   which works on a host without a GPU.
@@ -15,9 +17,11 @@ import builtins
 
 import jax
 
+from pallas_core.triton.atomics import atomic_add, atomic_cas, atomic_max, atomic_min, atomic_xchg
 from pallas_core.triton.params import CompilerParams
 
-__all__ = ["CompilerParams", "compile", "source"]
+__all__ = ["CompilerParams", "atomic_add", "atomic_cas", "atomic_max", "atomic_min", "atomic_xchg",
+           "compile", "source"]
 
 
 def _trace(f, *args, **kwargs):

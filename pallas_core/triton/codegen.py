@@ -35,6 +35,7 @@ from jax.extend import core as jex_core
 
 from pallas_core import context
 from pallas_core.params import ARBITRARY, PARALLEL
+from pallas_core.triton.atomics import ATOMIC_PREFIX
 
 _TL_DTYPES = {
     "float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16",
@@ -639,7 +640,27 @@ class KernelWriter:
         return self.body(closed.jaxpr, closed.consts, sub, returns=True)
 
     def _p_pjit(self, eqn, env, *args):
+        name = str(eqn.params.get("name", ""))
+        if name.startswith(ATOMIC_PREFIX):
+            return self._atomic(name[len(ATOMIC_PREFIX):], eqn.params["jaxpr"], args)
         return self._inline(eqn.params["jaxpr"], args, env)
+
+    def _atomic(self, op, closed, args):
+        """``tl.atomic_<op>`` at the address the atomic's body reads (pallas_core.triton.atomics)."""
+        jaxpr = closed.jaxpr
+        ref, val, mask, cmp = args[:4]
+        inner = {v: a for v, a in zip(jaxpr.invars, args) if not isinstance(a, RefView)}
+        self.ref_of_value.update({v: a for v, a in zip(jaxpr.invars, args) if isinstance(a, RefView)})
+        get = next(e for e in jaxpr.eqns if e.primitive.name == "get")
+        view = self._view(ref, jax.tree.unflatten(get.params["tree"], get.invars[1:]), inner)
+        offset, bounds, shape = self._addresses(view)
+        masks = [m for m in (bounds, _expr(mask) if mask.expr != "True" else None) if m]
+        where = f", mask={' & '.join(masks)}" if masks else ""
+        if op == "cas":
+            expr = f"tl.atomic_cas({view.ptr} + {offset}, {_expr(cmp)}, {_expr(val)})"
+        else:
+            expr = f"tl.atomic_{op}({view.ptr} + {offset}, {_expr(val)}{where})"
+        return [self.assign(expr, shape, view.dtype)]
 
     _p_jit = _p_pjit
 

@@ -3,7 +3,9 @@
 Our resolved call (block mappings, grid, scratch, dimension semantics,
 compiler params) is translated one-to-one onto ``jax.experimental.pallas``;
 the kernel body runs under a context whose ``program_id`` etc. are JAX's
-own, so kernels are written once for every backend. JAX picks its lowering
+own, so kernels are written once for every backend. On ``pallas_triton``,
+whose lowering does no bounds checks, operands whose blocks can overhang the
+array get edge-masked Refs (:mod:`pallas_core.backends.edge_masks`). JAX picks its lowering
 from the type of the compiler params, so each backend passes its own.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import jax
 
 from pallas_core import context
+from pallas_core.backends import edge_masks
 from pallas_core.memory import ScratchShape
 from pallas_core.specs import BlockMapping
 
@@ -101,8 +104,13 @@ def _cost_estimate(cost):
 def run(call, args, backend):
     jpl = _jpl()
 
+    mappings = list(call.in_mappings) + list(call.out_mappings)
+
     def kernel(*refs):
         with context.installed(JaxPallasContext(backend)):
+            if backend == "pallas_triton":  # JAX's Triton lowering does no bounds checks
+                refs = edge_masks.wrap(refs[:len(mappings)], mappings, len(call.grid)) + list(
+                    refs[len(mappings):])
             call.kernel(*refs)
 
     kernel.__name__ = call.name

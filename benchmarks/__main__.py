@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks import harness, matmul
+from benchmarks import cross_entropy, harness, matmul, norms, softmax
 
 # The registry: one module per op, each with cases(platform, quick).
-CASE_MODULES = (matmul,)
+CASE_MODULES = (matmul, norms, softmax, cross_entropy)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"

@@ -19,11 +19,13 @@ What it does:
    ``nnx.MultiHeadAttention`` and ``nnx.LayerNorm`` -> MLP, each with a
    residual), a final LayerNorm and a linear head. The MLP is
    ``Linear(width, 4 * width) -> gelu (tanh form) -> Linear(4 * width, width)``.
-   Only the MLP differs between the two runs:
+   The two runs differ only in which layers compute:
 
-   * stock: ``nnx.Linear -> jax.nn.gelu -> nnx.Linear``;
-   * ops:   ``layers.Dense(activation="gelu") -> layers.Dense``, with the
-     gelu fused into the first matmul's epilogue.
+   * stock: ``nnx.LayerNorm``; MLP ``nnx.Linear -> jax.nn.gelu -> nnx.Linear``;
+     loss ``optax.softmax_cross_entropy_with_integer_labels``;
+   * ops:   ``layers.LayerNorm`` (``ops.layer_norm``); MLP
+     ``layers.Dense(activation="gelu") -> layers.Dense``, with the gelu fused
+     into the first matmul's epilogue; loss ``ops.cross_entropy``.
 
 3. Training. ``layers.Dense`` is a drop-in for ``nnx.Linear`` (same parameter
    names and shapes), so the ops model is built abstractly and loaded with the
@@ -166,16 +168,23 @@ class MLP(nnx.Module):
         return self.down(h)
 
 
+def _layer_norm(width: int, *, fused: bool, implementation: str | None, rngs: nnx.Rngs):
+    """Pre-norm: stock ``nnx.LayerNorm`` or its drop-in ``layers.LayerNorm``."""
+    if fused:
+        return layers.LayerNorm(width, implementation=implementation, rngs=rngs)
+    return nnx.LayerNorm(width, rngs=rngs)
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, cfg: Config, *, fused: bool, implementation: str | None,
                  rngs: nnx.Rngs):
-        self.ln_attn = nnx.LayerNorm(cfg.width, rngs=rngs)
+        self.ln_attn = _layer_norm(cfg.width, fused=fused, implementation=implementation, rngs=rngs)
         # keep_rngs=False: no dropout, so the state is parameters only.
         self.attn = nnx.MultiHeadAttention(cfg.heads, cfg.width, decode=False,
                                            keep_rngs=False, rngs=rngs)
-        self.ln_mlp = nnx.LayerNorm(cfg.width, rngs=rngs)
+        self.ln_mlp = _layer_norm(cfg.width, fused=fused, implementation=implementation, rngs=rngs)
         self.mlp = MLP(cfg.width, fused=fused, implementation=implementation, rngs=rngs)
 
     def __call__(self, x, mask):
@@ -192,8 +201,9 @@ class ByteLM(nnx.Module):
         self.pos_embed = nnx.Embed(cfg.seq_len, cfg.width, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, fused=fused, implementation=implementation, rngs=rngs)
                                 for _ in range(cfg.layers)])
-        self.ln_out = nnx.LayerNorm(cfg.width, rngs=rngs)
+        self.ln_out = _layer_norm(cfg.width, fused=fused, implementation=implementation, rngs=rngs)
         self.head = nnx.Linear(cfg.width, VOCAB, rngs=rngs)
+        self.fused, self.implementation = fused, implementation  # static: which loss to use
 
     def __call__(self, tokens):
         x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))
@@ -240,6 +250,8 @@ def check_same_params(a: nnx.Module, b: nnx.Module) -> None:
 def loss_fn(model: ByteLM, batch):
     """Mean next-byte cross-entropy (nats) of a ``[B, T + 1]`` batch."""
     logits = model(batch[:, :-1])
+    if model.fused:
+        return ops.cross_entropy(logits, batch[:, 1:], implementation=model.implementation).mean()
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 

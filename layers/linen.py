@@ -20,7 +20,6 @@ from layers.dense import (_FUSED_DTYPES, _apply_activation, _check_activation,
 from ops.activations import resolve_activation
 from ops.matmul import fused_matmul
 
-__all__ = ["Dense"]
 
 
 class Dense(nn.Dense):
@@ -94,3 +93,8 @@ class Dense(nn.Dense):
                 y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
             return _apply_activation(act, y)
         return fused_matmul(x, kernel, bias, activation=act, implementation=self.implementation)
+
+
+from layers.linen_norms import LayerNorm, RMSNorm  # noqa: E402 - the Linen twins of layers.norms
+
+__all__ = ["Dense", "LayerNorm", "RMSNorm"]

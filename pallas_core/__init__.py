@@ -11,7 +11,7 @@ Backend-specific modules: ``pallas_core.tpu`` (VMEM, SMEM, CompilerParams),
 CompilerParams). See docs/pallas_core.md.
 """
 from pallas_core import gpu, tpu, triton
-from pallas_core.backends import BACKENDS, default_backend
+from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
 from pallas_core.call import pallas_call
 from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
 from pallas_core.primitives import (cdiv, ds, dslice, load, loop, num_programs, program_id,
@@ -19,7 +19,7 @@ from pallas_core.primitives import (cdiv, ds, dslice, load, loop, num_programs, 
 from pallas_core.specs import Blocked, BlockSpec, GridSpec, Unblocked
 
 __all__ = [
-    "ARBITRARY", "BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
+    "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "ds", "dslice", "gpu", "load", "loop",
     "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
 ]

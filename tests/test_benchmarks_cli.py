@@ -8,12 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import OPTIONAL_ROW_KEYS, ROW_KEYS
 
-# The documented keys of each results.json row (see benchmarks.harness.run_case).
-ROW_KEYS = {"op", "case", "variant", "shape", "dtype", "pass", "implementation", "median_ms",
-            "p10_ms", "p90_ms", "runs", "compile_ms", "tflops", "gbps", "speedup_vs_xla",
-            "fraction_of_ceiling", "max_rel_error", "error", "device_kind", "platform"}
+REPO_ROOT = Path(__file__).resolve().parents[1]
+OPS = {"fused_matmul", "layer_norm", "rms_norm", "softmax", "log_softmax", "logsumexp", "sum",
+       "max", "cross_entropy", "linear_cross_entropy"}
 
 
 def test_quick_run_writes_results(tmp_path):
@@ -30,9 +29,9 @@ def test_quick_run_writes_results(tmp_path):
     assert meta["ceilings"]["copy_gbps"] > 0 and meta["ceilings"]["matmul_tflops"] > 0
     assert rows
     for row in rows:
-        assert set(row) == ROW_KEYS, row
+        assert set(ROW_KEYS) <= set(row) <= set(ROW_KEYS) | set(OPTIONAL_ROW_KEYS), row
         assert row["error"] is None, row
-        assert row["median_ms"] > 0 and row["tflops"] > 0
+        assert row["median_ms"] > 0 and (row["tflops"] > 0 or row["gbps"] > 0)
         assert math.isfinite(row["max_rel_error"]) and row["max_rel_error"] < 2e-2, row
         if row["implementation"] == "xla":
             assert row["speedup_vs_xla"] == 1.0
@@ -43,5 +42,6 @@ def test_quick_run_writes_results(tmp_path):
         by_case.setdefault(row["case"], set()).add(row["implementation"])
     assert all(len(impls) == 2 and "xla" in impls for impls in by_case.values()), by_case
     assert {row["pass"] for row in rows} == {"fwd", "fwd+bwd"}
-    assert {row["variant"] for row in rows} == {"plain", "bias+gelu_exact"}
+    assert {"plain", "bias+gelu_exact"} <= {row["variant"] for row in rows}
+    assert {row["op"] for row in rows} <= OPS and {"fused_matmul", "layer_norm"} <= {row["op"] for row in rows}
     assert "| speed-up vs XLA |" in (tmp_path / "results.md").read_text()

@@ -416,7 +416,7 @@ def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[in
             bk = next((c for c in (512, 256, 128) if k % c == 0), 512)
         return bm, bn, bk
     small = 16
-    if backend in ("pallas_triton", "triton"):
+    if backend in pl.TRITON_BACKENDS:
         cap_k = 32 if np.dtype(dtype) == np.float32 else 64
         return (min(128, max(small, _next_pow2(m))), min(128, max(small, _next_pow2(n))),
                 min(cap_k, max(small, _next_pow2(k))))

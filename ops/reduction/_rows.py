@@ -14,7 +14,7 @@ Every row-wise op sees its input as ``[rows, features]`` and reduces along
   last chunk is masked with :func:`column_mask`; rows past the end are
   discarded on store and need no mask unless they feed a cross-row sum.
 
-Block widths per backend: on ``pallas_triton`` the full-row block is the next
+Block widths per backend: on the Triton backends the full-row block is the next
 power of two (loads are what must be powers of two, and the loop never runs
 past ``features``); on ``mosaic_tpu`` and ``interpret`` it is a whole number of
 chunks (chunks are multiples of 128, the TPU lane width), so no slice runs
@@ -90,7 +90,7 @@ def row_layout(rows: int, features: int, dtype, backend: str, *, max_chunk: int 
         raise ValueError(f"max_chunk must be a power of two >= 128, got {max_chunk}.")
     chunk = min(max_chunk, max(128, _next_pow2(features)))
     num_chunks = max(1, pl.cdiv(features, chunk))
-    if backend == "pallas_triton":
+    if backend in pl.TRITON_BACKENDS:
         padded = max(chunk, _next_pow2(features))
     else:
         padded = num_chunks * chunk
@@ -143,3 +143,125 @@ def for_each_chunk(layout: RowLayout, body, init):
     if layout.num_chunks == 1:
         return body(0, init)
     return lax.fori_loop(0, layout.num_chunks, body, init)
+
+
+def online_logsumexp_update(m, s, x_chunk):
+    """One step of the online (streaming) logsumexp: folds ``x_chunk`` into ``(m, s)``.
+
+    The running state of a row is its maximum so far ``m`` and the sum so far
+    of ``exp(x - m)``, ``s`` (Milakov & Gimelshein 2018, "Online normalizer
+    calculation for softmax"): a new chunk may raise the maximum, so the old
+    sum is rescaled by ``exp(m - m_new)`` before the chunk's terms are added.
+    After the last chunk, ``logsumexp = m + log(s)``.
+
+    Args:
+      m, s: float32 ``[block_rows, 1]``; start from ``-inf`` and ``0``.
+      x_chunk: float32 ``[block_rows, chunk]``, padding columns set to
+        ``-inf`` (``load_chunk(..., fill=-inf)``).
+
+    Returns:
+      ``(m_new, s_new)``, float32 ``[block_rows, 1]``.
+
+    A row that is ``-inf`` everywhere so far keeps ``m = -inf, s = 0`` (its
+    logsumexp is ``-inf``, as ``jax.nn.logsumexp``'s) instead of producing
+    ``exp(-inf - -inf) = NaN``: terms are taken relative to a shift that is the
+    new maximum where it is finite and 0 elsewhere, the choice
+    ``jax.nn.logsumexp`` makes too (so a ``+inf`` entry gives ``+inf``).
+    """
+    m_new = jnp.maximum(m, jnp.max(x_chunk, axis=1, keepdims=True))
+    shift = logsumexp_shift(m_new)
+    s_new = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x_chunk - shift), axis=1, keepdims=True)
+    return m_new, s_new
+
+
+def row_compiler_params(layout: RowLayout, backend: str):
+    """Compiler params for a row-wise ``pallas_call`` over ``layout.grid``.
+
+    The one grid axis is ``"parallel"`` (programs own disjoint rows). On
+    ``pallas_triton`` the Triton params are passed explicitly (JAX would pick
+    Mosaic GPU otherwise): 8 warps once a loop step touches 8k elements or
+    more, 4 below; two pipeline stages when the row takes several chunks (the
+    next chunk's load overlaps this chunk's math; at most 64 KiB of shared
+    memory with the default chunks), one otherwise. Untuned starting points:
+    revisit with GPU measurements.
+    """
+    if backend in pl.TRITON_BACKENDS:
+        warps = 8 if layout.block_rows * layout.chunk >= 8192 else 4
+        return pl.triton.CompilerParams(num_warps=warps,
+                                        num_stages=2 if layout.num_chunks > 1 else 1,
+                                        dimension_semantics=(pl.PARALLEL,))
+    return pl.CompilerParams(dimension_semantics=(pl.PARALLEL,))
+
+
+def normalize_axes(axis, ndim: int, op: str) -> tuple[int, ...]:
+    """``axis`` (None = every axis, an int, or a tuple/list of ints; negative
+    counts from the end) as sorted non-negative axes.
+
+    Raises:
+      TypeError: an entry that is not an int.
+      ValueError: an axis out of range for rank ``ndim``, or a repeated axis;
+        the message names ``axis``.
+    """
+    if axis is None:
+        return tuple(range(ndim))
+    entries = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    out = []
+    for a in entries:
+        if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
+            raise TypeError(f"{op}: axis must be None, an int or a tuple of ints, got {axis!r}.")
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{op}: axis {int(a)} is out of range for x of rank {ndim} "
+                             f"(axis={axis!r}).")
+        out.append(int(a) % ndim if ndim else int(a))
+    if len(set(out)) != len(out):
+        raise ValueError(f"{op}: axis {axis!r} names the same axis more than once.")
+    return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class AxesView:
+    """``x`` seen as ``[rows, features]`` with ``axes`` flattened into features.
+
+    Attributes:
+      x2: the ``[rows, features]`` array. Axes are moved last with a
+        transpose, a copy of ``x`` unless ``axes`` already are the trailing
+        axes (then ``x2`` is a free reshape).
+      axes: the reduced axes (sorted, non-negative).
+      kept_shape: x's shape without ``axes`` (the shape of a per-row result).
+      moved_shape: x's shape with ``axes`` moved last.
+      perm: the transpose taking x to ``moved_shape``.
+    """
+
+    x2: jax.Array
+    axes: tuple[int, ...]
+    kept_shape: tuple[int, ...]
+    moved_shape: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    def restore(self, y2) -> jax.Array:
+        """A ``[rows, features]`` result back in x's layout (the inverse transpose)."""
+        y = y2.reshape(self.moved_shape)
+        if self.perm == tuple(range(len(self.perm))):
+            return y
+        return jnp.transpose(y, np.argsort(self.perm))
+
+
+def rows_over_axes(x, axes: tuple[int, ...]) -> AxesView:
+    """Moves (normalized) ``axes`` last and flattens: rows = kept axes, features = ``axes``."""
+    kept = tuple(d for d in range(x.ndim) if d not in axes)
+    perm = kept + tuple(axes)
+    moved = x if perm == tuple(range(x.ndim)) else jnp.transpose(x, perm)
+    kept_shape = tuple(x.shape[d] for d in kept)
+    features = int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
+    rows = int(np.prod(kept_shape, dtype=np.int64))
+    return AxesView(x2=moved.reshape(rows, features), axes=tuple(axes), kept_shape=kept_shape,
+                    moved_shape=tuple(moved.shape), perm=perm)
+
+
+def logsumexp_shift(m):
+    """What ``exp`` arguments are taken relative to: the running max ``m`` where
+    it is finite, else 0 (``jax.nn.logsumexp``'s choice), so an all ``-inf``
+    row never computes ``-inf - -inf``. Written with ``abs`` and ``<`` (a NaN
+    ``m`` gives 0 and stays NaN downstream) so every backend can lower it.
+    """
+    return jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)

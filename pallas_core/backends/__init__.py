@@ -5,6 +5,8 @@ import jax
 
 BACKENDS = ("interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton")
 JAX_PALLAS_BACKENDS = ("mosaic_tpu", "mosaic_gpu", "pallas_triton")
+# Backends whose kernels become Triton: power-of-two tiles, num_warps / num_stages.
+TRITON_BACKENDS = ("triton", "pallas_triton")
 
 # Our own Triton lowering is not built yet: until it is, CUDA defaults to
 # JAX's Pallas Triton lowering.

@@ -1,0 +1,197 @@
+"""Benchmark cases for ``cross_entropy`` and ``linear_cross_entropy``.
+
+Each case pits our kernels (the platform's kernel implementation, see
+:func:`benchmarks.harness.kernel_implementation`) against the baseline a user
+would write without us, jitted and in the inputs' dtype:
+
+* cross_entropy: ``optax.softmax_cross_entropy_with_integer_labels(logits, labels)``;
+* linear_cross_entropy: ``x @ w`` then the same optax loss, which
+  materialises the ``[N, V]`` logits (and, for the backward pass, their
+  gradient).
+
+Besides time, every row reports ``peak_bytes`` (the compiled executable's
+temporary plus output buffers, :func:`benchmarks.harness.compiled_peak_bytes`):
+for linear cross-entropy memory is the point, since the naive version needs
+``N x V`` logits. Accuracy is measured against the same math in float32.
+
+Cost model (for TFLOP/s and GB/s):
+
+* cross_entropy is memory-bound (ceiling "copy"): the forward reads the
+  logits once; forward + backward reads them twice and writes the gradient.
+  Flops are counted as 4 per logit forward (max, subtract, exp, add) and 4
+  more backward.
+* linear_cross_entropy is compute-bound (ceiling "matmul"): ``2*N*D*V``
+  flops forward, ``6*N*D*V`` forward + backward (the logits, dx and dw
+  products). Our backward recomputes the logits (another ``2*N*D*V``) to save
+  memory; that recomputation is not counted, so TFLOP/s compares the
+  implementations' time for the same useful work.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from benchmarks import harness
+from ops.reduction.cross_entropy import cross_entropy
+from ops.reduction.linear_cross_entropy import linear_cross_entropy
+
+CE = "cross_entropy"
+LINEAR_CE = "linear_cross_entropy"
+
+# cross_entropy: ((N, V), dtype); linear_cross_entropy: ((N, D, V), dtype).
+# Accelerators: a training batch of 8192 tokens at the vocabularies of current
+# LLMs (32k: Llama 2 / Mistral; 128k: Llama 3), d_model 4096.
+ACCELERATOR_SHAPES = {
+    CE: (((8192, 32768), "bfloat16"), ((8192, 131072), "bfloat16"),
+         ((8192, 32768), "float32")),
+    LINEAR_CE: (((8192, 4096, 32768), "bfloat16"), ((8192, 4096, 131072), "bfloat16")),
+}
+# CPUs run our kernels through the Pallas interpreter: tiny sizes, with dims
+# that divide no block so edge tiles are timed too.
+CPU_SHAPES = {
+    CE: (((128, 4096), "float32"), ((100, 5000), "bfloat16")),
+    LINEAR_CE: (((64, 64, 2048), "float32"), ((60, 96, 3000), "bfloat16")),
+}
+QUICK_SHAPES = {
+    "cpu": {CE: (((32, 1024), "float32"),), LINEAR_CE: (((16, 32, 512), "float32"),)},
+    "accelerator": {CE: (((1024, 32768), "bfloat16"),),
+                    LINEAR_CE: (((1024, 1024, 32768), "bfloat16"),)},
+}
+
+
+def shapes(platform: str, quick: bool = False) -> dict:
+    """``{op: ((shape, dtype), ...)}`` benchmarked on ``platform``."""
+    on_cpu = platform == "cpu"
+    if quick:
+        return QUICK_SHAPES["cpu" if on_cpu else "accelerator"]
+    return CPU_SHAPES if on_cpu else ACCELERATOR_SHAPES
+
+
+def cases(platform: str, quick: bool = False) -> list[harness.Case]:
+    """Every cross-entropy case for ``platform``: ops x shapes x passes.
+
+    ``quick`` keeps one tiny shape per op (still both passes), for smoke tests.
+    """
+    ours = harness.kernel_implementation(platform)
+    makers = {CE: make_ce_case, LINEAR_CE: make_linear_case}
+    return [makers[op](shape, dtype, pass_name, ours)
+            for op, op_shapes in shapes(platform, quick).items()
+            for shape, dtype in op_shapes
+            for pass_name in harness.PASSES]
+
+
+# --------------------------------------------------------------------------
+# cross_entropy
+# --------------------------------------------------------------------------
+
+def make_ce_case(shape, dtype: str, pass_name: str, implementation: str) -> harness.Case:
+    """One cross_entropy case: ``shape = (N, V)``, ours vs optax."""
+    n, v = shape
+    fns = {harness.BASELINE: _optax_ce,
+           implementation: functools.partial(_ours_ce, implementation=implementation)}
+    reference = _float32_ce
+    fwd_bwd = pass_name == "fwd+bwd"
+    if fwd_bwd:
+        fns = {name: _forward_and_backward(fn) for name, fn in fns.items()}
+        reference = _forward_and_backward(reference)
+    itemsize = jnp.dtype(dtype).itemsize
+    logits_bytes = n * v * itemsize
+    return harness.Case(
+        op=CE, variant="plain", shape=(n, v), dtype=dtype, pass_name=pass_name,
+        flops=(8.0 if fwd_bwd else 4.0) * n * v,
+        make_inputs=functools.partial(_ce_inputs, shape=(n, v), dtype=dtype,
+                                      with_cotangent=fwd_bwd),
+        implementations=fns, reference=reference, ceiling="copy",
+        bytes_accessed=(3 if fwd_bwd else 1) * logits_bytes, report_memory=True)
+
+
+def _ce_inputs(key, *, shape, dtype, with_cotangent):
+    """``(logits, labels[, cotangent])``; logits of scale 2, a realistic spread."""
+    n, v = shape
+    kx, kl, kc = jax.random.split(key, 3)
+    inputs = [harness.random_normal(kx, (n, v), dtype, scale=2.0),
+              jax.random.randint(kl, (n,), 0, v)]
+    if with_cotangent:
+        inputs.append(harness.random_normal(kc, (n,), dtype))
+    return tuple(inputs)
+
+
+def _optax_ce(logits, labels):
+    """What a user writes: optax in the logits' dtype."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def _ours_ce(logits, labels, *, implementation):
+    return cross_entropy(logits, labels, implementation=implementation)
+
+
+def _float32_ce(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+
+
+# --------------------------------------------------------------------------
+# linear_cross_entropy
+# --------------------------------------------------------------------------
+
+def make_linear_case(shape, dtype: str, pass_name: str, implementation: str) -> harness.Case:
+    """One linear_cross_entropy case: ``shape = (N, D, V)``, ours vs ``x @ w`` + optax."""
+    n, d, v = shape
+    fns = {harness.BASELINE: _naive_linear_ce,
+           implementation: functools.partial(_ours_linear_ce, implementation=implementation)}
+    reference = _float32_linear_ce
+    fwd_bwd = pass_name == "fwd+bwd"
+    if fwd_bwd:
+        fns = {name: _forward_and_backward(fn) for name, fn in fns.items()}
+        reference = _forward_and_backward(reference)
+    return harness.Case(
+        op=LINEAR_CE, variant="plain", shape=(n, d, v), dtype=dtype, pass_name=pass_name,
+        flops=2.0 * n * d * v * (3 if fwd_bwd else 1),
+        make_inputs=functools.partial(_linear_inputs, shape=(n, d, v), dtype=dtype,
+                                      with_cotangent=fwd_bwd),
+        implementations=fns, reference=reference, ceiling="matmul", report_memory=True)
+
+
+def _linear_inputs(key, *, shape, dtype, with_cotangent):
+    """``(x, w, labels[, cotangent])``; w scaled by 1/sqrt(D) so logits are O(1)."""
+    n, d, v = shape
+    kx, kw, kl, kc = jax.random.split(key, 4)
+    inputs = [harness.random_normal(kx, (n, d), dtype),
+              harness.random_normal(kw, (d, v), dtype, scale=d ** -0.5),
+              jax.random.randint(kl, (n,), 0, v)]
+    if with_cotangent:
+        inputs.append(harness.random_normal(kc, (n,), dtype))
+    return tuple(inputs)
+
+
+def _naive_linear_ce(x, w, labels):
+    """What a user writes: the logits in the inputs' dtype, then optax."""
+    return optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)
+
+
+def _ours_linear_ce(x, w, labels, *, implementation):
+    return linear_cross_entropy(x, w, labels, implementation=implementation)
+
+
+def _float32_linear_ce(x, w, labels):
+    logits = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+# --------------------------------------------------------------------------
+
+def _forward_and_backward(fn):
+    """``(*float_args, labels, cotangent) -> (loss, grads)``: a training step's work.
+
+    Every argument before the labels is differentiated; the labels are not.
+    The loss is returned too, so no compiler can drop the forward pass.
+    """
+    def fwd_bwd(*args):
+        *diff, labels, cotangent = args
+        out, pullback = jax.vjp(lambda *a: fn(*a, labels), *diff)
+        return out, pullback(cotangent.astype(out.dtype))
+    return fwd_bwd

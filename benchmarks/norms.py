@@ -1,0 +1,162 @@
+"""Benchmark cases for ``layer_norm`` and ``rms_norm`` (:mod:`ops.reduction.norms`).
+
+Each case pits our kernel (the platform's kernel implementation, see
+:func:`benchmarks.harness.kernel_implementation`) against the baseline a user
+would write without us: the normalization in plain ``jnp`` (statistics in
+float32, as Flax computes them), jitted. Accuracy is measured against the
+same math on float32 inputs.
+
+Both ops are memory-bound, so cases are compared to the device's measured
+copy bandwidth (``ceiling="copy"``). ``bytes_accessed`` counts the traffic a
+fully fused implementation cannot avoid, with ``N = rows * hidden`` elements
+of ``s`` bytes and ``P`` the parameter bytes (``hidden * s`` per scale/bias):
+
+* fwd: read x, write y: ``2 * N * s + P``.
+* fwd+bwd: the forward, then read x and the cotangent and write dx
+  (``5 * N * s``), plus the params read by the forward, the scale read again
+  by the backward and the parameter gradients written: ``2 * P + hidden * s``.
+  The per-row float32 statistics our forward keeps (8 bytes a row) and the
+  per-row-block partial sums of dscale / dbias are not counted: they are
+  overhead of our kernels, not work the problem requires.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from benchmarks import harness
+from ops.reduction.norms import layer_norm, reference, rms_norm
+
+# op name -> (center, has bias). Both ops take a scale, as in every model.
+OPS = {"layer_norm": (True, True), "rms_norm": (False, False)}
+VARIANT = {"layer_norm": "scale+bias", "rms_norm": "scale"}
+EPSILON = 1e-6
+
+# (rows, hidden), dtype. Accelerators: transformer activations (tokens x
+# d_model) from a small model to a large one, bf16 mostly (training), a
+# couple of float32 cases, hidden sizes that are and are not powers of two.
+ACCELERATOR_SHAPES = (
+    ((4096, 1024), "bfloat16"),
+    ((16384, 4096), "bfloat16"),
+    ((32768, 5120), "bfloat16"),
+    ((8192, 12288), "bfloat16"),
+    ((16384, 4096), "float32"),
+    ((4096, 16384), "float32"),
+)
+# CPUs run the kernels through the Pallas interpreter: tiny sizes keep the
+# whole CPU suite fast. 1000 is not a power of two (masked last chunk) and 37
+# rows leave a partial row block.
+CPU_SHAPES = (
+    ((64, 384), "float32"),
+    ((37, 1000), "bfloat16"),
+)
+QUICK_SHAPES = {"cpu": (((16, 256), "float32"),),
+                "accelerator": (((4096, 1024), "bfloat16"),)}
+
+
+def shapes(platform: str, quick: bool = False):
+    """The ``((rows, hidden), dtype)`` pairs benchmarked on ``platform``."""
+    on_cpu = platform == "cpu"
+    if quick:
+        return QUICK_SHAPES["cpu" if on_cpu else "accelerator"]
+    return CPU_SHAPES if on_cpu else ACCELERATOR_SHAPES
+
+
+def cases(platform: str, quick: bool = False) -> list[harness.Case]:
+    """Every norm case for ``platform``: shapes x ops x passes.
+
+    ``quick`` keeps one tiny shape (still both ops and both passes), for smoke tests.
+    """
+    ours = harness.kernel_implementation(platform)
+    return [make_case(op, shape, dtype, pass_name, ours)
+            for shape, dtype in shapes(platform, quick)
+            for op in OPS
+            for pass_name in harness.PASSES]
+
+
+def make_case(op: str, shape, dtype: str, pass_name: str, implementation: str) -> harness.Case:
+    """One case: ``op`` on ``shape = (rows, hidden)``, our ``implementation`` vs XLA."""
+    rows, hidden = shape
+    center, has_bias = OPS[op]
+    fns = {
+        harness.BASELINE: functools.partial(_xla_baseline, center=center),
+        implementation: functools.partial(_ours, op=op, implementation=implementation),
+    }
+    ref = functools.partial(_float32_reference, center=center)
+    if pass_name == "fwd+bwd":
+        fns = {name: _forward_and_backward(fn) for name, fn in fns.items()}
+        ref = _forward_and_backward(ref)
+    itemsize = jnp.dtype(dtype).itemsize
+    n = rows * hidden
+    n_params = 1 + int(has_bias)
+    params = n_params * hidden * itemsize
+    if pass_name == "fwd":
+        bytes_accessed = 2 * n * itemsize + params
+    else:
+        bytes_accessed = 5 * n * itemsize + 2 * params + hidden * itemsize
+    # Nominal flops per element: LayerNorm forward 8 (sum, subtract, square,
+    # sum, scale by rstd, scale, add bias, ...), RMSNorm 5; the backward about
+    # twice the forward. Memory bound either way: GB/s is the figure of merit.
+    per_elem = 8 if center else 5
+    flops = float(per_elem * n * (3 if pass_name == "fwd+bwd" else 1))
+    return harness.Case(
+        op=op, variant=VARIANT[op], shape=(rows, hidden), dtype=dtype, pass_name=pass_name,
+        flops=flops,
+        make_inputs=functools.partial(_make_inputs, shape=(rows, hidden), dtype=dtype,
+                                      has_bias=has_bias, with_cotangent=pass_name == "fwd+bwd"),
+        implementations=fns, reference=ref, ceiling="copy", bytes_accessed=float(bytes_accessed))
+
+
+def _make_inputs(key, *, shape, dtype, has_bias, with_cotangent):
+    """``(x, scale[, bias][, cotangent])``: activations with a non-zero mean (1.0)
+    so centering matters, scale around 1, bias around 0."""
+    rows, hidden = shape
+    kx, ks, kb, kc = jax.random.split(key, 4)
+    x = (harness.random_normal(kx, (rows, hidden), jnp.float32) + 1.0).astype(dtype)
+    inputs = [x, (1.0 + harness.random_normal(ks, (hidden,), jnp.float32, 0.1)).astype(dtype)]
+    if has_bias:
+        inputs.append(harness.random_normal(kb, (hidden,), dtype, 0.1))
+    if with_cotangent:
+        inputs.append(harness.random_normal(kc, (rows, hidden), dtype))
+    return tuple(inputs)
+
+
+def _xla_baseline(x, scale, bias=None, *, center):
+    """What a user writes: float32 statistics (as Flax does), output in x's dtype."""
+    xf = x.astype(jnp.float32)
+    if center:
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        y = (xf - mean) * lax.rsqrt(jnp.var(xf, axis=-1, keepdims=True) + EPSILON)
+    else:
+        y = xf * lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + EPSILON)
+    y = y * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _ours(x, scale, bias=None, *, op, implementation):
+    if op == "layer_norm":
+        return layer_norm(x, scale, bias, epsilon=EPSILON, implementation=implementation)
+    return rms_norm(x, scale, epsilon=EPSILON, implementation=implementation)
+
+
+def _float32_reference(x, scale, bias=None, *, center):
+    """The exact answer: the inputs upcast to float32."""
+    up = lambda a: None if a is None else a.astype(jnp.float32)
+    return reference(up(x), up(scale), up(bias), epsilon=EPSILON, center=center)
+
+
+def _forward_and_backward(fn):
+    """``(*primals, cotangent) -> (out, grads)``: a training step's work for ``fn``.
+
+    The output is returned too, so the forward pass cannot be dropped.
+    """
+    def fwd_bwd(*args):
+        *primals, cotangent = args
+        out, pullback = jax.vjp(fn, *primals)
+        return out, pullback(cotangent.astype(out.dtype))
+    return fwd_bwd

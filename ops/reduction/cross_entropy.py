@@ -1,0 +1,277 @@
+"""Softmax cross-entropy with integer labels: ``logsumexp(logits) - logits[label]``.
+
+Same meaning, argument order and output dtype as
+``optax.softmax_cross_entropy_with_integer_labels(logits, labels)`` (the class
+axis is the last one), computed in float32 inside the kernels.
+
+Forward kernel: the shared row layout (:mod:`ops.reduction._rows`): each
+program owns ``block_rows`` full rows of logits and walks them in column
+chunks, folding every chunk into an online logsumexp
+(:func:`~ops.reduction._rows.online_logsumexp_update`) and picking the label's
+logit in the same pass (labels come in as a ``[rows, 1]`` int32 block). Only
+one chunk is ever held in float32, never a whole row of the softmax. It writes
+the loss and the row's logsumexp as two ``[rows, 1]`` float32 parts, the
+maximum ``m`` and ``log(sum(exp(x - m)))``: the residuals the backward pass
+needs besides the inputs. Kept apart, they keep large logits accurate: with
+logits near 1e4, ``lse`` itself is only known to float32's 1e-3 there, but
+``(x - m) - log_s`` and the loss ``(m - x[label]) + log_s`` are exact to
+float32 rounding of O(1) numbers.
+
+Backward kernel: ``dlogits = g * (softmax - onehot(label))``, chunk by chunk,
+with ``softmax = exp((logits - m) - log_s)`` recomputed from the saved
+statistics (one
+``exp`` per element, cheaper than storing and re-reading a float32 softmax),
+written in logits' dtype.
+
+Labels outside ``[0, V)``: the loss is NaN (optax gives NaN for labels >= V
+and silently wraps negative ones, Python-style; we treat every out-of-range
+label alike, so a ``-1`` or ``-100`` padding label can never quietly train
+towards a real class). The gradient of such a row is ``g * softmax`` (no
+label term), what ``jax.grad`` of optax gives for labels >= V. To ignore
+padding, select rather than multiply: ``jnp.where(mask, loss, 0)`` gives zero
+loss and zero gradient for masked rows, while ``loss * mask`` keeps the NaN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas_core as pl
+from ops._checks import check_array, check_float_dtype
+from ops._implementation import resolve_implementation
+from ops.reduction import _rows
+
+_OP = "cross_entropy"
+
+# Backends these kernels are written and tested for. pallas_core's own Triton
+# lowering ("triton") is not validated on them yet.
+
+
+def cross_entropy(logits, labels, *, implementation: str | None = None,
+                  max_chunk: int | None = None) -> jax.Array:
+    """Per-example softmax cross-entropy: ``logsumexp(logits) - logits[label]``.
+
+    Args:
+      logits: ``[..., V]`` float32 / bfloat16 / float16 unnormalised log
+        probabilities; any number of leading dims.
+      labels: integer array of shape ``logits.shape[:-1]``, the class of each
+        example in ``[0, V)``. Labels outside that range give a NaN loss (see
+        the module docstring).
+      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
+      max_chunk: cap on the column chunk the kernels walk a row in (a power of
+        two >= 128); None picks it by dtype. A tuning / test hook.
+
+    Returns:
+      ``[...]`` losses in logits' dtype (as optax), computed in float32 and
+      rounded once at the end.
+
+    Raises:
+      TypeError: non-array inputs, logits not floating point, labels not integer.
+      ValueError: logits a scalar or with an empty class axis, labels' shape
+        not ``logits.shape[:-1]``, an unknown implementation, a bad max_chunk.
+
+    Differentiable in logits (``jax.custom_vjp`` with a Pallas backward
+    kernel); jit- and vmap-compatible. Large logits (``|x|`` up to 1e4 and
+    beyond) stay finite: every exponent is taken relative to the row maximum.
+    """
+    check_array(logits, "logits", _OP)
+    check_array(labels, "labels", _OP)
+    check_float_dtype(logits, "logits", _OP)
+    check_labels(logits.shape[:-1] if logits.ndim else None, labels, "logits", _OP)
+    if logits.shape[-1] == 0:
+        raise ValueError(f"{_OP}: logits' last dim (the classes) is empty; shape "
+                         f"{tuple(logits.shape)}.")
+    impl = resolve_implementation(implementation, _OP)
+    if max_chunk is not None:
+        _rows.row_layout(1, 1, logits.dtype, impl, max_chunk=max_chunk)  # validates it
+    if impl == "xla":
+        return reference(logits, labels)
+    x2, lead = _rows.as_rows(logits)
+    labels2 = labels.reshape(-1, 1).astype(jnp.int32)
+    loss = _cross_entropy(x2, labels2, _Config(impl, max_chunk))
+    return loss.reshape(lead)
+
+
+def check_labels(expected_shape, labels, ref_name: str, op: str) -> None:
+    """Labels must be integers shaped like ``ref_name``'s leading dims (``expected_shape``)."""
+    if expected_shape is None:
+        raise ValueError(f"{op}: {ref_name} must have rank >= 1 [..., V], got a scalar.")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{op}: labels has dtype {np.dtype(labels.dtype).name}; expected an "
+                        "integer dtype (class indices).")
+    if tuple(labels.shape) != tuple(expected_shape):
+        raise ValueError(f"{op}: labels must have shape {ref_name}.shape[:-1] = "
+                         f"{tuple(expected_shape)}, got {tuple(labels.shape)}.")
+
+
+# --------------------------------------------------------------------------
+# XLA reference (also the "xla" implementation)
+# --------------------------------------------------------------------------
+
+def reference(logits, labels):
+    """Cross-entropy with XLA in float32; NaN for labels outside ``[0, V)``; logits' dtype.
+
+    Computed as ``(m - x[label]) + log(sum(exp(x - m)))`` with ``m`` the row
+    maximum (held constant for autodiff: the value does not depend on it), as
+    the kernels do, so large logits lose no accuracy to a rounded logsumexp.
+    """
+    x = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    m = lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    log_s = jnp.log(jnp.sum(jnp.exp(x - m), axis=-1))
+    safe = jnp.clip(labels, 0, v - 1).astype(jnp.int32)
+    picked = jnp.take_along_axis(x, safe[..., None], axis=-1)[..., 0]
+    valid = (labels >= 0) & (labels < v)
+    return jnp.where(valid, (m[..., 0] - picked) + log_s, jnp.nan).astype(logits.dtype)
+
+
+# --------------------------------------------------------------------------
+# Forward kernel: online logsumexp + label pick, one pass over the row
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    backend: str
+    max_chunk: int | None = None
+
+
+def _columns(layout: _rows.RowLayout, c, shape):
+    """Global column index of every element of chunk ``c``."""
+    return c * layout.chunk + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+
+
+def _valid_labels(labels, features: int):
+    return (labels >= 0) & (labels < features)
+
+
+def _forward_kernel(logits_ref, labels_ref, loss_ref, m_ref, log_s_ref, *,
+                    layout: _rows.RowLayout):
+    labels = labels_ref[...]                       # [block_rows, 1] int32
+    shape = (labels.shape[0], 1)
+
+    def body(c, carry):
+        m, s, picked = carry
+        x = _rows.load_chunk(logits_ref, layout, c, fill=-jnp.inf)
+        m, s = _rows.online_logsumexp_update(m, s, x)
+        hit = _columns(layout, c, x.shape) == labels
+        picked = picked + jnp.sum(jnp.where(hit, x, 0.0), axis=1, keepdims=True)
+        return m, s, picked
+
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape, jnp.float32))
+    m, s, picked = _rows.for_each_chunk(layout, body, init)
+    log_s = jnp.log(s)
+    loss_ref[...] = jnp.where(_valid_labels(labels, layout.features), (m - picked) + log_s,
+                              jnp.nan)
+    m_ref[...] = m
+    log_s_ref[...] = log_s
+
+
+def _forward_call(x2, labels2, config: _Config):
+    """Returns float32 ``[rows, 1]`` loss, row max and log-sum-exp-minus-max."""
+    layout = _layout(x2, config)
+    rows = x2.shape[0]
+    stat = jax.ShapeDtypeStruct((rows, 1), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, layout=layout),
+        out_shape=[stat] * 3, grid=layout.grid,
+        in_specs=[layout.row_spec(), layout.stat_spec()],
+        out_specs=[layout.stat_spec()] * 3,
+        compiler_params=_compiler_params(layout, config.backend, x2.dtype, row_blocks=1),
+        backend=config.backend, name="cross_entropy_fwd")(x2, labels2)
+
+
+# --------------------------------------------------------------------------
+# Backward kernel: g * (softmax - onehot), softmax recomputed from the saved stats
+# --------------------------------------------------------------------------
+
+def _backward_kernel(logits_ref, labels_ref, m_ref, log_s_ref, g_ref, dlogits_ref, *,
+                     layout: _rows.RowLayout):
+    labels = labels_ref[...]
+    m, log_s = m_ref[...], log_s_ref[...]
+    g = g_ref[...]
+
+    def body(c, carry):
+        # Padding columns: fill 0 keeps exp finite; their stores are discarded.
+        x = _rows.load_chunk(logits_ref, layout, c, fill=0.0)
+        onehot = (_columns(layout, c, x.shape) == labels).astype(jnp.float32)
+        d = g * (jnp.exp((x - m) - log_s) - onehot)
+        dlogits_ref[:, _rows.chunk_slice(layout, c)] = d.astype(dlogits_ref.dtype)
+        return carry
+
+    _rows.for_each_chunk(layout, body, 0)
+
+
+def _backward_call(x2, labels2, m, log_s, g, config: _Config):
+    layout = _layout(x2, config)
+    return pl.pallas_call(
+        functools.partial(_backward_kernel, layout=layout),
+        out_shape=jax.ShapeDtypeStruct(x2.shape, x2.dtype), grid=layout.grid,
+        in_specs=[layout.row_spec()] + [layout.stat_spec()] * 4,
+        out_specs=layout.row_spec(),
+        compiler_params=_compiler_params(layout, config.backend, x2.dtype, row_blocks=2),
+        backend=config.backend, name="cross_entropy_bwd")(x2, labels2, m, log_s, g)
+
+
+# --------------------------------------------------------------------------
+# custom_vjp wiring
+# --------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cross_entropy(x2, labels2, config: _Config):
+    loss, _, _ = _forward_call(x2, labels2, config)
+    return loss[:, 0].astype(x2.dtype)
+
+
+def _cross_entropy_fwd(x2, labels2, config):
+    loss, m, log_s = _forward_call(x2, labels2, config)
+    return loss[:, 0].astype(x2.dtype), (x2, labels2, m, log_s)
+
+
+def _cross_entropy_bwd(config, residuals, g):
+    x2, labels2, m, log_s = residuals
+    g2 = g.astype(jnp.float32).reshape(-1, 1)
+    dlogits = _backward_call(x2, labels2, m, log_s, g2, config)
+    return dlogits, None  # labels are integers: no cotangent
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+# --------------------------------------------------------------------------
+# Block-size heuristic
+# --------------------------------------------------------------------------
+
+def _layout(x2, config: _Config) -> _rows.RowLayout:
+    """The shared row layout (:func:`ops.reduction._rows.row_layout`): 4 rows per
+    program (8 on TPU, the sublane count), chunks of up to 4096 columns for
+    16-bit logits and 2048 for float32 (so a chunk of a few rows in float32 is
+    a few hundred KiB at most), ``max_chunk`` overriding the cap."""
+    rows, features = x2.shape
+    return _rows.row_layout(rows, features, x2.dtype, config.backend, max_chunk=config.max_chunk)
+
+
+_DEFAULT_SCOPED_VMEM = 16 << 20  # the smallest default (v5e); v6e and later have 32 MiB
+_MAX_VMEM_LIMIT = 48 << 20       # below v7x's 64 MiB per core
+
+
+def _compiler_params(layout: _rows.RowLayout, backend: str, dtype, *, row_blocks: int):
+    """The shared row-kernel params, plus a raised scoped-VMEM limit on TPU when
+    ``row_blocks`` double-buffered full-row blocks (the logits, and dlogits in
+    the backward pass) would not fit the default: e.g. float32 rows of 128k
+    classes take 4 MiB per buffer of 8 rows."""
+    if backend == "mosaic_tpu":
+        block = layout.block_rows * layout.padded_cols * np.dtype(dtype).itemsize
+        chunk_temps = 8 * layout.block_rows * layout.chunk * 4  # float32 chunk values in flight
+        need = 2 * row_blocks * block + chunk_temps + (2 << 20)
+        if need > _DEFAULT_SCOPED_VMEM:
+            return pl.tpu.CompilerParams(dimension_semantics=(pl.PARALLEL,),
+                                         vmem_limit_bytes=min(need, _MAX_VMEM_LIMIT))
+    return _rows.row_compiler_params(layout, backend)

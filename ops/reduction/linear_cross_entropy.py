@@ -1,0 +1,590 @@
+"""Linear cross-entropy: ``cross_entropy(x @ w, labels)`` without the logits.
+
+A language model's last layer and loss, fused so that the ``[N, V]`` logits
+(N tokens, V = 32k-256k classes) are never stored: for N = 16k tokens and
+V = 128k they would take 8 GiB in float32, more than the rest of a training
+step. The idea follows Wijmans et al. 2024, "Cut Your Losses in
+Large-Vocabulary Language Models" (arXiv:2411.09009): compute logits one
+``[rows, vocab]`` tile at a time, reduce each tile into a running logsumexp
+and the label's logit, and in the backward pass recompute the tiles from
+``x``, ``w`` and the saved logsumexp. The code here is our own.
+
+Forward (a Pallas kernel, "fused logits + online logsumexp"): each program
+owns a block of rows and a range of the vocabulary; for every vocabulary tile
+it forms ``x_block @ w[:, tile]`` in a float32 accumulator (walking D in
+chunks), folds the tile into an online logsumexp
+(:func:`~ops.reduction._rows.online_logsumexp_update`) and picks the label's
+logit. How the work is laid out depends on the backend (as in
+:mod:`ops.matmul.fused_matmul`):
+
+* ``"grid"`` (interpret, mosaic_tpu): grid ``(row blocks, vocab tiles, D
+  chunks)``, the last two ``"arbitrary"``; the tile accumulator is VMEM
+  scratch, the running statistics live in the (revisited) output blocks
+  (seed 002). One program per row block sees the whole vocabulary.
+* ``"loop"`` (pallas_triton, whose programs all run concurrently): grid
+  ``(row blocks, vocab splits)``, both parallel; each program loops over its
+  split's tiles and, inside, over D. Splitting the vocabulary gives the GPU
+  ``row blocks x splits`` programs instead of only ``row blocks``.
+
+Each program writes its rows' partial statistics (running max, sum of
+exponentials, picked logit) for its vocabulary range, ``[splits, N, 1]``
+float32 (one split on the grid path); a tiny jnp reduction merges them into
+the logsumexp and the loss (no grid axis revisits an output across programs
+that could run concurrently). Cost: ``2*N*D*V`` flops, like ``x @ w``.
+
+Backward (Pallas kernels inside an XLA loop over vocabulary chunks of
+``vocab_chunk`` columns): per chunk,
+
+1. ``dz = g * (softmax - onehot)`` for the chunk by one Pallas kernel: a
+   tiled matmul ``x @ w[:, chunk]`` whose epilogue recomputes
+   ``exp((z - m) - log_s)`` from the saved logsumexp (kept as the row max
+   and the log of the shifted sum, as in cross_entropy); ``[N, chunk]`` in x's dtype;
+2. ``dx += dz @ w[:, chunk]^T`` and ``dw[:, chunk] = x^T @ dz`` by the tiled
+   matmul kernel of :mod:`ops.matmul.fused_matmul` (float32 accumulation).
+
+Every output block has exactly one writer (dx is accumulated across chunks
+by the XLA loop, dw's chunks are disjoint), so there are no write races and
+no atomics on any backend, and results are deterministic.
+
+Recomputation vs memory: the backward recomputes the logits once (another
+``2*N*D*V`` flops, so 8*N*D*V in all for forward + backward against 6*N*D*V
+when the logits are kept), in exchange for never holding ``N x V`` values:
+peak memory is ``O(N*D + D*V + N*chunk)`` (inputs, dw, one dz chunk and a
+float32 dx accumulator). The paper's backward instead accumulates dx and dw
+from concurrent programs with atomic adds, so no dz tile leaves the chip;
+ours stores one dz chunk to memory per step and stays race-free and
+deterministic. ``vocab_chunk`` trades that buffer (``N * chunk`` elements)
+against the number of loop steps. (The paper's gradient filtering, which
+skips tiles whose softmax underflows, is not implemented.)
+
+Semantics (as ``cross_entropy``): per-example losses in x's dtype; labels
+outside ``[0, V)`` give NaN loss and gradients without the label term.
+The ``"xla"`` implementation is the naive ``x @ w`` then cross-entropy,
+which does materialise the float32 logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas_core as pl
+from ops._checks import check_array, check_float_dtype, check_same_dtype
+from ops._implementation import resolve_implementation
+from ops.matmul.fused_matmul import _dot, _matmul_call, _strategy
+from ops.matmul.fused_matmul import default_block_sizes as matmul_block_sizes
+from ops.reduction import _rows
+# Named imports: the package re-exports the function cross_entropy, which shadows the module.
+from ops.reduction.cross_entropy import check_labels
+from ops.reduction.cross_entropy import reference as cross_entropy_reference
+
+_OP = "linear_cross_entropy"
+
+
+def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
+                         block_sizes=None, vocab_chunk: int | None = None) -> jax.Array:
+    """Per-example ``cross_entropy(x @ w, labels)`` without materialising ``x @ w``.
+
+    Args:
+      x: ``[..., D]`` float32 / bfloat16 / float16 (the final hidden states).
+      w: ``[D, V]``, same dtype as x (the output projection / unembedding).
+      labels: integer array of shape ``x.shape[:-1]``, classes in ``[0, V)``;
+        labels outside that range give a NaN loss.
+      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+        "mosaic_tpu"), "xla" (naive, materialises the logits), "interpret",
+        "triton" (ours), "pallas_triton", "mosaic_tpu".
+      block_sizes: optional ``(block_rows, block_vocab, block_d)`` tile of the
+        logits kernels; None picks by shape, dtype and backend.
+      vocab_chunk: vocabulary columns per backward step (rounded down to a
+        multiple of block_vocab, at least one tile); None picks it so one
+        ``[N, chunk]`` buffer stays near 64M elements. A tuning / test hook.
+
+    Returns:
+      ``[...]`` losses in x's dtype (the dtype of the naive ``x @ w`` + optax),
+      computed in float32.
+
+    Raises:
+      TypeError: non-array inputs, x not floating point, w's dtype not x's,
+        labels not integer.
+      ValueError: w not rank 2, D mismatch, empty vocabulary, labels' shape not
+        ``x.shape[:-1]``, an unknown implementation, bad block_sizes or
+        vocab_chunk.
+
+    Pallas kernels: the forward (fused logits + online logsumexp + label pick),
+    the backward's dz kernel (logits recomputed with the softmax gradient as
+    epilogue) and the dx / dw matmuls; the loop over vocabulary chunks in the
+    backward and the merge of per-split statistics are XLA. Differentiable in
+    x and w; jit- and vmap-compatible.
+    """
+    check_array(x, "x", _OP)
+    check_array(w, "w", _OP)
+    check_array(labels, "labels", _OP)
+    check_float_dtype(x, "x", _OP)
+    check_same_dtype(w, x, "w", "x", _OP)
+    if w.ndim != 2:
+        raise ValueError(f"{_OP}: w must have rank 2 [D, V], got shape {tuple(w.shape)}.")
+    if x.ndim < 1:
+        raise ValueError(f"{_OP}: x must have rank >= 1 [..., D], got a scalar.")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{_OP}: x's last dim ({x.shape[-1]}) must equal w's first dim "
+                         f"({w.shape[0]}); got x {tuple(x.shape)} and w {tuple(w.shape)}.")
+    if w.shape[1] == 0:
+        raise ValueError(f"{_OP}: w has no columns (an empty vocabulary).")
+    check_labels(x.shape[:-1], labels, "x", _OP)
+    impl = resolve_implementation(implementation, _OP)
+    blocks = _check_block_sizes(block_sizes)
+    if vocab_chunk is not None and (not isinstance(vocab_chunk, (int, np.integer))
+                                    or isinstance(vocab_chunk, bool) or vocab_chunk <= 0):
+        raise ValueError(f"{_OP}: vocab_chunk must be a positive int, got {vocab_chunk!r}.")
+    if impl == "xla":
+        return reference(x, w, labels)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    labels2 = labels.reshape(-1, 1).astype(jnp.int32)
+    config = _Config(backend=impl, block_sizes=blocks,
+                     vocab_chunk=None if vocab_chunk is None else int(vocab_chunk))
+    return _linear_cross_entropy(x2, w, labels2, config).reshape(lead)
+
+
+def _check_block_sizes(block_sizes):
+    if block_sizes is None:
+        return None
+    sizes = tuple(block_sizes)
+    if len(sizes) != 3 or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool)
+                                  and b > 0 for b in sizes):
+        raise ValueError(f"{_OP}: block_sizes must be three positive ints "
+                         f"(block_rows, block_vocab, block_d), got {block_sizes!r}.")
+    return tuple(int(b) for b in sizes)
+
+
+# --------------------------------------------------------------------------
+# XLA reference (also the "xla" implementation): the naive x @ w, then CE
+# --------------------------------------------------------------------------
+
+def reference(x, w, labels):
+    """``cross_entropy(x @ w, labels)`` with XLA: float32 logits (materialised), x's dtype out."""
+    logits = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    return cross_entropy_reference(logits, labels).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------
+# Tiling shared by the kernels
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    backend: str
+    block_sizes: tuple[int, int, int] | None = None
+    vocab_chunk: int | None = None
+    strategy: str | None = None  # None: by backend; tests force "loop" on the interpreter
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """How ``[rows, d] @ [d, vocab]`` is tiled.
+
+    ``tiles_per_split`` vocabulary tiles form one split (the loop path's
+    second grid axis); ``padded_d`` is the width of the loop path's full-D
+    blocks (D itself, or the next power of two when block_d does not divide D,
+    so that the last D chunk stays inside the block).
+    """
+
+    rows: int
+    d: int
+    vocab: int
+    block_rows: int
+    block_v: int
+    block_d: int
+    tiles_per_split: int
+    strategy: str
+
+    @property
+    def num_row_blocks(self) -> int:
+        return pl.cdiv(self.rows, self.block_rows)
+
+    @property
+    def num_v_tiles(self) -> int:
+        return pl.cdiv(self.vocab, self.block_v)
+
+    @property
+    def num_d(self) -> int:
+        return max(1, pl.cdiv(self.d, self.block_d))
+
+    @property
+    def num_splits(self) -> int:
+        return pl.cdiv(self.num_v_tiles, self.tiles_per_split)
+
+    @property
+    def padded_d(self) -> int:
+        return self.d if self.d % self.block_d == 0 else _next_pow2(self.d)
+
+    @property
+    def masks_d(self) -> bool:
+        return self.d % self.block_d != 0
+
+
+def _tile_dot(xa, wb, d0, dims: _Dims):
+    """``xa @ wb`` in float32 for the D chunk starting at ``d0``; columns of xa
+    and rows of wb at or past D (block padding, unspecified) are zeroed first."""
+    if dims.masks_d:
+        xcol = d0 + lax.broadcasted_iota(jnp.int32, xa.shape, 1)
+        xa = jnp.where(xcol < dims.d, xa, jnp.zeros((), xa.dtype))
+        wrow = d0 + lax.broadcasted_iota(jnp.int32, wb.shape, 0)
+        wb = jnp.where(wrow < dims.d, wb, jnp.zeros((), wb.dtype))
+    return _dot(xa, wb, 1, 0)
+
+
+def _logits_tile_loop(x_ref, w_ref, col0, dims: _Dims):
+    """Loop path: ``x_block @ w_block[:, col0:col0 + block_v]`` over D chunks, float32."""
+    bd = dims.block_d
+
+    def step(k, acc):
+        xa = x_ref[:, pl.ds(k * bd, bd)]
+        wb = w_ref[pl.ds(k * bd, bd), pl.ds(col0, dims.block_v)]
+        return acc + _tile_dot(xa, wb, k * bd, dims)
+
+    init = jnp.zeros((x_ref.shape[0], dims.block_v), jnp.float32)
+    if dims.num_d == 1:
+        return step(0, init)
+    return lax.fori_loop(0, dims.num_d, step, init)
+
+
+def _mask_vocab(z, tile, dims: _Dims):
+    """Columns of vocabulary tile ``tile`` past V set to -inf (they hold garbage)."""
+    col = tile * dims.block_v + lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    if dims.vocab % dims.block_v:
+        z = jnp.where(col < dims.vocab, z, -jnp.inf)
+    return z, col
+
+
+def _fold_tile(z, col, labels, m, s, picked):
+    """Online logsumexp and label pick over one float32 logits tile."""
+    m, s = _rows.online_logsumexp_update(m, s, z)
+    picked = picked + jnp.sum(jnp.where(col == labels, z, 0.0), axis=1, keepdims=True)
+    return m, s, picked
+
+
+# --------------------------------------------------------------------------
+# Forward kernels: fused logits tile + online logsumexp + label pick
+# --------------------------------------------------------------------------
+
+def _forward_grid_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, acc_ref, *,
+                         dims: _Dims):
+    j, k = pl.program_id(1), pl.program_id(2)
+
+    @pl.when((j == 0) & (k == 0))
+    def _init_stats():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        s_ref[...] = jnp.zeros(s_ref.shape, jnp.float32)
+        p_ref[...] = jnp.zeros(p_ref.shape, jnp.float32)
+
+    @pl.when(k == 0)
+    def _init_acc():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    acc_ref[...] += _tile_dot(x_ref[...], w_ref[...], k * dims.block_d, dims)
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _fold():
+        z, col = _mask_vocab(acc_ref[...], j, dims)
+        m, s, p = _fold_tile(z, col, labels_ref[...], m_ref[...], s_ref[...], p_ref[...])
+        m_ref[...], s_ref[...], p_ref[...] = m, s, p
+
+
+def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *, dims: _Dims):
+    split = pl.program_id(1)
+    labels = labels_ref[...]
+    t_per = dims.tiles_per_split
+    first_tile = split * t_per
+
+    def tile(t, carry):
+        z = _logits_tile_loop(x_ref, w_ref, t * dims.block_v, dims)
+        z, col = _mask_vocab(z, first_tile + t, dims)
+        return _fold_tile(z, col, labels, *carry)
+
+    shape = (labels.shape[0], 1)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape, jnp.float32))
+    if dims.num_v_tiles % t_per:  # the last split has fewer tiles: never read past V
+        trips = jnp.minimum(t_per, dims.num_v_tiles - first_tile)
+    else:
+        trips = t_per
+    m, s, p = lax.fori_loop(0, trips, tile, init) if t_per > 1 else tile(0, init)
+    m_ref[...], s_ref[...], p_ref[...] = m, s, p
+
+
+def _forward_call(x2, w, labels2, config: _Config):
+    """Per-split statistics ``(max, sum of exp(z - max), picked logit)``, each float32
+    ``[splits, rows, 1]``."""
+    dims = _dims(x2, w, config)
+    n = x2.shape[0]
+    bm, bv, bd = dims.block_rows, dims.block_v, dims.block_d
+    stat_shape = jax.ShapeDtypeStruct((dims.num_splits, n, 1), jnp.float32)
+    if dims.strategy == "grid":
+        grid = (dims.num_row_blocks, dims.num_v_tiles, dims.num_d)
+        stat_spec = pl.BlockSpec((None, bm, 1), lambda i, j, k: (0, i, 0))
+        call = pl.pallas_call(
+            functools.partial(_forward_grid_kernel, dims=dims),
+            out_shape=[stat_shape] * 3, grid=grid,
+            in_specs=[pl.BlockSpec((bm, bd), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((bd, bv), lambda i, j, k: (k, j)),
+                      pl.BlockSpec((bm, 1), lambda i, j, k: (i, 0))],
+            out_specs=[stat_spec] * 3,
+            scratch_shapes=[pl.tpu.VMEM((bm, bv), jnp.float32)],
+            compiler_params=pl.CompilerParams((pl.PARALLEL, pl.ARBITRARY, pl.ARBITRARY)),
+            backend=config.backend, name="linear_cross_entropy_fwd")
+    else:
+        grid = (dims.num_row_blocks, dims.num_splits)
+        split_cols = dims.tiles_per_split * bv
+        stat_spec = pl.BlockSpec((None, bm, 1), lambda i, j: (j, i, 0))
+        call = pl.pallas_call(
+            functools.partial(_forward_loop_kernel, dims=dims),
+            out_shape=[stat_shape] * 3, grid=grid,
+            in_specs=[pl.BlockSpec((bm, dims.padded_d), lambda i, j: (i, 0)),
+                      pl.BlockSpec((dims.padded_d, split_cols), lambda i, j: (0, j)),
+                      pl.BlockSpec((bm, 1), lambda i, j: (i, 0))],
+            out_specs=[stat_spec] * 3,
+            compiler_params=_loop_params(dims, config.backend),
+            backend=config.backend, name="linear_cross_entropy_fwd")
+    return call(x2, w, labels2)
+
+
+def _merge_stats(m, s, p):
+    """Merges per-split statistics into ``(max, log_s, picked)``, float32 ``[rows, 1]``,
+    with ``logsumexp = max + log_s`` (kept apart for accuracy, as in cross_entropy)."""
+    if m.shape[0] == 1:
+        return m[0], jnp.log(s[0]), p[0]
+    big = jnp.max(m, axis=0)
+    shift = jnp.where(jnp.isfinite(big), big, 0.0)
+    total = jnp.sum(s * jnp.exp(m - shift), axis=0)
+    return shift, jnp.log(total), jnp.sum(p, axis=0)
+
+
+# --------------------------------------------------------------------------
+# Backward kernel: dz = g * (softmax - onehot) for one vocabulary chunk,
+# logits recomputed by a tiled matmul whose epilogue applies the softmax grad
+# --------------------------------------------------------------------------
+
+def _dz_epilogue(z, labels, m, log_s, g, tile, dz_ref, dims: _Dims):
+    col = tile * dims.block_v + lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    onehot = (col == labels).astype(jnp.float32)
+    # Columns past the chunk and rows past N hold garbage; their stores are discarded.
+    dz_ref[...] = (g * (jnp.exp((z - m) - log_s) - onehot)).astype(dz_ref.dtype)
+
+
+def _dz_grid_kernel(x_ref, w_ref, labels_ref, m_ref, log_s_ref, g_ref, dz_ref, acc_ref, *,
+                    dims: _Dims):
+    j, k = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _init_acc():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    acc_ref[...] += _tile_dot(x_ref[...], w_ref[...], k * dims.block_d, dims)
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _store():
+        _dz_epilogue(acc_ref[...], labels_ref[...], m_ref[...], log_s_ref[...], g_ref[...], j,
+                     dz_ref, dims)
+
+
+def _dz_loop_kernel(x_ref, w_ref, labels_ref, m_ref, log_s_ref, g_ref, dz_ref, *, dims: _Dims):
+    z = _logits_tile_loop(x_ref, w_ref, 0, dims)
+    _dz_epilogue(z, labels_ref[...], m_ref[...], log_s_ref[...], g_ref[...], pl.program_id(1),
+                 dz_ref, dims)
+
+
+def _dz_call(x2, w_chunk, local_labels, m, log_s, g2, config: _Config):
+    """``g * (softmax - onehot)`` for the columns of ``w_chunk``: ``[rows, chunk]``, x's dtype.
+
+    ``local_labels`` are the labels relative to the chunk's first column (-1
+    for invalid labels), so the kernel needs no column offset.
+    """
+    dims = _dims(x2, w_chunk, config)
+    n, v = x2.shape[0], w_chunk.shape[1]
+    bm, bv, bd = dims.block_rows, dims.block_v, dims.block_d
+    out_shape = jax.ShapeDtypeStruct((n, v), x2.dtype)
+    operands = (x2, w_chunk, local_labels, m, log_s, g2)
+    if dims.strategy == "grid":
+        row = pl.BlockSpec((bm, 1), lambda i, j, k: (i, 0))
+        return pl.pallas_call(
+            functools.partial(_dz_grid_kernel, dims=dims), out_shape=out_shape,
+            grid=(dims.num_row_blocks, dims.num_v_tiles, dims.num_d),
+            in_specs=[pl.BlockSpec((bm, bd), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((bd, bv), lambda i, j, k: (k, j)), row, row, row, row],
+            out_specs=pl.BlockSpec((bm, bv), lambda i, j, k: (i, j)),
+            scratch_shapes=[pl.tpu.VMEM((bm, bv), jnp.float32)],
+            compiler_params=pl.CompilerParams((pl.PARALLEL, pl.PARALLEL, pl.ARBITRARY)),
+            backend=config.backend, name="linear_cross_entropy_dz")(*operands)
+    row = pl.BlockSpec((bm, 1), lambda i, j: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_dz_loop_kernel, dims=dims), out_shape=out_shape,
+        grid=(dims.num_row_blocks, dims.num_v_tiles),
+        in_specs=[pl.BlockSpec((bm, dims.padded_d), lambda i, j: (i, 0)),
+                  pl.BlockSpec((dims.padded_d, bv), lambda i, j: (0, j)), row, row, row, row],
+        out_specs=pl.BlockSpec((bm, bv), lambda i, j: (i, j)),
+        compiler_params=_loop_params(dims, config.backend),
+        backend=config.backend, name="linear_cross_entropy_dz")(*operands)
+
+
+def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config):
+    """``(dx contribution float32 [N, D], dw[:, start:start+size])`` of one vocabulary chunk."""
+    n, d = x2.shape
+    w_chunk = lax.dynamic_slice_in_dim(w, start, size, axis=1)
+    valid = (labels2 >= 0) & (labels2 < w.shape[1])
+    local = jnp.where(valid, labels2 - start, -1)
+    dz = _dz_call(x2, w_chunk, local, m, log_s, g2, config)
+    backend = config.backend
+    # dx[N, D] = dz[N, chunk] @ w_chunk[D, chunk]^T
+    bm, bn, bk = matmul_block_sizes(n, d, size, x2.dtype, backend)
+    dx = _matmul_call(dz, w_chunk, ca=1, cb=1, blocks=(bm, bn, bk), backend=backend,
+                      out_dtype=jnp.float32)
+    # dw[D, chunk] = x[N, D]^T @ dz[N, chunk]
+    bm, bn, bk = matmul_block_sizes(d, size, n, x2.dtype, backend)
+    dw = _matmul_call(x2, dz, ca=0, cb=0, blocks=(bm, bn, bk), backend=backend,
+                      out_dtype=w.dtype)
+    return dx, dw
+
+
+# --------------------------------------------------------------------------
+# custom_vjp wiring
+# --------------------------------------------------------------------------
+
+def _loss_and_stats(x2, w, labels2, config):
+    m, log_s, picked = _merge_stats(*_forward_call(x2, w, labels2, config))
+    valid = (labels2 >= 0) & (labels2 < w.shape[1])
+    loss = jnp.where(valid, (m - picked) + log_s, jnp.nan)
+    return loss[:, 0].astype(x2.dtype), (m, log_s)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _linear_cross_entropy(x2, w, labels2, config: _Config):
+    return _loss_and_stats(x2, w, labels2, config)[0]
+
+
+def _linear_cross_entropy_fwd(x2, w, labels2, config):
+    loss, (m, log_s) = _loss_and_stats(x2, w, labels2, config)
+    return loss, (x2, w, labels2, m, log_s)
+
+
+def _linear_cross_entropy_bwd(config, residuals, g):
+    x2, w, labels2, m, log_s = residuals
+    n, d = x2.shape
+    v = w.shape[1]
+    g2 = g.astype(jnp.float32).reshape(-1, 1)
+    chunk = _vocab_chunk(n, v, _dims(x2, w, config).block_v, config)
+    num_full, tail = divmod(v, chunk)
+    grads = functools.partial(_chunk_grads, x2, w, labels2, m, log_s, g2, config=config)
+    dx = jnp.zeros((n, d), jnp.float32)
+    dw = jnp.zeros((d, v), w.dtype)
+
+    def body(c, carry):
+        dx, dw = carry
+        start = c * chunk
+        dx_c, dw_c = grads(start, chunk)
+        return dx + dx_c, lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=1)
+
+    if num_full == 1:
+        dx, dw = body(0, (dx, dw))
+    elif num_full > 1:
+        dx, dw = lax.fori_loop(0, num_full, body, (dx, dw))
+    if tail:
+        dx_c, dw_c = grads(num_full * chunk, tail)
+        dx = dx + dx_c
+        dw = lax.dynamic_update_slice_in_dim(dw, dw_c, num_full * chunk, axis=1)
+    return dx.astype(x2.dtype), dw, None  # labels are integers: no cotangent
+
+
+_linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)
+
+
+# --------------------------------------------------------------------------
+# Block-size heuristic
+# --------------------------------------------------------------------------
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _prev_pow2(v: int) -> int:
+    return 1 << max(0, int(v).bit_length() - 1)
+
+
+def default_block_sizes(rows: int, d: int, vocab: int, dtype, backend: str) -> tuple[int, int, int]:
+    """``(block_rows, block_vocab, block_d)`` of the logits tiles.
+
+    * mosaic_tpu: whole dims when small, else 256 rows x 1024 vocabulary
+      columns x 512 of D (multiples of the 8 x 128 tiling; x, w and the
+      float32 tile accumulator take about 2.5 MiB of VMEM, twice that with
+      double buffering); block_d prefers a divisor of D so no chunk is masked.
+    * pallas_triton: powers of two, 64 x 128 x 64 for 16-bit dtypes (32 of D
+      for float32): a tensor-core tile whose float32 accumulator (32 KiB) sits
+      in registers alongside the running statistics.
+    * interpret: small powers of two (at most 32 x 256 x 64), so edge tiles
+      and multi-tile rows are exercised on small test shapes.
+    """
+    if backend == "mosaic_tpu":
+        bm = rows if rows <= 256 else 256
+        bv = vocab if vocab <= 1024 else 1024
+        if d <= 512:
+            bd = d
+        else:
+            bd = next((c for c in (512, 256, 128) if d % c == 0), 512)
+        return bm, bv, bd
+    if backend in pl.TRITON_BACKENDS:
+        cap_d = 32 if np.dtype(dtype) == np.float32 else 64
+        return (min(64, max(16, _next_pow2(rows))), min(128, max(16, _next_pow2(vocab))),
+                min(cap_d, max(16, _next_pow2(d))))
+    return (min(32, max(8, _next_pow2(rows))), min(256, max(128, _next_pow2(vocab))),
+            min(64, max(8, _next_pow2(d))))
+
+
+def _tiles_per_split(num_v_tiles: int, backend: str) -> int:
+    """Vocabulary tiles per program on the loop path: 32 (4096 columns of 128) on
+    GPUs, so V = 128k gives 32 splits and N = 8k tokens about 4k programs; 4 on
+    the interpreter so tests see several splits."""
+    cap = 4 if backend == "interpret" else 32
+    return max(1, min(cap, num_v_tiles))
+
+
+def _dims(x2, w, config: _Config) -> _Dims:
+    rows, d = x2.shape
+    vocab = w.shape[1]
+    if config.block_sizes is not None:
+        bm, bv, bd = config.block_sizes
+    else:
+        bm, bv, bd = default_block_sizes(rows, d, vocab, x2.dtype, config.backend)
+    strategy = config.strategy or _strategy(config.backend)
+    num_v_tiles = pl.cdiv(vocab, bv)
+    # The grid path walks the whole vocabulary in one program per row block: one split.
+    tiles = _tiles_per_split(num_v_tiles, config.backend) if strategy == "loop" else num_v_tiles
+    return _Dims(rows=rows, d=d, vocab=vocab, block_rows=bm, block_v=bv, block_d=bd,
+                 tiles_per_split=tiles, strategy=strategy)
+
+
+# One backward step's [N, chunk] dz buffer stays near this many elements
+# (128 MiB in bfloat16) unless the vocabulary is smaller.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _vocab_chunk(rows: int, vocab: int, block_v: int, config: _Config) -> int:
+    """Vocabulary columns per backward step: ``vocab_chunk`` if given, else the
+    largest power of two with ``rows * chunk <= 64M`` (at least one tile, at
+    most the vocabulary rounded up to a power of two)."""
+    if config.vocab_chunk is not None:
+        chunk = config.vocab_chunk
+    else:
+        chunk = min(_next_pow2(vocab), _prev_pow2(max(1, _CHUNK_ELEMENTS // max(rows, 1))))
+    return max(block_v, chunk // block_v * block_v)
+
+
+def _loop_params(dims: _Dims, backend: str):
+    if backend == "pallas_triton":
+        warps = 8 if dims.block_rows * dims.block_v > 64 * 128 else 4
+        return pl.triton.CompilerParams(num_warps=warps, num_stages=3,
+                                        dimension_semantics=(pl.PARALLEL, pl.PARALLEL))
+    return pl.CompilerParams((pl.PARALLEL, pl.PARALLEL))

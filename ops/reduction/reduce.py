@@ -1,0 +1,270 @@
+"""sum, mean and max over any axes, as row-wise kernels.
+
+The reduced axes are moved last and flattened into one feature dim
+(:func:`ops.reduction._rows.rows_over_axes`): rows are the kept axes. This is
+free when the reduced axes already are the trailing ones; otherwise it is a
+transpose, one copy of x (a kernel reducing over leading axes in place would
+avoid it; not built yet). The kernel is the shared row layout of
+:mod:`ops.reduction._rows`: a program owns ``block_rows`` full rows, walks
+them in chunks with a float32 ``[block_rows, chunk]`` accumulator (one
+elementwise add or max per element, a single cross-lane reduction at the
+end) and writes one float32 partial per row.
+
+Few long rows (``axis=None`` is the extreme: one row holding everything) would
+leave most of the machine idle while a handful of programs walk their rows
+serially. So when there are fewer than :data:`SPLIT_BELOW_ROWS` rows wider
+than ``2 * SPLIT_WIDTH``, each row is cut into ``S`` segments of a width
+that divides it (a free reshape ``[rows, S*C] -> [rows*S, C]``; if the width
+has no divisor in ``[SPLIT_WIDTH/8, SPLIT_WIDTH]`` the row is padded with the
+reduction's identity to a multiple of ``SPLIT_WIDTH``, a copy), the kernel
+writes ``rows * S`` partials, and a tiny jnp reduction over ``S`` finishes.
+Every program runs concurrently, which JAX's Pallas Triton requires anyway
+(no cross-program accumulation).
+
+Only float dtypes are accepted (float32, bfloat16, float16, with float32
+accumulation and the result in x's dtype); integer sums would need integer
+accumulators and overflow rules of their own: use ``jnp.sum`` for those.
+
+Backward (``jax.custom_vjp``) is plain elementwise XLA, deliberately: the
+gradient of sum is ``g`` broadcast over the reduced axes, of mean
+``g / count``, which XLA fuses into whatever consumes it (a kernel would
+force the broadcast into memory). max's gradient is ``jnp.max``'s exactly:
+``g`` split equally among the entries equal to the maximum, ``where(x == y,
+g / count, 0)`` with ``count`` the number of ties, from the residuals x and
+the forward result y (the maximum is an element of x, so equality is exact
+in x's dtype); XLA fuses the count and the select, reading x twice, as a
+two-pass kernel would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_core as pl
+from ops._checks import check_array, check_float_dtype
+from ops._implementation import resolve_implementation
+from ops.reduction._rows import (RowLayout, for_each_chunk, load_chunk, normalize_axes,
+                                 row_compiler_params, row_layout, rows_over_axes)
+
+KINDS = ("sum", "mean", "max")
+# The pallas_core backends these kernels are written and tested for. pallas_core's
+# own "triton" lowering needs power-of-two blocks, which row_layout does not
+# pad to for it yet; JAX's Mosaic GPU lowering does not take these kernels
+# (array-per-warpgroup programming model).
+
+
+def sum(x, axis=None, *, implementation: str | None = None,  # noqa: A001 - mirrors jnp.sum
+        max_chunk: int | None = None) -> jax.Array:
+    """The sum of x's elements over ``axis``, as ``jnp.sum``, accumulated in float32.
+
+    Args:
+      x: float32 / bfloat16 / float16 array.
+      axis: None (every axis), an int, or a tuple of ints; negative counts
+        from the end. The reduced axes are moved last (a transpose, one copy
+        of x, unless they already are the trailing axes).
+      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
+        "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
+      max_chunk: keyword-only tuning/test hook: caps the columns one in-kernel
+        loop step covers (a power of two >= 128, passed to
+        :func:`~ops.reduction._rows.row_layout`). None: the dtype's default.
+
+    Returns:
+      x's dtype, x's shape without ``axis``.
+
+    Raises:
+      TypeError: a non-array, an integer (or other non-float) dtype, a
+        non-int axis.
+      ValueError: an axis out of range or repeated (the message names
+        ``axis``), an unknown implementation, a bad max_chunk.
+
+    Differentiable (``jax.custom_vjp``); jit- and vmap-compatible.
+    """
+    return _reduce(x, axis, "sum", implementation, max_chunk)
+
+
+def mean(x, axis=None, *, implementation: str | None = None,
+         max_chunk: int | None = None) -> jax.Array:
+    """The mean over ``axis``, as ``jnp.mean``: the float32 sum divided by the
+    number of reduced elements. Arguments, result and errors as :func:`sum`;
+    an empty reduction gives NaN, as jnp's."""
+    return _reduce(x, axis, "mean", implementation, max_chunk)
+
+
+def max(x, axis=None, *, implementation: str | None = None,  # noqa: A001 - mirrors jnp.max
+        max_chunk: int | None = None) -> jax.Array:
+    """The maximum over ``axis``, as ``jnp.max``. Arguments, result and errors
+    as :func:`sum`; reducing an empty axis raises ValueError, as jnp's. The
+    gradient is ``jnp.max``'s: split equally among tied maxima."""
+    return _reduce(x, axis, "max", implementation, max_chunk)
+
+
+def _reduce(x, axis, kind, implementation, max_chunk):
+    check_array(x, "x", kind)
+    check_float_dtype(x, "x", kind)
+    axes = normalize_axes(axis, x.ndim, kind)
+    impl = resolve_implementation(implementation, kind)
+    if max_chunk is not None and (not isinstance(max_chunk, int) or isinstance(max_chunk, bool)
+                                  or max_chunk < 128 or max_chunk & (max_chunk - 1)):
+        raise ValueError(f"{kind}: max_chunk must be None or a power of two >= 128, "
+                         f"got {max_chunk!r}.")
+    if impl == "xla" or x.size == 0:
+        # Empty arrays: nothing to compute; XLA gives jnp's answer (or error).
+        return reference(x, axes, kind)
+    config = _Config(kind=kind, axes=axes, shape=tuple(x.shape), backend=impl,
+                     max_chunk=max_chunk)
+    return _reduce_vjp(jnp.asarray(x), config)
+
+
+# --------------------------------------------------------------------------
+# XLA reference (also the "xla" implementation)
+# --------------------------------------------------------------------------
+
+def reference(x, axis=None, kind: str = "sum"):
+    """``jnp.sum`` / ``jnp.mean`` / ``jnp.max`` over ``axis`` in float32, x's dtype out."""
+    fn = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[kind]
+    return fn(jnp.asarray(x).astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------
+# Forward kernel: per-row float32 partials
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    kind: str
+    axes: tuple[int, ...]
+    shape: tuple[int, ...]
+    backend: str
+    max_chunk: int | None = None
+
+    @property
+    def combine(self) -> str:
+        return "max" if self.kind == "max" else "sum"
+
+
+def _identity(combine: str) -> float:
+    return -np.inf if combine == "max" else 0.0
+
+
+def _reduce_kernel(x_ref, out_ref, *, layout: RowLayout, combine: str):
+    fill = _identity(combine)
+    op = jnp.maximum if combine == "max" else jnp.add
+
+    def step(c, acc):
+        return op(acc, load_chunk(x_ref, layout, c, fill=fill))
+
+    acc = for_each_chunk(layout, step,
+                         jnp.full((layout.block_rows, layout.chunk), fill, jnp.float32))
+    if combine == "max":
+        out_ref[...] = jnp.max(acc, axis=1, keepdims=True)
+    else:
+        out_ref[...] = jnp.sum(acc, axis=1, keepdims=True)
+
+
+def _row_partials(x2, config: _Config):
+    """``[rows, features]`` -> float32 ``[rows, 1]``: each row's sum or max."""
+    rows, features = x2.shape
+    layout = _layout(rows, features, x2.dtype, config)
+    return pl.pallas_call(
+        functools.partial(_reduce_kernel, layout=layout, combine=config.combine),
+        out_shape=jax.ShapeDtypeStruct((rows, 1), jnp.float32), grid=layout.grid,
+        in_specs=[layout.row_spec()], out_specs=layout.stat_spec(),
+        compiler_params=row_compiler_params(layout, config.backend),
+        backend=config.backend, name=f"reduce_{config.combine}",
+        cost_estimate=dict(flops=rows * features, transcendentals=0,
+                           bytes_accessed=rows * features * x2.dtype.itemsize + rows * 4))(x2)
+
+
+def _forward(x, config: _Config):
+    view = rows_over_axes(x, config.axes)
+    x2 = view.x2
+    rows, features = x2.shape
+    segments, width, pad = _feature_split(rows, features)
+    if pad:
+        x2 = jnp.pad(x2, ((0, 0), (0, pad)), constant_values=_identity(config.combine))
+    partials = _row_partials(x2.reshape(rows * segments, width), config).reshape(rows, segments)
+    if segments == 1:
+        total = partials[:, 0]
+    elif config.combine == "max":
+        total = jnp.max(partials, axis=1)
+    else:
+        total = jnp.sum(partials, axis=1)
+    if config.kind == "mean":
+        total = total / np.float32(features)
+    return total.astype(x.dtype).reshape(view.kept_shape)
+
+
+# --------------------------------------------------------------------------
+# Backward (elementwise XLA, see the module docstring) and custom_vjp wiring
+# --------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reduce_vjp(x, config: _Config):
+    return _forward(x, config)
+
+
+def _reduce_fwd(x, config):
+    y = _forward(x, config)
+    return y, ((x, y) if config.kind == "max" else None)
+
+
+def _reduce_bwd(config, residuals, g):
+    shape, axes = config.shape, config.axes
+    g32 = jnp.expand_dims(g.astype(jnp.float32), axes)
+    if config.kind == "max":
+        x, y = residuals
+        ties = x == jnp.expand_dims(y, axes)
+        count = jnp.sum(ties, axis=axes, keepdims=True, dtype=jnp.float32)
+        return (jnp.where(ties, g32 / count, 0.0).astype(x.dtype),)
+    if config.kind == "mean":
+        g32 = g32 / np.float32(_count(shape, axes))
+    return (jnp.broadcast_to(g32, shape).astype(g.dtype),)
+
+
+_reduce_vjp.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def _count(shape, axes) -> int:
+    return int(np.prod([shape[a] for a in axes], dtype=np.int64))
+
+
+# --------------------------------------------------------------------------
+# Block-size and split heuristics
+# --------------------------------------------------------------------------
+
+SPLIT_WIDTH = 8192
+SPLIT_BELOW_ROWS = 1024
+
+
+def _feature_split(rows: int, features: int) -> tuple[int, int, int]:
+    """``(segments, width, pad)``: each row is cut into ``segments`` of ``width``
+    columns, after padding it by ``pad`` columns.
+
+    No split for many rows (``>= SPLIT_BELOW_ROWS``: already enough programs)
+    or short rows (``<= 2 * SPLIT_WIDTH``). Otherwise the widest divisor of
+    ``features`` in ``[SPLIT_WIDTH / 8, SPLIT_WIDTH]``, multiples of 128 (the
+    TPU lane count, no masked chunk) first; failing both, pad to a multiple
+    of ``SPLIT_WIDTH``.
+    """
+    if rows >= SPLIT_BELOW_ROWS or features <= 2 * SPLIT_WIDTH:
+        return 1, features, 0
+    low = SPLIT_WIDTH // 8
+    for candidates in (range(SPLIT_WIDTH, low - 1, -128), range(SPLIT_WIDTH, low - 1, -1)):
+        for width in candidates:
+            if features % width == 0:
+                return features // width, width, 0
+    segments = -(-features // SPLIT_WIDTH)
+    return segments, SPLIT_WIDTH, segments * SPLIT_WIDTH - features
+
+
+def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
+    """The shared row layout (:func:`~ops.reduction._rows.row_layout`): 8 rows
+    per program on TPU, 4 elsewhere; 4096-column chunks for 16-bit dtypes,
+    2048 for float32, unless ``max_chunk`` caps them."""
+    return row_layout(rows, features, dtype, config.backend, max_chunk=config.max_chunk)
+

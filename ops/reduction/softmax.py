@@ -1,0 +1,340 @@
+"""Softmax, log-softmax and logsumexp: one row-wise kernel family.
+
+All three see their input as ``[rows, features]`` (the reduced axes moved
+last and flattened, :func:`ops.reduction._rows.rows_over_axes`) and share one
+forward kernel in the layout of :mod:`ops.reduction._rows`: each program owns
+``block_rows`` full rows and walks them in power-of-two column chunks.
+
+* Pass 1 (every mode): the online normalizer (Milakov & Gimelshein 2018,
+  "Online normalizer calculation for softmax") keeps, per row, the running
+  maximum ``m`` and the running sum ``s`` of ``exp(x - m)``, rescaling ``s``
+  whenever a chunk raises ``m`` (:func:`~ops.reduction._rows.online_logsumexp_update`).
+  One read of the row gives both statistics, however wide the row.
+* Pass 2 (softmax / log_softmax): a second walk writes ``exp(x - m) / s`` or
+  ``(x - m) - log(s)``. The row is read again from the block the program
+  already holds (VMEM on TPU; on GPU the chunk is usually still in L2); a
+  row that fits in one chunk is read once. logsumexp writes ``m + log(s)``.
+
+Results are formed from ``x - m``, never ``x - logsumexp``: with logits near
+1e4 the float32 logsumexp is only known to ~1e-3, which would show up as a
+1e-3 relative error in every probability.
+
+Backward (``jax.custom_vjp``), one kernel family with the same two-pass shape:
+
+* softmax: ``dx = y * (g - sum(g * y))``, residual ``y`` (the output);
+* log_softmax: ``dx = g - exp(y) * sum(g)``, residual ``y`` (the output);
+* logsumexp: ``dx = g * exp(x - m) / s`` in one pass, residuals ``x`` and the
+  float32 statistics ``m`` and ``s`` (``[rows]`` each; the rounded output would
+  cost the gradient its accuracy on large logits).
+
+Arithmetic is float32 throughout; outputs and gradients are in x's dtype.
+An ``axis`` other than the trailing ones is moved last by a transpose (a copy
+of x in, and of the result back out); the trailing axes cost nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import pallas_core as pl
+from ops._checks import check_array, check_float_dtype
+from ops._implementation import resolve_implementation
+from ops.reduction._rows import (RowLayout, chunk_slice, for_each_chunk, load_chunk,
+                                 logsumexp_shift, normalize_axes, online_logsumexp_update,
+                                 row_compiler_params, row_layout, rows_over_axes)
+
+MODES = ("softmax", "log_softmax", "logsumexp")
+# The pallas_core backends these kernels are written and tested for. pallas_core's
+# own "triton" lowering needs power-of-two blocks, which row_layout does not
+# pad to for it yet; JAX's Mosaic GPU lowering does not take these kernels
+# (array-per-warpgroup programming model).
+
+
+def softmax(x, axis=-1, *, implementation: str | None = None,
+            max_chunk: int | None = None) -> jax.Array:
+    """``exp(x) / sum(exp(x), axis)``, computed stably, as ``jax.nn.softmax``.
+
+    Args:
+      x: float32 / bfloat16 / float16 array.
+      axis: the normalized axis: an int, a tuple of ints (normalized jointly)
+        or None (every axis); negative counts from the end. Axes other than
+        the trailing ones are moved last by a transpose (a copy each way).
+      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
+        "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
+      max_chunk: keyword-only tuning/test hook: caps the column chunk an
+        in-kernel loop step covers (a power of two >= 128, passed to
+        :func:`~ops.reduction._rows.row_layout`); small values make short rows
+        take several chunks. None: the default for the dtype.
+
+    Returns:
+      x's shape and dtype. Computed in float32 (running max and rescaled sum
+      over chunks, so rows of any width work).
+
+    Raises:
+      TypeError: a non-array, an integer dtype, a non-int axis.
+      ValueError: an axis out of range or repeated, an unknown implementation,
+        a bad max_chunk.
+
+    Differentiable (``jax.custom_vjp`` with a Pallas backward kernel); jit-
+    and vmap-compatible. A row of all ``-inf`` gives NaN, as in JAX.
+    """
+    return _softmax_family(x, axis, "softmax", implementation, max_chunk)
+
+
+def log_softmax(x, axis=-1, *, implementation: str | None = None,
+                max_chunk: int | None = None) -> jax.Array:
+    """``x - logsumexp(x, axis)``, as ``jax.nn.log_softmax``.
+
+    Arguments, result and errors as :func:`softmax`. Computed as
+    ``(x - max) - log(sum(exp(x - max)))`` in float32, so it is exact to
+    float32 rounding even for logits of magnitude 1e4.
+    """
+    return _softmax_family(x, axis, "log_softmax", implementation, max_chunk)
+
+
+def logsumexp(x, axis=-1, *, implementation: str | None = None,
+              max_chunk: int | None = None) -> jax.Array:
+    """``log(sum(exp(x), axis))``, computed stably, as ``jax.nn.logsumexp``.
+
+    Arguments and errors as :func:`softmax`.
+
+    Returns:
+      x's dtype, x's shape without ``axis``. A row of all ``-inf`` gives
+      ``-inf``; a row holding ``+inf`` gives ``+inf`` (as JAX).
+    """
+    return _softmax_family(x, axis, "logsumexp", implementation, max_chunk)
+
+
+def _softmax_family(x, axis, mode, implementation, max_chunk):
+    check_array(x, "x", mode)
+    check_float_dtype(x, "x", mode)
+    axes = normalize_axes(axis, x.ndim, mode)
+    impl = resolve_implementation(implementation, mode)
+    _check_max_chunk(max_chunk, mode)
+    if impl == "xla" or x.size == 0:
+        # Nothing to compute for an empty array: XLA's answer (and gradient) is exact.
+        return REFERENCES[mode](x, axes)
+    view = rows_over_axes(jnp.asarray(x), axes)
+    out2 = _family(view.x2, _Config(mode=mode, backend=impl, max_chunk=max_chunk))
+    if mode == "logsumexp":
+        return out2.reshape(view.kept_shape)
+    return view.restore(out2)
+
+
+def _check_max_chunk(max_chunk, op):
+    if max_chunk is None:
+        return
+    if (not isinstance(max_chunk, int) or isinstance(max_chunk, bool) or max_chunk < 128
+            or max_chunk & (max_chunk - 1)):
+        raise ValueError(f"{op}: max_chunk must be None or a power of two >= 128, "
+                         f"got {max_chunk!r}.")
+
+
+# --------------------------------------------------------------------------
+# XLA references (also the "xla" implementation): float32 math, x's dtype out
+# --------------------------------------------------------------------------
+
+def softmax_reference(x, axis=-1):
+    """``jax.nn.softmax`` on x upcast to float32, the result in x's dtype."""
+    return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
+def log_softmax_reference(x, axis=-1):
+    """``jax.nn.log_softmax`` on x upcast to float32, the result in x's dtype."""
+    return jax.nn.log_softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
+def logsumexp_reference(x, axis=-1):
+    """``jax.nn.logsumexp`` on x upcast to float32, the result in x's dtype."""
+    return jax.nn.logsumexp(x.astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
+REFERENCES = {"softmax": softmax_reference, "log_softmax": log_softmax_reference,
+              "logsumexp": logsumexp_reference}
+
+
+# --------------------------------------------------------------------------
+# Shared pieces of both kernel families
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    mode: str
+    backend: str
+    max_chunk: int | None = None
+
+
+def _chunk_reader(layout: RowLayout):
+    """``read(ref, c, fill)``: chunk ``c`` of ``ref`` as float32, padding = ``fill``.
+
+    A row of a single chunk is loaded once and reused by the second pass.
+    """
+    cache = {}
+
+    def read(ref, c, fill):
+        if layout.num_chunks != 1:
+            return load_chunk(ref, layout, c, fill=fill)
+        key = (id(ref), fill)
+        if key not in cache:
+            cache[key] = load_chunk(ref, layout, 0, fill=fill)
+        return cache[key]
+
+    return read
+
+
+def _write_chunks(layout: RowLayout, out_ref, value_of_chunk):
+    """Second pass: ``out[:, chunk c] = value_of_chunk(c)`` for every chunk."""
+    def body(c, carry):
+        out_ref[:, chunk_slice(layout, c)] = value_of_chunk(c).astype(out_ref.dtype)
+        return carry
+    for_each_chunk(layout, body, 0)
+
+
+# --------------------------------------------------------------------------
+# Forward kernel
+# --------------------------------------------------------------------------
+
+def _forward_kernel(x_ref, *out_refs, layout: RowLayout, mode: str, want_stats: bool):
+    read = _chunk_reader(layout)
+    neg_inf = -jnp.inf
+    init = (jnp.full((layout.block_rows, 1), neg_inf, jnp.float32),
+            jnp.zeros((layout.block_rows, 1), jnp.float32))
+    m, s = for_each_chunk(
+        layout, lambda c, ms: online_logsumexp_update(*ms, read(x_ref, c, neg_inf)), init)
+    if mode == "logsumexp":
+        lse_ref, *stat_refs = out_refs
+        lse_ref[...] = m + jnp.log(s)
+        if want_stats:
+            m_ref, s_ref = stat_refs
+            m_ref[...] = m
+            s_ref[...] = s
+        return
+    (y_ref,) = out_refs
+    shift = logsumexp_shift(m)
+    if mode == "softmax":
+        inv_s = 1.0 / s
+        _write_chunks(layout, y_ref, lambda c: jnp.exp(read(x_ref, c, neg_inf) - shift) * inv_s)
+    else:
+        log_s = jnp.log(s)
+        _write_chunks(layout, y_ref, lambda c: (read(x_ref, c, neg_inf) - shift) - log_s)
+
+
+def _forward_call(x2, config: _Config, want_stats: bool):
+    """softmax / log_softmax: ``y [rows, features]``; logsumexp: ``lse`` float32
+    ``[rows, 1]``, plus ``(m, s)`` float32 ``[rows, 1]`` when ``want_stats``."""
+    rows, features = x2.shape
+    layout = _layout(rows, features, x2.dtype, config)
+    mode = config.mode
+    n, itemsize = rows * features, x2.dtype.itemsize
+    if mode == "logsumexp":
+        stat = jax.ShapeDtypeStruct((rows, 1), jnp.float32)
+        out_shape = [stat] * (3 if want_stats else 1)
+        out_specs = [layout.stat_spec()] * len(out_shape)
+        bytes_accessed = n * itemsize + rows * 4 * len(out_shape)
+    else:
+        out_shape = [jax.ShapeDtypeStruct((rows, features), x2.dtype)]
+        out_specs = [layout.row_spec()]
+        bytes_accessed = 2 * n * itemsize
+    outs = pl.pallas_call(
+        functools.partial(_forward_kernel, layout=layout, mode=mode, want_stats=want_stats),
+        out_shape=out_shape, grid=layout.grid, in_specs=[layout.row_spec()],
+        out_specs=out_specs, compiler_params=row_compiler_params(layout, config.backend),
+        backend=config.backend, name=f"{mode}_fwd",
+        cost_estimate=dict(flops=4 * n, transcendentals=n * (1 if mode == "logsumexp" else 2),
+                           bytes_accessed=bytes_accessed))(x2)
+    return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+# --------------------------------------------------------------------------
+# Backward kernel
+# --------------------------------------------------------------------------
+
+def _backward_kernel(*refs, layout: RowLayout, mode: str):
+    read = _chunk_reader(layout)
+    if mode == "logsumexp":
+        x_ref, m_ref, s_ref, g_ref, dx_ref = refs
+        shift = logsumexp_shift(m_ref[...])
+        scale = g_ref[...] / s_ref[...]
+        _write_chunks(layout, dx_ref, lambda c: jnp.exp(read(x_ref, c, -jnp.inf) - shift) * scale)
+        return
+    y_ref, g_ref, dx_ref = refs
+    zeros = jnp.zeros((layout.block_rows, 1), jnp.float32)
+    if mode == "softmax":
+        # Padding columns read as 0 in both, so they add nothing to sum(g * y).
+        dot = for_each_chunk(layout, lambda c, acc: acc + jnp.sum(
+            read(g_ref, c, 0.0) * read(y_ref, c, 0.0), axis=1, keepdims=True), zeros)
+        _write_chunks(layout, dx_ref, lambda c: read(y_ref, c, 0.0) * (read(g_ref, c, 0.0) - dot))
+    else:
+        total = for_each_chunk(layout, lambda c, acc: acc + jnp.sum(
+            read(g_ref, c, 0.0), axis=1, keepdims=True), zeros)
+        _write_chunks(layout, dx_ref,
+                      lambda c: read(g_ref, c, 0.0) - jnp.exp(read(y_ref, c, 0.0)) * total)
+
+
+def _backward_call(config: _Config, residuals, g):
+    mode = config.mode
+    if mode == "logsumexp":
+        x2, m, s = residuals
+        operands = (x2, m, s, g.astype(jnp.float32).reshape(-1, 1))
+    else:
+        (y2,) = residuals
+        x2 = y2
+        operands = (y2, g)
+    rows, features = x2.shape
+    layout = _layout(rows, features, x2.dtype, config)
+    stat, row = layout.stat_spec(), layout.row_spec()
+    in_specs = [row, stat, stat, stat] if mode == "logsumexp" else [row, row]
+    n, itemsize = rows * features, x2.dtype.itemsize
+    reads = 1 if mode == "logsumexp" else 2
+    return pl.pallas_call(
+        functools.partial(_backward_kernel, layout=layout, mode=mode),
+        out_shape=jax.ShapeDtypeStruct((rows, features), x2.dtype), grid=layout.grid,
+        in_specs=in_specs, out_specs=row,
+        compiler_params=row_compiler_params(layout, config.backend),
+        backend=config.backend, name=f"{mode}_bwd",
+        cost_estimate=dict(flops=4 * n, transcendentals=0 if mode == "softmax" else n,
+                           bytes_accessed=(reads + 1) * n * itemsize))(*operands)
+
+
+# --------------------------------------------------------------------------
+# custom_vjp wiring
+# --------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _family(x2, config: _Config):
+    """``[rows, features]`` -> the same shape, or ``[rows]`` for logsumexp (x's dtype)."""
+    out = _forward_call(x2, config, want_stats=False)
+    if config.mode == "logsumexp":
+        return out[:, 0].astype(x2.dtype)
+    return out
+
+
+def _family_fwd(x2, config):
+    if config.mode == "logsumexp":
+        lse, m, s = _forward_call(x2, config, want_stats=True)
+        return lse[:, 0].astype(x2.dtype), (x2, m, s)
+    y2 = _forward_call(x2, config, want_stats=False)
+    return y2, (y2,)
+
+
+def _family_bwd(config, residuals, g):
+    return (_backward_call(config, residuals, g),)
+
+
+_family.defvjp(_family_fwd, _family_bwd)
+
+
+# --------------------------------------------------------------------------
+# Block-size heuristic
+# --------------------------------------------------------------------------
+
+def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
+    """The shared row layout (:func:`~ops.reduction._rows.row_layout`): 8 rows
+    per program on TPU (one sublane tile), 4 elsewhere; chunks of 4096
+    columns for 16-bit dtypes and 2048 for float32 unless ``max_chunk`` caps
+    them. The backward pass uses the same layout as the forward."""
+    return row_layout(rows, features, dtype, config.backend, max_chunk=config.max_chunk)

@@ -1,0 +1,309 @@
+"""cross_entropy and linear_cross_entropy: values and gradients against optax /
+the naive ``x @ w`` + cross-entropy, edge cases, bad input, peak memory and
+lowering for TPU and GPU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ops.reduction.cross_entropy import cross_entropy, reference as ce_reference
+from ops.reduction.linear_cross_entropy import (_Config, _linear_cross_entropy,
+                                                linear_cross_entropy,
+                                                reference as lce_reference)
+from tests.tolerances import BACKWARD, FORWARD, assert_close
+
+optax_ce = optax.softmax_cross_entropy_with_integer_labels
+
+
+def value_and_grads(fn, argnums=0):
+    """Jitted ``(fn(*args), grads of sum(fn * cot))``: one compile per test, not one per op."""
+    def run(cot, *args):
+        out = fn(*args)
+        loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot)
+        return out, jax.grad(loss, argnums)(*args)
+    return jax.jit(run)
+
+
+def make_logits(key, lead, v, dtype, scale=3.0):
+    kx, kl = jax.random.split(key)
+    logits = (scale * jax.random.normal(kx, (*lead, v), jnp.float32)).astype(dtype)
+    labels = jax.random.randint(kl, lead, 0, v)
+    return logits, labels
+
+
+# ---- cross_entropy: forward -----------------------------------------------------
+
+@pytest.mark.parametrize("lead, v, max_chunk, dtype", [
+    ((13,), 1000, 128, jnp.float32),     # 8 chunks, the last one masked; a partial row block
+    ((13,), 1000, 128, jnp.bfloat16),
+    ((2, 3), 300, None, jnp.float32),    # leading dims; one chunk
+    ((5,), 5000, None, jnp.bfloat16),    # default chunk (4096 for 16-bit): 2 chunks
+])
+def test_forward_matches_optax(lead, v, max_chunk, dtype):
+    logits, labels = make_logits(jax.random.key(0), lead, v, dtype)
+    out = jax.jit(lambda x, l: cross_entropy(x, l, implementation="interpret",
+                                             max_chunk=max_chunk))(logits, labels)
+    expected = optax_ce(logits, labels)
+    assert out.shape == lead and out.dtype == expected.dtype == dtype
+    # Against the float32 answer on the same (possibly bf16) inputs.
+    assert_close(out, optax_ce(logits.astype(jnp.float32), labels), FORWARD[dtype], "loss")
+
+
+def exact_ce(logits, labels):
+    """float64 NumPy cross-entropy and its gradient (cotangent 1)."""
+    x = np.asarray(logits, np.float64)
+    m = x.max(-1, keepdims=True)
+    log_s = np.log(np.exp(x - m).sum(-1, keepdims=True))
+    idx = np.asarray(labels)[..., None]
+    picked = np.take_along_axis(x, idx, -1)
+    grad = np.exp(x - m - log_s)
+    np.put_along_axis(grad, idx, np.take_along_axis(grad, idx, -1) - 1.0, -1)
+    return (m - picked + log_s)[..., 0], grad
+
+
+def test_large_logits_stay_finite():
+    logits = jnp.array([[1e4, -1e4, 0.0, 5.0], [-1e4, -1e4, 1e4, 1e4]] * 3, jnp.float32)
+    labels = jnp.array([1, 0, 2, 3, 0, 2])
+    out, grad = value_and_grads(lambda x: cross_entropy(x, labels, implementation="interpret"))(
+        jnp.ones(6), logits)
+    loss64, grad64 = exact_ce(logits, labels)
+    # Exact to float32 rounding, even for the log(2) losses between two 1e4 logits
+    # (a rounded logsumexp near 1e4 would be off by 2e-4 there, as optax's is).
+    np.testing.assert_allclose(out, loss64, rtol=1e-6)
+    np.testing.assert_allclose(grad, grad64, atol=1e-6)
+
+
+def test_out_of_range_labels_give_nan_loss():
+    logits, _ = make_logits(jax.random.key(1), (4,), 130, jnp.float32)
+    labels = jnp.array([5, -1, 130, 129])
+    # The gradient of a bad row is g * softmax (no label term), as jax.grad of optax
+    # for labels >= V; selecting the row away (jnp.where) gives zero loss and gradient.
+    ce = lambda x: cross_entropy(x, labels, implementation="interpret")
+    masked = lambda x: jnp.sum(jnp.where(labels == 5, ce(x), 0.0))
+    out, grad, grad_masked = jax.jit(lambda x: (ce(x), jax.grad(lambda x: jnp.sum(ce(x)))(x),
+                                                jax.grad(masked)(x)))(logits)
+    xla = cross_entropy(logits, labels, implementation="xla")
+    for impl, loss in (("interpret", out), ("xla", xla)):
+        assert np.isnan(loss[1]) and np.isnan(loss[2]), impl
+        np.testing.assert_allclose(loss[np.array([0, 3])],
+                                   optax_ce(logits, labels)[np.array([0, 3])], rtol=1e-6)
+    np.testing.assert_array_equal(grad_masked[1:], 0.0)
+    np.testing.assert_allclose(grad[2], jax.nn.softmax(logits[2]), atol=1e-7)
+
+
+# ---- cross_entropy: gradients ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_match_optax(dtype):
+    logits, labels = make_logits(jax.random.key(2), (3, 7), 700, dtype)
+    cot = jax.random.normal(jax.random.key(3), (3, 7), jnp.float32)
+    _, grad = value_and_grads(lambda x: cross_entropy(x, labels, implementation="interpret",
+                                                      max_chunk=256))(cot, logits)
+    _, expected = value_and_grads(lambda x: optax_ce(x, labels))(cot, logits.astype(jnp.float32))
+    assert grad.dtype == dtype
+    assert_close(grad, expected, BACKWARD[dtype], "dlogits")
+
+
+def test_jit_vmap_default_and_xla():
+    logits, labels = make_logits(jax.random.key(4), (3, 5), 200, jnp.float32)
+    f = jax.jit(jax.vmap(lambda x, l: cross_entropy(x, l, implementation="interpret")))
+    assert_close(f(logits, labels), optax_ce(logits, labels), FORWARD[jnp.float32])
+    np.testing.assert_array_equal(cross_entropy(logits, labels, implementation="xla"),
+                                  ce_reference(logits, labels))
+    # On CPU the default implementation is XLA.
+    assert_close(cross_entropy(logits, labels), optax_ce(logits, labels), FORWARD[jnp.float32])
+
+
+LOGITS = jnp.ones((4, 10), jnp.float32)
+LABELS = jnp.zeros((4,), jnp.int32)
+
+
+@pytest.mark.parametrize("args, kwargs, error, pattern", [
+    ((LOGITS, jnp.zeros((4, 1), jnp.int32)), {}, ValueError, r"labels must have shape .*\(4,\)"),
+    ((LOGITS, jnp.zeros((5,), jnp.int32)), {}, ValueError, r"labels must have shape"),
+    ((LOGITS, jnp.zeros((4,), jnp.float32)), {}, TypeError, r"labels has dtype float32"),
+    ((LOGITS.astype(jnp.int32), LABELS), {}, TypeError, r"logits has dtype int32"),
+    ((jnp.ones(()), jnp.zeros((), jnp.int32)), {}, ValueError, r"logits must have rank >= 1"),
+    ((jnp.ones((4, 0)), LABELS), {}, ValueError, r"last dim .* is empty"),
+    (([[1.0]], LABELS), {}, TypeError, r"logits must be a JAX or NumPy array"),
+    ((LOGITS, [0, 0, 0, 0]), {}, TypeError, r"labels must be a JAX or NumPy array"),
+    ((LOGITS, LABELS), {"implementation": "cuda"}, ValueError, r"implementation must be"),
+    ((LOGITS, LABELS), {"implementation": "mosaic_gpu"}, NotImplementedError, r"no kernel yet"),
+    ((LOGITS, LABELS), {"implementation": "interpret", "max_chunk": 100}, ValueError,
+     r"max_chunk must be a power of two"),
+])
+def test_cross_entropy_bad_input(args, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        cross_entropy(*args, **kwargs)
+
+
+# ---- linear_cross_entropy -------------------------------------------------------
+
+def make_linear(key, lead, d, v, dtype):
+    kx, kw, kl = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (*lead, d), jnp.float32).astype(dtype)
+    w = (3.0 * jax.random.normal(kw, (d, v), jnp.float32) / np.sqrt(d)).astype(dtype)
+    labels = jax.random.randint(kl, lead, 0, v)
+    return x, w, labels
+
+
+def naive(x, w, labels):
+    """What a user writes: float32 logits, then optax."""
+    logits = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return optax_ce(logits, labels)
+
+
+def check_linear(fn, x, w, labels, dtype, cot):
+    out, grads = value_and_grads(lambda x, w: fn(x, w, labels), (0, 1))(cot, x, w)
+    assert out.dtype == dtype and out.shape == labels.shape
+    up = lambda a: a.astype(jnp.float32)
+    expected_out, expected = value_and_grads(lambda x, w: naive(x, w, labels), (0, 1))(
+        cot, up(x), up(w))
+    assert_close(out, expected_out, FORWARD[dtype], "loss")
+    for name, g, e, a in zip("xw", grads, expected, (x, w)):
+        assert g.dtype == a.dtype, name
+        assert_close(g, e, BACKWARD[dtype], f"d{name}")
+
+
+@pytest.mark.parametrize("strategy", ["grid", "loop"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_values_and_grads(dtype, strategy):
+    # Rows (39), D (50) and V (800) divide no block; the backward walks 3 full
+    # vocabulary chunks plus a 32-column tail. "loop" is the pallas_triton
+    # kernel layout (vocabulary splits of 4 tiles, the last one short, and
+    # in-kernel loops over tiles and D), run here by the interpreter.
+    x, w, labels = make_linear(jax.random.key(5), (3, 13), 50, 800, dtype)
+    cot = jax.random.normal(jax.random.key(6), labels.shape, jnp.float32)
+    blocks = (16, 128, 32) if strategy == "loop" else None
+    config = _Config("interpret", block_sizes=blocks, vocab_chunk=256, strategy=strategy)
+
+    def fn(x, w, labels):
+        out = _linear_cross_entropy(x.reshape(-1, x.shape[-1]), w,
+                                    labels.reshape(-1, 1).astype(jnp.int32), config)
+        return out.reshape(labels.shape)
+
+    check_linear(fn, x, w, labels, dtype, cot)
+
+
+def test_linear_public_api_and_blocks():
+    x, w, labels = make_linear(jax.random.key(7), (2, 9), 40, 300, jnp.float32)
+    cot = jnp.ones(labels.shape, jnp.float32)
+    fn = lambda x, w, l: linear_cross_entropy(x, w, l, implementation="interpret",
+                                              block_sizes=(16, 128, 32))
+    check_linear(fn, x, w, labels, jnp.float32, cot)
+    np.testing.assert_array_equal(linear_cross_entropy(x, w, labels, implementation="xla"),
+                                  lce_reference(x, w, labels))
+    assert_close(linear_cross_entropy(x, w, labels), naive(x, w, labels), FORWARD[jnp.float32])
+
+
+def test_linear_out_of_range_labels_and_large_logits():
+    x, w, _ = make_linear(jax.random.key(8), (6,), 16, 200, jnp.float32)
+    x = x * 1e3  # logits of order 1e3-1e4
+    labels = jnp.array([0, -1, 200, 199, 7, 1000])
+    lce = lambda x, w: linear_cross_entropy(x, w, labels, implementation="interpret")
+    out, (gx, gw) = value_and_grads(lce, (0, 1))((labels == 7).astype(jnp.float32), x, w)
+    assert np.all(np.isnan(out[np.array([1, 2, 5])]))
+    good = np.array([0, 3, 4])
+    assert np.all(np.isfinite(out[good]))
+    np.testing.assert_allclose(out[good], naive(x, w, labels)[good], rtol=1e-5)
+    assert np.all(np.isfinite(gx)) and np.all(np.isfinite(gw))
+    np.testing.assert_array_equal(gx[np.array([0, 1, 2, 3, 5])], 0.0)
+
+
+def test_linear_peak_memory_has_no_logits_buffer():
+    """fwd+bwd never holds N x V values: XLA's temp buffers are well below the
+    naive version's, and below one float32 N x V array."""
+    n, d, v = 64, 32, 8192
+
+    def fwd_bwd(f):
+        return lambda x, w, l: jax.value_and_grad(lambda x, w: jnp.sum(f(x, w, l)), (0, 1))(x, w)
+
+    ours = fwd_bwd(lambda x, w, l: linear_cross_entropy(x, w, l, implementation="interpret",
+                                                        vocab_chunk=1024))
+    args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.int32))
+    temp = lambda f: jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    ours_bytes, naive_bytes = temp(ours), temp(fwd_bwd(naive))
+    logits_bytes = n * v * 4
+    assert naive_bytes >= logits_bytes
+    assert ours_bytes < logits_bytes / 2 and ours_bytes < naive_bytes / 4, (ours_bytes, naive_bytes)
+
+
+X = jnp.ones((4, 8), jnp.float32)
+W = jnp.ones((8, 16), jnp.float32)
+
+
+@pytest.mark.parametrize("args, kwargs, error, pattern", [
+    ((X, W, jnp.zeros((4, 1), jnp.int32)), {}, ValueError,
+     r"labels must have shape x.shape\[:-1\]"),
+    ((X, W, jnp.zeros((4,), jnp.float32)), {}, TypeError, r"labels has dtype float32"),
+    ((X, jnp.ones((9, 16)), LABELS), {}, ValueError, r"x's last dim \(8\) must equal w's first"),
+    ((X, jnp.ones((8, 16, 1)), LABELS), {}, ValueError, r"w must have rank 2"),
+    ((X, jnp.ones((8, 0)), LABELS), {}, ValueError, r"empty vocabulary"),
+    ((X, W.astype(jnp.bfloat16), LABELS), {}, TypeError, r"w has dtype bfloat16 but x has float32"),
+    ((X.astype(jnp.int32), W.astype(jnp.int32), LABELS), {}, TypeError, r"x has dtype int32"),
+    ((X, W, LABELS), {"block_sizes": (8, 128)}, ValueError, r"block_sizes must be three"),
+    ((X, W, LABELS), {"vocab_chunk": 0}, ValueError, r"vocab_chunk must be a positive int"),
+    ((X, W, LABELS), {"implementation": "mosaic_gpu"}, NotImplementedError, r"no kernel yet"),
+])
+def test_linear_bad_input(args, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        linear_cross_entropy(*args, **kwargs)
+
+
+# ---- lowering for TPU and GPU from this CPU host --------------------------------
+
+PLATFORM = {"mosaic_tpu": ("tpu", "tpu_custom_call"),
+            "pallas_triton": ("cuda", "__gpu$xla.gpu.triton")}
+
+
+def lower_text(fn, impl, *shapes_dtypes):
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes]
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(PLATFORM[impl][0],)).as_text()
+
+
+@pytest.mark.parametrize("impl", ["mosaic_tpu", "pallas_triton"])
+def test_cross_entropy_lowers(impl):
+    n, v = 200, 32768
+    fwd = lambda x, l: cross_entropy(x, l, implementation=impl)
+    grad = jax.grad(lambda x, l: jnp.sum(fwd(x, l).astype(jnp.float32)))
+    specs = [((n, v), jnp.bfloat16), ((n,), jnp.int32)]
+    marker = PLATFORM[impl][1]
+    assert lower_text(fwd, impl, *specs).count(marker) == 1
+    assert lower_text(grad, impl, *specs).count(marker) == 2  # forward + backward kernels
+    if impl == "mosaic_tpu":
+        # float32 rows of 128k classes: the backward's double-buffered logits and
+        # dlogits blocks outgrow the default scoped VMEM, so the kernel raises it.
+        text = lower_text(grad, impl, ((64, 131072), jnp.float32), ((64,), jnp.int32))
+        assert "scoped_memory_configs" in text
+
+
+@pytest.mark.parametrize("impl", ["mosaic_tpu", "pallas_triton"])
+def test_linear_cross_entropy_lowers(impl):
+    n, d, v = 200, 256, 32768
+    fwd = lambda x, w, l: linear_cross_entropy(x, w, l, implementation=impl)
+    grad = jax.grad(lambda x, w, l: jnp.sum(fwd(x, w, l).astype(jnp.float32)), (0, 1))
+    specs = [((n, d), jnp.bfloat16), ((d, v), jnp.bfloat16), ((n,), jnp.int32)]
+    marker = PLATFORM[impl][1]
+    assert lower_text(fwd, impl, *specs).count(marker) == 1
+    # Forward, then per vocabulary chunk: the dz kernel and the dx and dw matmuls.
+    assert lower_text(grad, impl, *specs).count(marker) >= 4
+
+
+# ---- benchmark cases ------------------------------------------------------------
+
+def test_benchmark_cases_report_peak_memory():
+    from benchmarks import cross_entropy as bench, harness
+    quick = bench.cases("cpu", quick=True)
+    assert {(c.op, c.pass_name) for c in quick} == {
+        (op, p) for op in ("cross_entropy", "linear_cross_entropy") for p in harness.PASSES}
+    assert len(bench.cases("gpu")) == 10 and all(c.report_memory for c in quick)
+    case = next(c for c in quick if c.op == "cross_entropy" and c.pass_name == "fwd")
+    rows = harness.run_case(case, key=jax.random.key(0), ceilings={}, warmup=0, iters=1)
+    assert [r["implementation"] for r in rows] == ["xla", "interpret"]
+    for row in rows:
+        assert row["error"] is None and row["max_rel_error"] < 1e-5, row
+        assert set(row) == set(harness.ROW_KEYS) | {"peak_bytes"}
+        assert row["peak_bytes"] > 0

@@ -1,0 +1,407 @@
+"""ops layer_norm / rms_norm and the LayerNorm / RMSNorm layers (NNX and Linen).
+
+Kernels run through the interpreter against the float32 XLA reference on
+shapes that do not divide the blocks (13 rows; 1000 features, a masked last
+chunk; multi-chunk rows forced with max_chunk), and lower for TPU and CUDA
+from this CPU host. Interpreter compiles dominate the run time, so the
+shapes are few and reused.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings, strategies as st
+
+import layers.linen_norms
+import layers.norms
+from layers.linen_norms import LayerNorm as LinenLayerNorm, RMSNorm as LinenRMSNorm
+from layers.norms import LayerNorm, RMSNorm
+from ops.reduction.norms import layer_norm, reference, rms_norm
+from tests.tolerances import BACKWARD, FORWARD, assert_close
+
+OPS = {"layer_norm": True, "rms_norm": False}  # name -> center
+
+
+def run(op, x, scale, bias, **kw):
+    """The op under test; rms_norm ignores ``bias`` (it has none)."""
+    if op == "layer_norm":
+        return layer_norm(x, scale, bias, **kw)
+    return rms_norm(x, scale, **kw)
+
+
+def ref32(op, x, scale, bias):
+    """The float32 reference on the (possibly 16-bit) inputs, upcast."""
+    up = lambda a: None if a is None else a.astype(jnp.float32)
+    return reference(up(x), up(scale), up(bias) if OPS[op] else None, center=OPS[op])
+
+
+def make_inputs(seed, shape, dtype=jnp.float32, with_params=True):
+    """x with a non-zero mean (so centering matters), scale around 1, bias around 0."""
+    kx, ks, kb = jax.random.split(jax.random.key(seed), 3)
+    f = shape[-1]
+    x = 2.0 * jax.random.normal(kx, shape, jnp.float32) + 0.5
+    scale = 1.0 + 0.5 * jax.random.normal(ks, (f,), jnp.float32) if with_params else None
+    bias = 0.5 * jax.random.normal(kb, (f,), jnp.float32) if with_params else None
+    cast = lambda a: None if a is None else a.astype(dtype)
+    return cast(x), cast(scale), cast(bias)
+
+
+# (leading shape, features, max_chunk, with scale/bias)
+F32_CASES = [
+    ((13,), 1000, None, True),     # one chunk of 1024, last columns masked
+    ((13,), 1000, 256, True),      # four chunks, the last masked
+    ((2, 7), 384, 128, False),     # three exact chunks, no params
+]
+
+
+# --------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("lead, features, max_chunk, with_params", F32_CASES)
+def test_forward_float32(op, lead, features, max_chunk, with_params):
+    x, s, b = make_inputs(0, (*lead, features), with_params=with_params)
+    y = run(op, x, s, b, implementation="interpret", max_chunk=max_chunk)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    assert_close(y, ref32(op, x, s, b), FORWARD[jnp.float32], "forward")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_forward_16bit(op, dtype):
+    x, s, b = make_inputs(1, (13, 1000), dtype)
+    y = run(op, x, s, b, implementation="interpret", max_chunk=256)
+    assert y.dtype == dtype
+    assert_close(y, ref32(op, x, s, b), FORWARD[dtype], "forward")
+
+
+def test_forward_is_stable_for_a_large_mean():
+    """Chunked Welford/Chan statistics keep full precision where E[x^2] - E[x]^2 would not."""
+    x = 0.1 * jax.random.normal(jax.random.key(2), (8, 1000), jnp.float32) + 1000.0
+    x64 = np.asarray(x, np.float64)
+    centered = x64 - x64.mean(-1, keepdims=True)
+    exact = centered / np.sqrt((centered ** 2).mean(-1, keepdims=True) + 1e-6)
+    y = layer_norm(x, implementation="interpret", max_chunk=256)
+    # x itself is rounded to float32 near 1000 (ulp 6e-5, std 0.1): ~1e-3 is the floor.
+    np.testing.assert_allclose(np.asarray(y), exact, atol=3e-3)
+
+
+def test_xla_implementation_is_the_reference_and_default_on_cpu():
+    x, s, b = make_inputs(3, (4, 6, 40))
+    np.testing.assert_array_equal(layer_norm(x, s, b, implementation="xla"),
+                                  reference(x, s, b, center=True))
+    np.testing.assert_array_equal(rms_norm(x, s, implementation="xla"),
+                                  reference(x, s, center=False))
+    np.testing.assert_array_equal(layer_norm(x, s, b, epsilon=1e-3),
+                                  reference(x, s, b, epsilon=1e-3, center=True))
+
+
+def test_jit_vmap_and_constant_rows():
+    x, s, b = make_inputs(4, (3, 5, 300))
+    f = jax.jit(jax.vmap(lambda x: layer_norm(x, s, b, implementation="interpret",
+                                              max_chunk=128)))
+    assert_close(f(x), ref32("layer_norm", x, s, b), FORWARD[jnp.float32], "jit(vmap)")
+    # A constant row has zero variance: the output is exactly the bias, not NaN.
+    const = jnp.full((3, 200), 7.0)
+    np.testing.assert_array_equal(layer_norm(const, None, b[:200], implementation="interpret",
+                                             max_chunk=128), jnp.broadcast_to(b[:200], (3, 200)))
+
+
+def test_empty_rows():
+    x = jnp.zeros((0, 24), jnp.float32)
+    assert layer_norm(x, implementation="interpret").shape == (0, 24)
+    g = jax.grad(lambda x, s: rms_norm(x, s, implementation="interpret").sum(), (0, 1))(
+        x, jnp.ones((24,)))
+    assert g[0].shape == (0, 24)
+    np.testing.assert_array_equal(g[1], jnp.zeros((24,)))
+
+
+# --------------------------------------------------------------------------
+# Gradients
+# --------------------------------------------------------------------------
+
+def grads_vs_reference(op, x, s, b, **kw):
+    cot = jax.random.normal(jax.random.key(9), x.shape, jnp.float32)
+    loss = lambda fn: (lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot))
+    argnums = tuple(i for i, a in enumerate((x, s, b)) if a is not None
+                    and (i < 2 or OPS[op]))
+    ours = jax.grad(loss(lambda *a: run(op, *a, implementation="interpret", **kw)), argnums)(
+        x, s, b)
+    up = [None if a is None else a.astype(jnp.float32) for a in (x, s, b)]
+    expected = jax.grad(loss(lambda *a: ref32(op, *a)), argnums)(*up)
+    return [("xsb"[i], (x, s, b)[i]) for i in argnums], ours, expected
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("lead, features, max_chunk, with_params",
+                         [F32_CASES[1], ((2, 7), 384, None, False)])
+def test_gradients_float32(op, lead, features, max_chunk, with_params):
+    x, s, b = make_inputs(5, (*lead, features), with_params=with_params)
+    names, ours, expected = grads_vs_reference(op, x, s, b, max_chunk=max_chunk)
+    for (name, arg), g, e in zip(names, ours, expected):
+        assert g.dtype == arg.dtype and g.shape == arg.shape, name
+        assert_close(g, e, BACKWARD[jnp.float32], f"d{name}")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_gradients_bfloat16(op):
+    x, s, b = make_inputs(6, (13, 1000), jnp.bfloat16)
+    names, ours, expected = grads_vs_reference(op, x, s, b)
+    for (name, arg), g, e in zip(names, ours, expected):
+        assert g.dtype == jnp.bfloat16, name
+        assert_close(g, e, BACKWARD[jnp.bfloat16], f"d{name}")
+
+
+@settings(max_examples=3, deadline=None)
+@given(rows=st.integers(1, 20), features=st.integers(1, 300),
+       lead=st.lists(st.integers(1, 3), max_size=1), op=st.sampled_from(list(OPS)),
+       max_chunk=st.sampled_from([None, 128]), with_params=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_property_forward_and_gradients(rows, features, lead, op, max_chunk, with_params, seed):
+    x, s, b = make_inputs(seed, (*lead, rows, features), with_params=with_params)
+    y = run(op, x, s, b, implementation="interpret", max_chunk=max_chunk)
+    assert_close(y, ref32(op, x, s, b), FORWARD[jnp.float32], "forward")
+    names, ours, expected = grads_vs_reference(op, x, s, b, max_chunk=max_chunk)
+    for (name, _), g, e in zip(names, ours, expected):
+        assert_close(g, e, BACKWARD[jnp.float32], f"d{name}")
+
+
+# --------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------
+
+X = jnp.ones((4, 8), jnp.float32)
+P = jnp.ones((8,), jnp.float32)
+
+
+@pytest.mark.parametrize("fn, args, kwargs, error, pattern", [
+    (layer_norm, (X, jnp.ones((9,))), {}, ValueError, r"layer_norm: scale must have shape \[features\] = \(8,\)"),
+    (layer_norm, (X, P, jnp.ones((1, 8))), {}, ValueError, r"bias must have shape \[features\]"),
+    (rms_norm, (X, jnp.ones((8, 1))), {}, ValueError, r"rms_norm: scale must have shape"),
+    (layer_norm, (X.astype(jnp.int32),), {}, TypeError, r"x has dtype int32"),
+    (layer_norm, (X, P.astype(jnp.bfloat16)), {}, TypeError, r"scale has dtype bfloat16 but x has float32"),
+    (layer_norm, (X, P, P.astype(jnp.float16)), {}, TypeError, r"bias has dtype float16"),
+    (rms_norm, ([[1.0]],), {}, TypeError, r"x must be a JAX or NumPy array"),
+    (layer_norm, (X, [1.0] * 8), {}, TypeError, r"scale must be a JAX or NumPy array"),
+    (layer_norm, (jnp.float32(1.0),), {}, ValueError, r"x must have rank >= 1"),
+    (layer_norm, (jnp.ones((3, 0)),), {}, ValueError, r"features\) must be >= 1"),
+    (layer_norm, (X,), {"epsilon": -1e-5}, ValueError, r"epsilon must be >= 0"),
+    (rms_norm, (X,), {"epsilon": float("nan")}, ValueError, r"epsilon must be >= 0"),
+    (layer_norm, (X,), {"epsilon": "1e-6"}, TypeError, r"epsilon must be a static real number"),
+    (layer_norm, (X,), {"max_chunk": 100}, ValueError, r"max_chunk must be None or a power of two"),
+    (layer_norm, (X,), {"implementation": "cuda"}, ValueError, r"implementation must be None or one of"),
+    (rms_norm, (X,), {"implementation": "mosaic_gpu"}, NotImplementedError, r"no kernel yet"),
+    (layer_norm, (X,), {"implementation": "mosaic_gpu"}, NotImplementedError, r"has no kernel yet"),
+])
+def test_bad_input(fn, args, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        fn(*args, **kwargs)
+
+
+def test_traced_epsilon_is_refused():
+    with pytest.raises(TypeError, match="epsilon must be a static real number"):
+        jax.jit(lambda e: layer_norm(X, epsilon=e))(1e-6)
+
+
+# --------------------------------------------------------------------------
+# Lowering for TPU and CUDA from this CPU host
+# --------------------------------------------------------------------------
+
+PLATFORM = {"mosaic_tpu": ("tpu", "tpu_custom_call"),
+            "pallas_triton": ("cuda", "__gpu$xla.gpu.triton")}
+
+
+def lower_text(fn, impl, *shapes_dtypes):
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes]
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(PLATFORM[impl][0],)).as_text()
+
+
+@pytest.mark.parametrize("impl", list(PLATFORM))
+@pytest.mark.parametrize("features", [1000, 5120])
+@pytest.mark.parametrize("op", OPS)
+def test_forward_and_backward_lower(impl, features, op):
+    def fwd(x, s, b):
+        return run(op, x, s, b, implementation=impl)
+
+    def grads(x, s, b):
+        argnums = (0, 1, 2) if OPS[op] else (0, 1)
+        return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums)(x, s, b)
+
+    specs = [((2, 300, features), jnp.bfloat16), ((features,), jnp.bfloat16),
+             ((features,), jnp.bfloat16)]
+    marker = PLATFORM[impl][1]
+    text = lower_text(fwd, impl, *specs)
+    assert text.count(marker) == 1 and f"{op}_fwd" in text
+    text = lower_text(grads, impl, *specs)
+    assert text.count(marker) == 2 and f"{op}_bwd" in text
+
+
+# --------------------------------------------------------------------------
+# Layers: NNX
+# --------------------------------------------------------------------------
+
+NF = 40
+LAYER_SHAPE = (2, 5, NF)
+INITS = dict(scale_init=jax.nn.initializers.normal(1.0))
+
+
+def _flat(module):
+    return list(nnx.to_flat_state(nnx.state(module)))
+
+
+def assert_same_state(a, b):
+    fa, fb = _flat(a), _flat(b)
+    assert [p for p, _ in fa] == [p for p, _ in fb]
+    for (path, va), (_, vb) in zip(fa, fb):
+        assert type(va) is type(vb), path
+        assert va.get_metadata() == vb.get_metadata(), path
+        assert va[...].dtype == vb[...].dtype, path
+        np.testing.assert_array_equal(np.asarray(va[...]), np.asarray(vb[...]), err_msg=str(path))
+
+
+def _close(a, b, tol=1e-5):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Records the implementation of every op call the layers make."""
+    calls = []
+    for module in (layers.norms, layers.linen_norms):
+        for name in ("layer_norm", "rms_norm"):
+            real = getattr(module, name)
+
+            def spy(*args, _real=real, **kwargs):
+                calls.append(kwargs.get("implementation"))
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+NNX_PAIRS = [
+    (LayerNorm, nnx.LayerNorm, dict(bias_init=jax.nn.initializers.normal(1.0), **INITS)),
+    (RMSNorm, nnx.RMSNorm, INITS),
+]
+
+
+@pytest.mark.parametrize("ours, theirs, kw", NNX_PAIRS, ids=["LayerNorm", "RMSNorm"])
+def test_nnx_state_and_attributes_identical(ours, theirs, kw):
+    assert_same_state(ours(NF, rngs=nnx.Rngs(0), implementation="xla", **kw),
+                      theirs(NF, rngs=nnx.Rngs(0), **kw))
+    meta = dict(param_dtype=jnp.bfloat16, scale_metadata={"tag": "s"}, use_scale=True)
+    if theirs is nnx.LayerNorm:
+        meta.update(bias_metadata={"tag": "b"}, use_bias=False)
+    a, b = ours(NF, rngs=nnx.Rngs(1), **meta), theirs(NF, rngs=nnx.Rngs(1), **meta)
+    assert_same_state(a, b)
+    for attr in ("num_features", "epsilon", "dtype", "param_dtype", "use_scale", "reduction_axes",
+                 "feature_axes", "axis_name", "use_fast_variance", "promote_dtype"):
+        assert getattr(a, attr) == getattr(b, attr), attr
+    assert a.epsilon == 1e-6
+
+
+@pytest.mark.parametrize("ours, theirs, kw", NNX_PAIRS, ids=["LayerNorm", "RMSNorm"])
+def test_nnx_outputs_grads_and_state_loading(ours, theirs, kw, kernel_calls):
+    flax_layer = theirs(NF, rngs=nnx.Rngs(2), **kw)
+    layer = ours(NF, implementation="interpret", rngs=nnx.Rngs(3))
+    x = make_inputs(10, LAYER_SHAPE)[0]
+    nnx.update(layer, nnx.state(flax_layer))  # Flax's state loads unchanged
+    _close(layer(x), flax_layer(x))
+    assert kernel_calls == ["interpret"]
+    ct = jax.random.normal(jax.random.key(11), LAYER_SHAPE)
+    g_ours = nnx.grad(lambda m, x: jnp.sum(m(x) * ct), argnums=(0, 1))(layer, x)
+    g_flax = nnx.grad(lambda m, x: jnp.sum(m(x) * ct), argnums=(0, 1))(flax_layer, x)
+    _close(g_ours[1], g_flax[1], 1e-4)
+    for name in ("scale", "bias"):
+        if getattr(flax_layer, name, None) is not None:
+            _close(g_ours[0][name][...], g_flax[0][name][...], 1e-4)
+
+
+@pytest.mark.parametrize("ours, theirs", [(LayerNorm, nnx.LayerNorm), (RMSNorm, nnx.RMSNorm)],
+                         ids=["LayerNorm", "RMSNorm"])
+def test_nnx_dtypes_follow_flax(ours, theirs, kernel_calls):
+    xb = make_inputs(12, LAYER_SHAPE, jnp.bfloat16)[0]
+    for kw in (dict(dtype=jnp.bfloat16), dict(), dict(param_dtype=jnp.bfloat16)):
+        layer = ours(NF, implementation="xla", rngs=nnx.Rngs(0), **kw)
+        flax_layer = theirs(NF, rngs=nnx.Rngs(0), **kw)
+        for x in (xb, xb.astype(jnp.float32)):
+            _close(layer(x), flax_layer(x), 1e-2)
+    assert len(kernel_calls) == 6
+
+
+def test_nnx_fallback_configurations(kernel_calls):
+    x = make_inputs(13, LAYER_SHAPE)[0]
+    mask = jnp.arange(NF) < 30
+    configs = [dict(reduction_axes=(1, 2), feature_axes=-1), dict(feature_axes=(1, 2))]
+    for kw in configs:
+        feats = 5 * NF if kw.get("feature_axes") == (1, 2) else NF
+        a = LayerNorm(feats, implementation="interpret", rngs=nnx.Rngs(0), **kw)
+        b = nnx.LayerNorm(feats, rngs=nnx.Rngs(0), **kw)
+        _close(a(x), b(x))  # feature_axes (1, 2): Flax reshapes [5 * NF] params onto them
+    _close(LayerNorm(NF, rngs=nnx.Rngs(0))(x, mask=mask), nnx.LayerNorm(NF, rngs=nnx.Rngs(0))(x, mask=mask))
+    _close(RMSNorm(NF, rngs=nnx.Rngs(0))(x, mask), nnx.RMSNorm(NF, rngs=nnx.Rngs(0))(x, mask))
+    assert kernel_calls == []
+
+
+def test_nnx_bad_implementation():
+    with pytest.raises(ValueError, match=r"layers.LayerNorm: invalid argument implementation='gpu'"):
+        LayerNorm(NF, implementation="gpu", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"layers.RMSNorm: invalid argument implementation=3"):
+        RMSNorm(NF, implementation=3, rngs=nnx.Rngs(0))
+
+
+# --------------------------------------------------------------------------
+# Layers: Linen
+# --------------------------------------------------------------------------
+
+LINEN_PAIRS = [
+    (LinenLayerNorm, nn.LayerNorm, dict(bias_init=jax.nn.initializers.normal(1.0), **INITS)),
+    (LinenRMSNorm, nn.RMSNorm, INITS),
+]
+
+
+@pytest.mark.parametrize("ours, theirs, kw", LINEN_PAIRS, ids=["LayerNorm", "RMSNorm"])
+def test_linen_variables_outputs_and_grads(ours, theirs, kw, kernel_calls):
+    x = make_inputs(14, LAYER_SHAPE)[0]
+    flax_vars = theirs(**kw).init(jax.random.key(0), x)
+    our_vars = ours(implementation="xla", **kw).init(jax.random.key(0), x)
+    assert jax.tree.structure(flax_vars) == jax.tree.structure(our_vars)
+    jax.tree.map(np.testing.assert_array_equal, flax_vars, our_vars)
+    layer = ours(implementation="interpret", **kw)
+    _close(layer.apply(flax_vars, x), theirs(**kw).apply(flax_vars, x))
+    ct = jax.random.normal(jax.random.key(15), LAYER_SHAPE)
+    loss = lambda m: (lambda v, x: jnp.sum(m.apply(v, x) * ct))
+    g_ours = jax.grad(loss(layer), (0, 1))(flax_vars, x)
+    g_flax = jax.grad(loss(theirs(**kw)), (0, 1))(flax_vars, x)
+    jax.tree.map(lambda a, b: _close(a, b, 1e-4), g_ours, g_flax)
+    assert kernel_calls == ["xla", "interpret", "interpret"]
+
+
+@pytest.mark.parametrize("ours, theirs", [(LinenLayerNorm, nn.LayerNorm), (LinenRMSNorm, nn.RMSNorm)],
+                         ids=["LayerNorm", "RMSNorm"])
+def test_linen_dtypes_and_fallbacks_follow_flax(ours, theirs, kernel_calls):
+    xb = make_inputs(16, LAYER_SHAPE, jnp.bfloat16)[0]
+    for kw in (dict(dtype=jnp.bfloat16), dict(), dict(param_dtype=jnp.bfloat16),
+               dict(dtype=jnp.float32, param_dtype=jnp.bfloat16)):
+        for x in (xb, xb.astype(jnp.float32)):
+            v = theirs(**kw).init(jax.random.key(1), x)
+            _close(ours(implementation="xla", **kw).apply(v, x), theirs(**kw).apply(v, x), 1e-2)
+    assert len(kernel_calls) == 8
+    # Configurations the kernel does not cover run Flax's own computation.
+    x = xb.astype(jnp.float32)
+    for kw in (dict(reduction_axes=(1, 2)), dict(force_float32_reductions=False)):
+        v = theirs(**kw).init(jax.random.key(2), x)
+        _close(ours(**kw).apply(v, x), theirs(**kw).apply(v, x))
+    v = theirs().init(jax.random.key(3), x)
+    mask = jnp.arange(NF) < 30
+    _close(ours().apply(v, x, mask=mask), theirs().apply(v, x, mask=mask))
+    assert len(kernel_calls) == 8
+    with pytest.raises(ValueError, match=r"invalid argument implementation='tpu'"):
+        ours(implementation="tpu").init(jax.random.key(0), x)

@@ -1,0 +1,271 @@
+"""ops.reduction: softmax / log_softmax / logsumexp and sum / mean / max.
+
+Forward and gradients through the interpreter against the float32 XLA
+reference, on shapes that divide neither the row block nor the chunk, with
+multi-chunk rows forced by the ``max_chunk=`` test hook; lowering for TPU and
+CUDA from this CPU host. Interpreter compiles dominate the run time, so the
+tests share a few shapes.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ops.reduction import reduce as red
+from ops.reduction._rows import online_logsumexp_update
+from ops.reduction.softmax import log_softmax, logsumexp, softmax
+from tests.tolerances import BACKWARD, FORWARD, assert_close
+
+FAMILY = {"softmax": softmax, "log_softmax": log_softmax, "logsumexp": logsumexp}
+JAX_FAMILY = {"softmax": jax.nn.softmax, "log_softmax": jax.nn.log_softmax,
+              "logsumexp": jax.nn.logsumexp}
+REDUCE = {"sum": red.sum, "mean": red.mean, "max": red.max}
+JNP_REDUCE = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}
+
+# 39 rows (not a multiple of the 4-row block) of 1000 features: with
+# max_chunk=256 a row takes four chunks, the last one masked (232 of 256).
+SHAPE = (3, 13, 1000)
+CHUNK = 256
+
+
+def inputs(shape, dtype, seed=0, scale=3.0):
+    return (scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+
+
+def ref32(mode, x, axis=-1):
+    return JAX_FAMILY[mode](x.astype(jnp.float32), axis=axis)
+
+
+def out_and_grad(fn, x, cot, mask=True):
+    """``fn(x)`` and the gradient of ``sum(where(mask, fn(x), 0) * cot)``, from one compile."""
+    def loss(x):
+        out = fn(x)
+        return jnp.sum(jnp.where(mask, out.astype(jnp.float32), 0) * cot), out
+    (_, out), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    return out, grad
+
+
+def ours(mode, **kw):
+    """The op through the interpreter. Tests jit what they run: one compile
+    instead of many op-by-op dispatches keeps the file fast."""
+    return lambda x, axis=-1: FAMILY[mode](x, axis, implementation="interpret", **kw)
+
+
+# ---- softmax family: forward ---------------------------------------------------
+
+@pytest.mark.parametrize("mode", list(FAMILY))
+@pytest.mark.parametrize("dtype, max_chunk", [(jnp.float32, None), (jnp.float32, CHUNK),
+                                              (jnp.bfloat16, CHUNK), (jnp.float16, CHUNK)],
+                         ids=["f32-one-chunk", "f32-chunks", "bf16-chunks", "f16-chunks"])
+def test_family_forward(mode, dtype, max_chunk):
+    x = inputs(SHAPE, dtype)
+    out = jax.jit(ours(mode, max_chunk=max_chunk))(x)
+    expected = ref32(mode, x)
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert_close(out, expected, FORWARD[dtype], mode)
+
+
+@pytest.mark.parametrize("mode", list(FAMILY))
+def test_family_large_logits_and_masked_entries(mode):
+    """Logits of +-1e4 stay exact; -inf entries (masking) contribute nothing."""
+    x = jax.random.uniform(jax.random.key(1), (9, 300), jnp.float32, -1e4, 1e4)
+    x = x.at[:, ::7].set(-jnp.inf).at[4, :].set(jnp.where(jnp.arange(300) == 5, 1.0, -jnp.inf))
+    cot = inputs(ref32(mode, x).shape, jnp.float32, seed=2)
+    expected = ref32(mode, x)
+    finite = np.isfinite(np.asarray(expected))
+    out, grad = out_and_grad(ours(mode, max_chunk=128), x, cot, finite)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(out)), finite)
+    assert_close(jnp.where(finite, out, 0), jnp.where(finite, expected, 0), FORWARD[jnp.float32],
+                 "forward")
+    expected_grad = out_and_grad(lambda x: ref32(mode, x), x, cot, finite)[1]
+    assert_close(grad, expected_grad, BACKWARD[jnp.float32], "grad")
+
+
+def test_online_logsumexp_update_edge_rows():
+    """All -inf so far keeps (m, s) = (-inf, 0); +inf gives +inf, as jax.nn.logsumexp."""
+    @jax.jit
+    def two_chunks(a, b):
+        m, s = online_logsumexp_update(jnp.full((3, 1), -jnp.inf), jnp.zeros((3, 1)), a)
+        m, s = online_logsumexp_update(m, s, b)
+        return (m + jnp.log(s))[:, 0]
+
+    lse = two_chunks(jnp.array([[-jnp.inf, -jnp.inf], [1.0, jnp.inf], [0.0, -jnp.inf]]),
+                     jnp.array([[-jnp.inf, -jnp.inf], [2.0, 3.0], [5.0, 1.0]]))
+    expected = jax.nn.logsumexp(jnp.array([[-jnp.inf] * 4, [1.0, jnp.inf, 2.0, 3.0],
+                                           [0.0, -jnp.inf, 5.0, 1.0]]), axis=1)
+    np.testing.assert_allclose(lse, expected, rtol=1e-6)
+    assert lse[0] == -jnp.inf and lse[1] == jnp.inf
+
+
+# ---- softmax family: gradients --------------------------------------------------
+
+@pytest.mark.parametrize("mode", list(FAMILY))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_family_gradients(mode, dtype):
+    x = inputs(SHAPE, dtype, seed=3)
+    cot = inputs(ref32(mode, x).shape, jnp.float32, seed=4, scale=1.0)
+    out, grad = out_and_grad(ours(mode, max_chunk=CHUNK), x, cot)
+    expected, expected_grad = out_and_grad(lambda x: ref32(mode, x), x.astype(jnp.float32), cot)
+    assert grad.dtype == dtype
+    assert_close(out, expected, FORWARD[dtype], mode)
+    assert_close(grad, expected_grad, BACKWARD[dtype], f"d{mode}")
+
+
+@pytest.mark.parametrize("mode, axis", [("softmax", 0), ("softmax", (0, 2)), ("softmax", None),
+                                        ("log_softmax", -2), ("logsumexp", (1, 0))])
+def test_family_axes(mode, axis):
+    x = inputs((4, 6, 130), jnp.float32, seed=5)
+    f = ours(mode, max_chunk=128)
+    cot = inputs(ref32(mode, x, axis).shape, jnp.float32, seed=13, scale=1.0)
+    expected, expected_grad = out_and_grad(lambda x: ref32(mode, x, axis), x, cot)
+    if axis == 0:  # the gradient through the transpose too
+        out, grad = out_and_grad(lambda x: f(x, axis), x, cot)
+        assert_close(grad, expected_grad, BACKWARD[jnp.float32], "grad")
+    else:
+        out = jax.jit(f, static_argnums=1)(x, axis)
+    assert_close(out, expected, FORWARD[jnp.float32], f"{mode} axis={axis}")
+
+
+def test_family_jit_vmap_default_and_xla():
+    x = inputs((5, 7, 200), jnp.float32, seed=6)
+    f = jax.jit(jax.vmap(lambda r: log_softmax(r, implementation="interpret", max_chunk=128)))
+    assert_close(f(x), ref32("log_softmax", x), FORWARD[jnp.float32])
+    # On CPU the default implementation is XLA, and "xla" is the reference itself.
+    np.testing.assert_array_equal(softmax(x), jax.nn.softmax(x))
+    np.testing.assert_array_equal(logsumexp(x, implementation="xla"), jax.nn.logsumexp(x, -1))
+    assert softmax(jnp.zeros((0, 5)), implementation="interpret").shape == (0, 5)
+
+
+@settings(max_examples=3, deadline=None)
+@given(rows=st.integers(1, 20), cols=st.integers(1, 600), mode=st.sampled_from(list(FAMILY)),
+       max_chunk=st.sampled_from([128, 512]), seed=st.integers(0, 2**16))
+def test_property_family_forward(rows, cols, mode, max_chunk, seed):
+    x = inputs((rows, cols), jnp.float32, seed=seed)
+    assert_close(jax.jit(ours(mode, max_chunk=max_chunk))(x), ref32(mode, x), FORWARD[jnp.float32])
+
+
+# ---- sum / mean / max ---------------------------------------------------------
+
+def reduce_ref32(kind, x, axis):
+    return JNP_REDUCE[kind](x.astype(jnp.float32), axis=axis)
+
+
+def reduce_ours(kind, x, axis, **kw):
+    return REDUCE[kind](x, axis, implementation="interpret", **kw)
+
+
+@pytest.mark.parametrize("kind, axis", [("sum", None), ("sum", -1), ("sum", 1), ("sum", (0, 2)),
+                                        ("mean", (-1, 0)), ("mean", 0), ("max", None),
+                                        ("max", -1), ("max", (2, 1))])
+def test_reduce_forward_and_gradient(kind, axis):
+    x = inputs(SHAPE, jnp.float32, seed=7)
+    cot = inputs(jnp.shape(reduce_ref32(kind, x, axis)), jnp.float32, seed=12, scale=1.0)
+    expected, expected_grad = out_and_grad(lambda x: reduce_ref32(kind, x, axis), x, cot)
+    out, grad = out_and_grad(lambda x: reduce_ours(kind, x, axis, max_chunk=CHUNK), x, cot)
+    assert out.shape == expected.shape and out.dtype == x.dtype
+    assert_close(out, expected, FORWARD[jnp.float32], f"{kind} axis={axis}")
+    assert_close(grad, expected_grad, BACKWARD[jnp.float32], "grad")
+
+
+@pytest.mark.parametrize("kind", list(REDUCE))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_reduce_16bit(kind, dtype):
+    x = inputs(SHAPE, dtype, seed=8)
+    out = jax.jit(lambda x: reduce_ours(kind, x, -1))(x)
+    assert out.dtype == dtype
+    assert_close(out, reduce_ref32(kind, x, -1), FORWARD[dtype], kind)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_max_gradient_splits_ties_like_jnp_max(dtype):
+    x = jnp.round(inputs((6, 40), jnp.float32, seed=9, scale=1.5)).astype(dtype)  # many ties
+    x = x.at[2].set(1.0)  # a row that is all ties
+    cot = inputs((6,), jnp.float32, seed=10).astype(dtype)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(reduce_ours("max", x, 1) * cot)))(x)
+    expected = jax.grad(lambda x: jnp.sum(jnp.max(x, axis=1) * cot))(x)
+    assert grad.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(expected, np.float32))
+    np.testing.assert_array_equal(jax.jit(jax.grad(lambda x: reduce_ours("max", x, None)))(x),
+                                  jax.grad(jnp.max)(x))
+
+
+@pytest.mark.parametrize("length", [40000, 100003])  # a divisor split; a padded split (prime)
+def test_reduce_everything_splits_long_rows(length):
+    assert red._feature_split(1, length)[0] > 1
+    x = inputs((length,), jnp.float32, seed=11)
+    for kind in ("sum", "max"):
+        out = jax.jit(lambda x: reduce_ours(kind, x, None))(x)
+        assert_close(out, reduce_ref32(kind, x, None), 1e-5, kind)
+
+
+def test_feature_split_heuristic():
+    assert red._feature_split(4096, 10**6) == (1, 10**6, 0)  # enough rows already
+    assert red._feature_split(2, 16384) == (1, 16384, 0)  # short rows
+    assert red._feature_split(1, 2**20) == (128, 8192, 0)
+    assert red._feature_split(1, 100003) == (13, 8192, 13 * 8192 - 100003)
+
+
+def test_reduce_empty_and_xla():
+    x = inputs((3, 5), jnp.float32)
+    np.testing.assert_array_equal(red.sum(x, 1), jnp.sum(x, 1))  # CPU default: XLA
+    np.testing.assert_array_equal(red.max(x, implementation="xla"), jnp.max(x))
+    assert red.sum(jnp.zeros((0, 4)), 0, implementation="interpret").shape == (4,)
+    assert np.isnan(red.mean(jnp.zeros((3, 0)), 1, implementation="interpret")).all()
+
+
+# ---- bad input -------------------------------------------------------------------
+
+X = jnp.ones((4, 8), jnp.float32)
+ALL_OPS = [*FAMILY.values(), *REDUCE.values()]
+
+
+@pytest.mark.parametrize("fn", ALL_OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("args, kwargs, error, pattern", [
+    ((X, 2), {}, ValueError, r"axis 2 is out of range for x of rank 2"),
+    ((X, -3), {}, ValueError, r"axis -3 is out of range"),
+    ((X, (0, -2)), {}, ValueError, r"axis \(0, -2\) names the same axis more than once"),
+    ((X, 1.0), {}, TypeError, r"axis must be None, an int or a tuple of ints"),
+    ((X.astype(jnp.int32),), {}, TypeError, r"x has dtype int32; expected one of float32"),
+    (([[1.0]],), {}, TypeError, r"x must be a JAX or NumPy array"),
+    ((X,), {"implementation": "cuda"}, ValueError, r"implementation must be None or one of"),
+    ((X,), {"implementation": "mosaic_gpu"}, NotImplementedError, r"has no kernel yet"),
+    ((X,), {"implementation": "mosaic_gpu"}, NotImplementedError, r"implementation='mosaic_gpu'"),
+    ((X,), {"max_chunk": 100}, ValueError, r"max_chunk must be None or a power of two >= 128"),
+])
+def test_bad_input(fn, args, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        fn(*args, **kwargs)
+
+
+# ---- lowering for TPU and CUDA from this CPU host ---------------------------------
+
+PLATFORM = {"mosaic_tpu": ("tpu", "tpu_custom_call"),
+            "pallas_triton": ("cuda", "__gpu$xla.gpu.triton")}
+
+
+def lowered(fn, impl, shape, dtype):
+    platform, marker = PLATFORM[impl]
+    text = jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, dtype)).lower(
+        lowering_platforms=(platform,)).as_text()
+    return text.count(marker)
+
+
+@pytest.mark.parametrize("impl", list(PLATFORM))
+@pytest.mark.parametrize("width", [1000, 32768])
+@pytest.mark.parametrize("mode", list(FAMILY))
+def test_family_lowers(impl, width, mode):
+    f = lambda x: FAMILY[mode](x, implementation=impl)
+    grad = jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32)))
+    assert lowered(f, impl, (64, width), jnp.bfloat16) == 1
+    assert lowered(grad, impl, (64, width), jnp.bfloat16) == 2  # forward and backward kernels
+
+
+@pytest.mark.parametrize("impl", list(PLATFORM))
+@pytest.mark.parametrize("kind, shape, axis", [("sum", (64, 1000), -1), ("max", (64, 32768), None),
+                                               ("mean", (8, 32768), 0)])
+def test_reduce_lowers(impl, kind, shape, axis):
+    f = lambda x: REDUCE[kind](x, axis, implementation=impl)
+    assert lowered(f, impl, shape, jnp.bfloat16) == 1
+    assert lowered(jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32))), impl, shape,
+                   jnp.bfloat16) == 1

@@ -96,8 +96,8 @@ def make_ce_case(shape, dtype: str, pass_name: str, implementation: str) -> harn
     reference = _float32_ce
     fwd_bwd = pass_name == "fwd+bwd"
     if fwd_bwd:
-        fns = {name: _forward_and_backward(fn) for name, fn in fns.items()}
-        reference = _forward_and_backward(reference)
+        fns = {name: harness.forward_and_backward(fn, nondiff=1) for name, fn in fns.items()}
+        reference = harness.forward_and_backward(reference, nondiff=1)
     itemsize = jnp.dtype(dtype).itemsize
     logits_bytes = n * v * itemsize
     return harness.Case(
@@ -145,8 +145,8 @@ def make_linear_case(shape, dtype: str, pass_name: str, implementation: str) -> 
     reference = _float32_linear_ce
     fwd_bwd = pass_name == "fwd+bwd"
     if fwd_bwd:
-        fns = {name: _forward_and_backward(fn) for name, fn in fns.items()}
-        reference = _forward_and_backward(reference)
+        fns = {name: harness.forward_and_backward(fn, nondiff=1) for name, fn in fns.items()}
+        reference = harness.forward_and_backward(reference, nondiff=1)
     return harness.Case(
         op=LINEAR_CE, variant="plain", shape=(n, d, v), dtype=dtype, pass_name=pass_name,
         flops=2.0 * n * d * v * (3 if fwd_bwd else 1),
@@ -183,15 +183,3 @@ def _float32_linear_ce(x, w, labels):
 
 
 # --------------------------------------------------------------------------
-
-def _forward_and_backward(fn):
-    """``(*float_args, labels, cotangent) -> (loss, grads)``: a training step's work.
-
-    Every argument before the labels is differentiated; the labels are not.
-    The loss is returned too, so no compiler can drop the forward pass.
-    """
-    def fwd_bwd(*args):
-        *diff, labels, cotangent = args
-        out, pullback = jax.vjp(lambda *a: fn(*a, labels), *diff)
-        return out, pullback(cotangent.astype(out.dtype))
-    return fwd_bwd

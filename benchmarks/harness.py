@@ -314,3 +314,31 @@ def _baseline_first(implementations: Mapping[str, Callable]):
                          f"{sorted(implementations)}.")
     yield BASELINE, implementations[BASELINE]
     yield from ((k, v) for k, v in implementations.items() if k != BASELINE)
+
+
+def forward_and_backward(fn, *, nondiff: int = 0):
+    """``(*primals, *passed, cotangent) -> (out, grads)``: a training step's work for ``fn``.
+
+    The last ``nondiff`` arguments before the cotangent (labels, say) are
+    passed to ``fn`` undifferentiated. The forward output is returned too, so
+    no compiler can drop the forward pass when the gradients alone would not
+    need it (a plain matmul).
+    """
+    def fwd_bwd(*args):
+        *rest, cotangent = args
+        split = len(rest) - nondiff
+        primals, passed = rest[:split], rest[split:]
+        out, pullback = jax.vjp(lambda *p: fn(*p, *passed), *primals)
+        return out, pullback(cotangent.astype(out.dtype))
+    return fwd_bwd
+
+
+def pick_shapes(platform: str, quick: bool, *, cpu, accelerator, quick_shapes):
+    """The shapes for ``platform``: tiny on CPUs (they run the interpreter), real elsewhere.
+
+    ``quick_shapes`` maps "cpu" / "accelerator" to the one-case smoke-test sets.
+    """
+    kind = "cpu" if platform == "cpu" else "accelerator"
+    if quick:
+        return quick_shapes[kind]
+    return cpu if kind == "cpu" else accelerator

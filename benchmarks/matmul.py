@@ -45,10 +45,8 @@ QUICK_SHAPES = {"cpu": (((128, 64, 96), "float32"),),
 
 def shapes(platform: str, quick: bool = False):
     """The ``((M, K, N), dtype)`` pairs benchmarked on ``platform``."""
-    on_cpu = platform == "cpu"
-    if quick:
-        return QUICK_SHAPES["cpu" if on_cpu else "accelerator"]
-    return CPU_SHAPES if on_cpu else ACCELERATOR_SHAPES
+    return harness.pick_shapes(platform, quick, cpu=CPU_SHAPES, accelerator=ACCELERATOR_SHAPES,
+                               quick_shapes=QUICK_SHAPES)
 
 
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
@@ -74,8 +72,8 @@ def make_case(shape, dtype: str, variant: str, pass_name: str,
                                                 implementation=implementation)
     reference = functools.partial(_float32_reference, activation=activation)
     if pass_name == "fwd+bwd":
-        fns = {name: _forward_and_backward(fn) for name, fn in fns.items()}
-        reference = _forward_and_backward(reference)
+        fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
+        reference = harness.forward_and_backward(reference)
     return harness.Case(
         op=OP, variant=variant, shape=(m, k, n), dtype=dtype, pass_name=pass_name,
         # The backward pass is two more products of the same size (dx and dw).
@@ -119,16 +117,3 @@ def _float32_reference(x, w, bias=None, *, activation):
         y = y + bias.astype(jnp.float32)
     act = resolve_activation(activation, "bench")
     return act(y) if act is not None else y
-
-
-def _forward_and_backward(fn):
-    """``(*primals, cotangent) -> (out, grads)``: a training step's work for ``fn``.
-
-    The forward output is returned too, so no compiler can drop the forward
-    product when the gradients alone would not need it (plain matmul).
-    """
-    def fwd_bwd(*args):
-        *primals, cotangent = args
-        out, pullback = jax.vjp(fn, *primals)
-        return out, pullback(cotangent.astype(out.dtype))
-    return fwd_bwd

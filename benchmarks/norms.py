@@ -59,10 +59,8 @@ QUICK_SHAPES = {"cpu": (((16, 256), "float32"),),
 
 def shapes(platform: str, quick: bool = False):
     """The ``((rows, hidden), dtype)`` pairs benchmarked on ``platform``."""
-    on_cpu = platform == "cpu"
-    if quick:
-        return QUICK_SHAPES["cpu" if on_cpu else "accelerator"]
-    return CPU_SHAPES if on_cpu else ACCELERATOR_SHAPES
+    return harness.pick_shapes(platform, quick, cpu=CPU_SHAPES, accelerator=ACCELERATOR_SHAPES,
+                               quick_shapes=QUICK_SHAPES)
 
 
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
@@ -87,8 +85,8 @@ def make_case(op: str, shape, dtype: str, pass_name: str, implementation: str) -
     }
     ref = functools.partial(_float32_reference, center=center)
     if pass_name == "fwd+bwd":
-        fns = {name: _forward_and_backward(fn) for name, fn in fns.items()}
-        ref = _forward_and_backward(ref)
+        fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
+        ref = harness.forward_and_backward(ref)
     itemsize = jnp.dtype(dtype).itemsize
     n = rows * hidden
     n_params = 1 + int(has_bias)
@@ -148,15 +146,3 @@ def _float32_reference(x, scale, bias=None, *, center):
     """The exact answer: the inputs upcast to float32."""
     up = lambda a: None if a is None else a.astype(jnp.float32)
     return reference(up(x), up(scale), up(bias), epsilon=EPSILON, center=center)
-
-
-def _forward_and_backward(fn):
-    """``(*primals, cotangent) -> (out, grads)``: a training step's work for ``fn``.
-
-    The output is returned too, so the forward pass cannot be dropped.
-    """
-    def fwd_bwd(*args):
-        *primals, cotangent = args
-        out, pullback = jax.vjp(fn, *primals)
-        return out, pullback(cotangent.astype(out.dtype))
-    return fwd_bwd

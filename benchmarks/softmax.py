@@ -116,8 +116,8 @@ def make_case(op: str, shape, dtype: str, variant: str, pass_name: str,
     reference = functools.partial(_float32_reference, xla_fn)
     with_bwd = pass_name == "fwd+bwd"
     if with_bwd:
-        fns = {name: _forward_and_backward(f) for name, f in fns.items()}
-        reference = _forward_and_backward(reference)
+        fns = {name: harness.forward_and_backward(f) for name, f in fns.items()}
+        reference = harness.forward_and_backward(reference)
     n = rows * cols
     itemsize = jnp.dtype(dtype).itemsize
     if op in _FAMILY:
@@ -146,15 +146,3 @@ def _make_inputs(key, *, shape, dtype, cotangent_shape):
 def _float32_reference(fn, x):
     """The exact answer: the baseline's math on x upcast to float32."""
     return fn(x.astype(jnp.float32))
-
-
-def _forward_and_backward(fn):
-    """``(x, cotangent) -> (out, dx)``: a training step's work for ``fn``.
-
-    The forward output is returned too, so no compiler can drop the forward
-    pass when the gradient alone would not need it (sum's backward).
-    """
-    def fwd_bwd(x, cotangent):
-        out, pullback = jax.vjp(fn, x)
-        return out, pullback(cotangent.astype(out.dtype))
-    return fwd_bwd

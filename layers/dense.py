@@ -76,8 +76,8 @@ class Dense(nnx.Linear):
         the argument).
       TypeError: at construction, an ``activation`` that is neither None, a
         string nor a callable.
-      NotImplementedError: at call time, ``implementation="triton"`` or
-        ``"mosaic_gpu"`` (not built yet), from ``ops.fused_matmul``.
+      NotImplementedError: at call time, ``implementation="mosaic_gpu"`` (no
+        kernel for it yet), from ``ops.fused_matmul``.
       ValueError: at call time, an ``inputs`` last dim other than
         ``in_features`` (from ``ops.fused_matmul``).
 

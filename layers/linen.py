@@ -58,8 +58,8 @@ class Dense(nn.Dense):
         argument); at call time, ``ops.fused_matmul``'s shape errors.
       TypeError: at construction, an ``activation`` that is neither None, a
         string nor a callable.
-      NotImplementedError: at call time, ``implementation="triton"`` or
-        ``"mosaic_gpu"`` (not built yet).
+      NotImplementedError: at call time, ``implementation="mosaic_gpu"`` (no
+        kernel for it yet).
     """
 
     activation: Any = None

@@ -87,8 +87,8 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         with (and may reuse the buffer of) that input.
       compiler_params: see :mod:`pallas_core.params`.
       backend: ``None`` (by platform: cpu -> interpret, gpu -> pallas_triton,
-        tpu -> mosaic_tpu), "interpret", "mosaic_tpu", "mosaic_gpu",
-        "pallas_triton"; "triton" (our own lowering) is not built yet.
+        tpu -> mosaic_tpu), "interpret", "triton" (our own Triton lowering,
+        :mod:`pallas_core.triton`), "mosaic_tpu", "mosaic_gpu", "pallas_triton".
       interpret: True (or an :class:`InterpretParams`) forces the interpreter;
         by default it simulates a two-core megacore (see InterpretParams).
       name: kernel name shown in lowered modules (defaults to the kernel's).

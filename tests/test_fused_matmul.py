@@ -138,7 +138,6 @@ W = jnp.ones((8, 16), jnp.float32)
     ((X, W), {"activation": "gelu_fast"}, ValueError, r"unknown activation 'gelu_fast'"),
     ((X, W), {"activation": 3}, TypeError, r"activation must be None, a name or a callable"),
     ((X, W), {"implementation": "cuda"}, ValueError, r"implementation must be None or one of"),
-    ((X, W), {"implementation": "triton"}, NotImplementedError, r"not built yet"),
     ((X, W), {"implementation": "mosaic_gpu"}, NotImplementedError, r"wgmma"),
     ((X, W), {"block_sizes": (16, 16)}, ValueError, r"block_sizes must be three positive ints"),
 ])

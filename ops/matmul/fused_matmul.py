@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
-from ops._checks import check_array, check_float_dtype, check_same_dtype
+from ops._checks import check_array, check_matmul_operands, check_same_dtype
 from ops._implementation import resolve_implementation
 from ops.activations import resolve_activation
 
@@ -77,17 +77,7 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
     Differentiable in x, w and bias (``jax.custom_vjp`` with Pallas backward
     kernels); jit- and vmap-compatible.
     """
-    check_array(x, "x", _OP)
-    check_array(w, "w", _OP)
-    check_float_dtype(x, "x", _OP)
-    check_same_dtype(w, x, "w", "x", _OP)
-    if w.ndim != 2:
-        raise ValueError(f"{_OP}: w must have rank 2 [K, N], got shape {tuple(w.shape)}.")
-    if x.ndim < 1:
-        raise ValueError(f"{_OP}: x must have rank >= 1 [..., K], got a scalar.")
-    if x.shape[-1] != w.shape[0]:
-        raise ValueError(f"{_OP}: x's last dim ({x.shape[-1]}) must equal w's first dim "
-                         f"({w.shape[0]}); got x {tuple(x.shape)} and w {tuple(w.shape)}.")
+    check_matmul_operands(x, w, _OP)
     if bias is not None:
         check_array(bias, "bias", _OP)
         check_same_dtype(bias, x, "bias", "x", _OP)

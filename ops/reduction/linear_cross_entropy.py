@@ -73,7 +73,7 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
-from ops._checks import check_array, check_float_dtype, check_same_dtype
+from ops._checks import check_array, check_matmul_operands
 from ops._implementation import resolve_implementation
 from ops.matmul.fused_matmul import _dot, _matmul_call, _strategy
 from ops.matmul.fused_matmul import default_block_sizes as matmul_block_sizes
@@ -120,18 +120,8 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
     backward and the merge of per-split statistics are XLA. Differentiable in
     x and w; jit- and vmap-compatible.
     """
-    check_array(x, "x", _OP)
-    check_array(w, "w", _OP)
+    check_matmul_operands(x, w, _OP, contract="D", out="V")
     check_array(labels, "labels", _OP)
-    check_float_dtype(x, "x", _OP)
-    check_same_dtype(w, x, "w", "x", _OP)
-    if w.ndim != 2:
-        raise ValueError(f"{_OP}: w must have rank 2 [D, V], got shape {tuple(w.shape)}.")
-    if x.ndim < 1:
-        raise ValueError(f"{_OP}: x must have rank >= 1 [..., D], got a scalar.")
-    if x.shape[-1] != w.shape[0]:
-        raise ValueError(f"{_OP}: x's last dim ({x.shape[-1]}) must equal w's first dim "
-                         f"({w.shape[0]}); got x {tuple(x.shape)} and w {tuple(w.shape)}.")
     if w.shape[1] == 0:
         raise ValueError(f"{_OP}: w has no columns (an empty vocabulary).")
     check_labels(x.shape[:-1], labels, "x", _OP)

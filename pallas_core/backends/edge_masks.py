@@ -12,7 +12,6 @@ array get the plain Ref, at no cost.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -8,7 +8,6 @@ held before the update.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

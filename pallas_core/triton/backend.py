@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 
 import jax
 import numpy as np

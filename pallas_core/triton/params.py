@@ -1,9 +1,4 @@
-"""Triton-specific names (``pltriton``): compiler params.
-
-Our own Triton code generator is not built yet; until it is, the ``triton``
-backend is unavailable and ``pallas_triton`` (JAX's own Pallas Triton
-lowering) takes these parameters.
-"""
+"""Triton compiler params, taken by both the ``triton`` and ``pallas_triton`` backends."""
 from __future__ import annotations
 
 import dataclasses

@@ -59,12 +59,10 @@ def pointer_type(dtype) -> str:
 
 def _to_torch(array):
     import torch
-    array = np.ascontiguousarray(array)
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-    if array.dtype == np.bool_:
-        return torch.from_numpy(array.copy())
-    return torch.from_numpy(array.copy())
+    array = np.array(array, order="C", copy=True)  # keeps rank 0, unlike ascontiguousarray
+    if array.dtype.name == "bfloat16":  # torch has bfloat16 but numpy's comes from ml_dtypes
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _from_torch(tensor, dtype):
@@ -88,7 +86,7 @@ def launch_interpreted(kernel, *, grid, args, out_avals, aliases, constexprs):
             fill = garbage_fill_value(aval.dtype)
             outs.append(_to_torch(np.full(aval.shape, fill, aval.dtype)))
     kernel[grid](*ins, *outs, **constexprs)
-    return [_from_torch(t, aval.dtype) for t, aval in zip(outs, out_avals)]
+    return [_from_torch(t, aval.dtype).reshape(aval.shape) for t, aval in zip(outs, out_avals)]
 
 
 def launch(kernel_source, name, *, grid, args, out_avals, aliases, constexprs,

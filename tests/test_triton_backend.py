@@ -87,6 +87,17 @@ def test_iota_broadcast_reshape_transpose_reductions():
     assert_same(kernel, (SDS, jax.ShapeDtypeStruct((1, 32), jnp.float32)), X)
 
 
+def test_argmax_argmin_and_cumulative_ops():
+    def kernel(x_ref, i_ref, c_ref):
+        x = x_ref[...]
+        i_ref[...] = jnp.argmax(x, axis=1)[:, None] * 100 + jnp.argmin(x, axis=0)[None, :]
+        c_ref[...] = jnp.cumsum(x, axis=1) + jax.lax.cummax(x, axis=0) - jax.lax.cummin(x, axis=1)
+
+    x = jnp.round(X[:, :16] * 2) / 2  # ties, to check the lowest index wins
+    sds = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    assert_same(kernel, (jax.ShapeDtypeStruct((16, 16), jnp.int32), sds), x)
+
+
 def test_static_strided_dynamic_slices_and_at_views():
     x = jax.random.normal(jax.random.key(4), (4, 16, 64))
 

@@ -177,8 +177,17 @@ _BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "eq": "==", "ne":
 _UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt",
              "rsqrt": "tl.rsqrt", "abs": "tl.abs", "floor": "tl.floor", "ceil": "tl.ceil",
              "sin": "tl.sin", "cos": "tl.cos", "erf": "tl.erf"}
-# Reductions: combine function name -> body.
-_COMBINERS = {"sum": "a + b", "max": "tl.maximum(a, b)", "min": "tl.minimum(a, b)"}
+# Reductions and scans: combine function name -> (parameters, body).
+_COMBINERS = {
+    "sum": ("a, b", "a + b"),
+    "max": ("a, b", "tl.maximum(a, b)"),
+    "min": ("a, b", "tl.minimum(a, b)"),
+    # (value, index) pairs; ties keep the smaller index, as jnp.argmax / argmin do.
+    "argmax": ("a, i, b, j", "pick = (a > b) | ((a == b) & (i < j))\n    "
+                             "return tl.where(pick, a, b), tl.where(pick, i, j)"),
+    "argmin": ("a, i, b, j", "pick = (a < b) | ((a == b) & (i < j))\n    "
+                             "return tl.where(pick, a, b), tl.where(pick, i, j)"),
+}
 
 
 class KernelWriter:
@@ -260,8 +269,7 @@ class KernelWriter:
         self.body(jaxpr, closed.consts, env)
         self.emit("pass")  # keeps a loop over arbitrary axes well-formed if its body is empty
         header = self._header(len(mappings))
-        combiners = "".join(f"\n@jit\ndef _combine_{n}(a, b):\n    return {_COMBINERS[n]}\n"
-                            for n in sorted(self.combiners))
+        combiners = "".join(_combiner_source(n) for n in sorted(self.combiners))
         return ("import triton.language as tl\n" + combiners + "\n\n@jit\n" + header + "\n"
                 + "\n".join(self.lines) + "\n")
 
@@ -608,6 +616,38 @@ class KernelWriter:
     def _p_reduce_min(self, eqn, env, x):
         return self._reduce(eqn, x, "min")
 
+    def _arg_reduce(self, eqn, x, kind):
+        aval = eqn.outvars[0].aval
+        (axis,) = eqn.params["axes"]
+        self.combiners.add(kind)
+        ix = ", ".join(":" if k == axis else "None" for k in range(len(x.shape)))
+        index = f"tl.broadcast_to(tl.arange(0, {x.shape[axis]})[{ix}], {_shape(x.shape)})"
+        pair = self.fresh("a")
+        self.emit(f"_, {pair} = tl.reduce(({_expr(x)}, {index}), {axis}, _combine_{kind})")
+        return self.assign(f"{pair}.to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
+
+    def _p_argmax(self, eqn, env, x):
+        return self._arg_reduce(eqn, x, "argmax")
+
+    def _p_argmin(self, eqn, env, x):
+        return self._arg_reduce(eqn, x, "argmin")
+
+    def _scan(self, eqn, x, kind):
+        if eqn.params.get("reverse"):
+            self.unsupported(eqn, "a reversed cumulative op")
+        self.combiners.add(kind)
+        return self.assign(f"tl.associative_scan({_expr(x)}, {eqn.params['axis']}, _combine_{kind})",
+                           x.shape, x.dtype)
+
+    def _p_cumsum(self, eqn, env, x):
+        return self._scan(eqn, x, "sum")
+
+    def _p_cummax(self, eqn, env, x):
+        return self._scan(eqn, x, "max")
+
+    def _p_cummin(self, eqn, env, x):
+        return self._scan(eqn, x, "min")
+
     def _p_dot_general(self, eqn, env, a, b):
         aval = eqn.outvars[0].aval
         (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
@@ -737,6 +777,12 @@ class KernelWriter:
         self.emit(f"{flag} = {_expr(again)}")
         self.indent -= 1
         return current
+
+
+def _combiner_source(name: str) -> str:
+    params, body = _COMBINERS[name]
+    body = body if "return" in body else f"return {body}"
+    return f"\n@jit\ndef _combine_{name}({params}):\n    {body}\n"
 
 
 def _is_tensor(x) -> bool:

@@ -7,8 +7,7 @@ results.md and results.png to
 suffix for ``--quick``; or ``--out``). Exit status 0 on success, 1 if any implementation failed or
 no case matched ``--filter``.
 
-To benchmark another op, add a module with ``cases(platform, quick) ->
-list[harness.Case]`` and list it in :data:`CASE_MODULES`.
+To benchmark another op, register its case module in :mod:`benchmarks.suite`.
 """
 from __future__ import annotations
 
@@ -27,10 +26,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks import cross_entropy, harness, matmul, norms, softmax
+from benchmarks import harness
+from benchmarks.suite import collect_cases
 
 # The registry: one module per op, each with cases(platform, quick).
-CASE_MODULES = (matmul, norms, softmax, cross_entropy)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
@@ -58,12 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="timed samples per implementation (default: 20 on CPU, 50 elsewhere)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random inputs")
     return parser.parse_args(argv)
-
-
-def collect_cases(platform: str, quick: bool, substring: str | None) -> list[harness.Case]:
-    """Every registered case for ``platform`` whose name contains ``substring``."""
-    found = [c for module in CASE_MODULES for c in module.cases(platform, quick=quick)]
-    return [c for c in found if substring is None or substring in c.name]
 
 
 def git_commit() -> str | None:

@@ -136,9 +136,9 @@ def test_program_id_outside_a_kernel():
         pl.program_id(0)
 
 
-def test_triton_backend_not_built_yet():
-    with pytest.raises(NotImplementedError, match=r"pallas_triton"):
-        call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend="triton")
+def test_our_triton_backend_needs_power_of_two_blocks_too():
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*96.*not a power of two.*triton"):
+        call(X, in_spec=pl.BlockSpec((8, 96), lambda i: (0, i)), grid=(2,), backend="triton")
 
 
 def test_semantics_are_inferred_from_revisits():

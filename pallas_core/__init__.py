@@ -14,12 +14,12 @@ from pallas_core import gpu, tpu, triton
 from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
 from pallas_core.call import pallas_call
 from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
-from pallas_core.primitives import (cdiv, ds, dslice, load, loop, num_programs, program_id,
-                                    run_scoped, store, when)
+from pallas_core.primitives import (cdiv, ds, dslice, load, loop, next_power_of_2, num_programs,
+                                    program_id, run_scoped, store, when)
 from pallas_core.specs import Blocked, BlockSpec, GridSpec, Unblocked
 
 __all__ = [
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "ds", "dslice", "gpu", "load", "loop",
-    "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
+    "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
 ]

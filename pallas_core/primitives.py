@@ -39,6 +39,11 @@ def cdiv(a, b):
     return lax.div(a + b - 1, b)
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): Triton tile sizes."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def ds(start, size: int, stride: int = 1):
     """A dynamic slice ``[start, start + size * stride)`` for Ref indexing.
 

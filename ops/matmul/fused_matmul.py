@@ -380,9 +380,6 @@ _fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)
 # Block-size heuristic
 # --------------------------------------------------------------------------
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
 
 def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[int, int, int]:
     """``(block_m, block_n, block_k)`` for an ``[m, k] @ [k, n]`` product.
@@ -408,10 +405,10 @@ def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[in
     small = 16
     if backend in pl.TRITON_BACKENDS:
         cap_k = 32 if np.dtype(dtype) == np.float32 else 64
-        return (min(128, max(small, _next_pow2(m))), min(128, max(small, _next_pow2(n))),
-                min(cap_k, max(small, _next_pow2(k))))
-    return (min(128, max(8, _next_pow2(m))), min(128, max(8, _next_pow2(n))),
-            min(128, max(8, _next_pow2(k))))
+        return (min(128, max(small, pl.next_power_of_2(m))), min(128, max(small, pl.next_power_of_2(n))),
+                min(cap_k, max(small, pl.next_power_of_2(k))))
+    return (min(128, max(8, pl.next_power_of_2(m))), min(128, max(8, pl.next_power_of_2(n))),
+            min(128, max(8, pl.next_power_of_2(k))))
 
 
 def _blocks_for(m, n, k, dtype, config: _Config):

@@ -68,9 +68,6 @@ class RowLayout:
         return pl.BlockSpec((self.block_rows, 1), lambda i: (i, 0))
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
 
 def row_layout(rows: int, features: int, dtype, backend: str, *, max_chunk: int | None = None,
                block_rows: int | None = None) -> RowLayout:
@@ -88,16 +85,16 @@ def row_layout(rows: int, features: int, dtype, backend: str, *, max_chunk: int 
         max_chunk = 4096 if np.dtype(dtype).itemsize <= 2 else 2048
     if max_chunk < 128 or max_chunk & (max_chunk - 1):
         raise ValueError(f"max_chunk must be a power of two >= 128, got {max_chunk}.")
-    chunk = min(max_chunk, max(128, _next_pow2(features)))
+    chunk = min(max_chunk, max(128, pl.next_power_of_2(features)))
     num_chunks = max(1, pl.cdiv(features, chunk))
     if backend in pl.TRITON_BACKENDS:
-        padded = max(chunk, _next_pow2(features))
+        padded = max(chunk, pl.next_power_of_2(features))
     else:
         padded = num_chunks * chunk
     if block_rows is None:
         block_rows = 8 if backend == "mosaic_tpu" else 4
         if rows < block_rows and backend != "mosaic_tpu":
-            block_rows = max(1, _next_pow2(rows))
+            block_rows = max(1, pl.next_power_of_2(rows))
     if backend == "mosaic_tpu" and block_rows != rows and block_rows % 8:
         raise ValueError(f"block_rows must be a multiple of 8 on mosaic_tpu, got {block_rows}.")
     return RowLayout(rows=rows, features=features, block_rows=block_rows, chunk=chunk,

@@ -210,7 +210,7 @@ class _Dims:
 
     @property
     def padded_d(self) -> int:
-        return self.d if self.d % self.block_d == 0 else _next_pow2(self.d)
+        return self.d if self.d % self.block_d == 0 else pl.next_power_of_2(self.d)
 
     @property
     def masks_d(self) -> bool:
@@ -496,9 +496,6 @@ _linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bw
 # Block-size heuristic
 # --------------------------------------------------------------------------
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
 
 def _prev_pow2(v: int) -> int:
     return 1 << max(0, int(v).bit_length() - 1)
@@ -527,10 +524,10 @@ def default_block_sizes(rows: int, d: int, vocab: int, dtype, backend: str) -> t
         return bm, bv, bd
     if backend in pl.TRITON_BACKENDS:
         cap_d = 32 if np.dtype(dtype) == np.float32 else 64
-        return (min(64, max(16, _next_pow2(rows))), min(128, max(16, _next_pow2(vocab))),
-                min(cap_d, max(16, _next_pow2(d))))
-    return (min(32, max(8, _next_pow2(rows))), min(256, max(128, _next_pow2(vocab))),
-            min(64, max(8, _next_pow2(d))))
+        return (min(64, max(16, pl.next_power_of_2(rows))), min(128, max(16, pl.next_power_of_2(vocab))),
+                min(cap_d, max(16, pl.next_power_of_2(d))))
+    return (min(32, max(8, pl.next_power_of_2(rows))), min(256, max(128, pl.next_power_of_2(vocab))),
+            min(64, max(8, pl.next_power_of_2(d))))
 
 
 def _tiles_per_split(num_v_tiles: int, backend: str) -> int:
@@ -568,7 +565,7 @@ def _vocab_chunk(rows: int, vocab: int, block_v: int, config: _Config) -> int:
     if config.vocab_chunk is not None:
         chunk = config.vocab_chunk
     else:
-        chunk = min(_next_pow2(vocab), _prev_pow2(max(1, _CHUNK_ELEMENTS // max(rows, 1))))
+        chunk = min(pl.next_power_of_2(vocab), _prev_pow2(max(1, _CHUNK_ELEMENTS // max(rows, 1))))
     return max(block_v, chunk // block_v * block_v)
 
 

@@ -38,6 +38,12 @@ class ResolvedCall:
     debug: bool
     cost_estimate: Any
     interpret_params: InterpretParams = InterpretParams()
+    # Leading grid axes added by vmap (pallas_core.batching): the kernel does not see them.
+    num_batch_axes: int = 0
+
+    def kernel_ids(self, ids):
+        """The program ids and grid as the kernel sees them (batch axes dropped)."""
+        return tuple(ids)[self.num_batch_axes:], self.grid[self.num_batch_axes:]
 
 
 def _is_spec_leaf(x):

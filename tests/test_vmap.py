@@ -66,3 +66,27 @@ def test_vmap_lowers(backend, platform):
     args = (jax.ShapeDtypeStruct(X.shape, X.dtype), jax.ShapeDtypeStruct(Y.shape, Y.dtype))
     text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert "custom_call" in text
+
+
+# ---- our triton backend batches by adding a grid axis (one launch, on a GPU too) ----
+
+def test_triton_vmap_variants_match_the_interpreter():
+    pytest.importorskip("triton")
+    ours = lambda x, y: scale_add(x, y, "triton")
+    ref = lambda x, y: scale_add(x, y, "interpret")
+    xt = jnp.moveaxis(X, 0, 2)
+    for f_in_axes, args, out_axes in [((0, None), (X, Y), 0), ((2, None), (xt, Y), 1), ((None, 0), (Y, X), 0)]:
+        got = jax.jit(jax.vmap(ours, in_axes=f_in_axes, out_axes=out_axes))(*args)
+        want = jax.vmap(ref, in_axes=f_in_axes, out_axes=out_axes)(*args)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    xx = jax.random.normal(KEYS[2], (2, 3, 16, 128))
+    nested = jax.vmap(jax.vmap(ours, in_axes=(0, None)), in_axes=(0, None))
+    np.testing.assert_allclose(jax.jit(nested)(xx, Y), expected(xx, Y), rtol=1e-6)
+
+
+def test_triton_vmap_is_one_launch_with_a_batch_grid_axis():
+    pytest.importorskip("triton")
+    sources = pl.triton.source(jax.vmap(lambda x, y: scale_add(x, y, "triton"), in_axes=(0, None)), X, Y)
+    batched = sources[-1]
+    assert "G1: tl.constexpr" in batched  # (batch, original) grid
+    assert "i1 = pid % G1" in batched and "i0 = pid" in batched

@@ -30,7 +30,8 @@ def run(call, args):
         from pallas_core.backends import interpret
         return interpret.run(call, args)
     if call.backend == "triton":
+        from pallas_core import batching
         from pallas_core.triton import backend
-        return backend.run(call, args)
+        return batching.batched_run(call, args, backend.run)
     from pallas_core.backends import jax_pallas
     return jax_pallas.run(call, args, call.backend)

@@ -98,7 +98,7 @@ def _pure_body(call, in_avals, out_avals, scratch_avals):
         in_refs = [jax.new_ref(v) for v in in_blocks]
         out_refs = [jax.new_ref(v) for v in out_blocks]
         scratch_refs = [jax.new_ref(v) for v in scratch]
-        with context.installed(InterpretContext(tuple(ids), grid)):
+        with context.installed(InterpretContext(*call.kernel_ids(ids))):
             call.kernel(*in_refs, *out_refs, *scratch_refs)
         return [jax.freeze(r) for r in out_refs], [jax.freeze(r) for r in scratch_refs]
 

@@ -79,7 +79,7 @@ def trace_kernel(call) -> jex_core.ClosedJaxpr:
 
     def body(ids, blocks, scratch):
         refs = [jax.new_ref(v) for v in blocks] + [jax.new_ref(v) for v in scratch]
-        with context.installed(TritonTraceContext(tuple(ids), grid)):
+        with context.installed(TritonTraceContext(*call.kernel_ids(ids))):
             call.kernel(*refs)
         return [jax.freeze(r) for r in refs]
 

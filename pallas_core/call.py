@@ -157,11 +157,11 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
             if chosen in validation.POW2_BACKENDS:
                 validation.check_pow2(m, chosen)
         out_tables = []
-        for m in in_maps + out_maps:
+        for m, is_output in [(m, False) for m in in_maps] + [(m, True) for m in out_maps]:
             table = grid_analysis.block_index_table(m, grid)
             if table is not None:
                 grid_analysis.check_in_bounds(m, table, grid)
-            if m in out_maps:
+            if is_output:
                 out_tables.append((m.origin, table))
         semantics = validation.resolve_semantics(
             params.dimension_semantics, out_tables, grid, chosen,

@@ -69,6 +69,19 @@ class RowLayout:
 
 
 
+def check_max_chunk(max_chunk, op: str) -> None:
+    """``max_chunk`` (the ops' test hook capping the column chunk): None or a power of two >= 128.
+
+    Raises:
+      ValueError: anything else, naming ``max_chunk``.
+    """
+    if max_chunk is None:
+        return
+    if (not isinstance(max_chunk, (int, np.integer)) or isinstance(max_chunk, bool)
+            or max_chunk < 128 or max_chunk & (max_chunk - 1)):
+        raise ValueError(f"{op}: max_chunk must be None or a power of two >= 128, got {max_chunk!r}.")
+
+
 def row_layout(rows: int, features: int, dtype, backend: str, *, max_chunk: int | None = None,
                block_rows: int | None = None) -> RowLayout:
     """Tiles a ``[rows, features]`` row-wise problem for ``backend``.
@@ -81,10 +94,9 @@ def row_layout(rows: int, features: int, dtype, backend: str, *, max_chunk: int 
       block_rows: rows per program; None picks 8 on TPU (the sublane count)
         and 4 elsewhere, fewer for very small problems.
     """
+    check_max_chunk(max_chunk, "row_layout")
     if max_chunk is None:
         max_chunk = 4096 if np.dtype(dtype).itemsize <= 2 else 2048
-    if max_chunk < 128 or max_chunk & (max_chunk - 1):
-        raise ValueError(f"max_chunk must be a power of two >= 128, got {max_chunk}.")
     chunk = min(max_chunk, max(128, pl.next_power_of_2(features)))
     num_chunks = max(1, pl.cdiv(features, chunk))
     if backend in pl.TRITON_BACKENDS:

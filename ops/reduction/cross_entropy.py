@@ -88,8 +88,7 @@ def cross_entropy(logits, labels, *, implementation: str | None = None,
         raise ValueError(f"{_OP}: logits' last dim (the classes) is empty; shape "
                          f"{tuple(logits.shape)}.")
     impl = resolve_implementation(implementation, _OP)
-    if max_chunk is not None:
-        _rows.row_layout(1, 1, logits.dtype, impl, max_chunk=max_chunk)  # validates it
+    _rows.check_max_chunk(max_chunk, _OP)
     if impl == "xla":
         return reference(logits, labels)
     x2, lead = _rows.as_rows(logits)

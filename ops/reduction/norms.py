@@ -71,7 +71,7 @@ from jax import lax
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import resolve_implementation
-from ops.reduction._rows import (RowLayout, as_rows, chunk_slice, column_mask, for_each_chunk,
+from ops.reduction._rows import (RowLayout, check_max_chunk, as_rows, chunk_slice, column_mask, for_each_chunk,
                                  load_chunk, row_compiler_params, row_layout, row_mask)
 
 __all__ = ["layer_norm", "rms_norm", "reference", "layer_norm_reference", "rms_norm_reference",
@@ -164,11 +164,7 @@ def _normalize(op, x, scale, bias, *, epsilon, center, implementation, max_chunk
             raise ValueError(f"{op}: {name} must have shape [features] = ({features},), got "
                              f"{tuple(p.shape)}.")
     epsilon = _check_epsilon(epsilon, op)
-    if max_chunk is not None and (not isinstance(max_chunk, (int, np.integer))
-                                  or isinstance(max_chunk, bool) or max_chunk < 128
-                                  or max_chunk & (max_chunk - 1)):
-        raise ValueError(f"{op}: max_chunk must be None or a power of two >= 128, got "
-                         f"{max_chunk!r}.")
+    check_max_chunk(max_chunk, op)
     impl = resolve_implementation(implementation, op)
     if impl == "xla":
         return reference(x, scale, bias, epsilon=epsilon, center=center)

@@ -47,7 +47,7 @@ import numpy as np
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import resolve_implementation
-from ops.reduction._rows import (RowLayout, for_each_chunk, load_chunk, normalize_axes,
+from ops.reduction._rows import (RowLayout, check_max_chunk, for_each_chunk, load_chunk, normalize_axes,
                                  row_compiler_params, row_layout, rows_over_axes)
 
 KINDS = ("sum", "mean", "max")
@@ -108,10 +108,7 @@ def _reduce(x, axis, kind, implementation, max_chunk):
     check_float_dtype(x, "x", kind)
     axes = normalize_axes(axis, x.ndim, kind)
     impl = resolve_implementation(implementation, kind)
-    if max_chunk is not None and (not isinstance(max_chunk, int) or isinstance(max_chunk, bool)
-                                  or max_chunk < 128 or max_chunk & (max_chunk - 1)):
-        raise ValueError(f"{kind}: max_chunk must be None or a power of two >= 128, "
-                         f"got {max_chunk!r}.")
+    check_max_chunk(max_chunk, kind)
     if impl == "xla" or x.size == 0:
         # Empty arrays: nothing to compute; XLA gives jnp's answer (or error).
         return reference(x, axes, kind)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import resolve_implementation
-from ops.reduction._rows import (RowLayout, chunk_slice, for_each_chunk, load_chunk,
+from ops.reduction._rows import (RowLayout, check_max_chunk, chunk_slice, for_each_chunk, load_chunk,
                                  logsumexp_shift, normalize_axes, online_logsumexp_update,
                                  row_compiler_params, row_layout, rows_over_axes)
 
@@ -114,7 +114,7 @@ def _softmax_family(x, axis, mode, implementation, max_chunk):
     check_float_dtype(x, "x", mode)
     axes = normalize_axes(axis, x.ndim, mode)
     impl = resolve_implementation(implementation, mode)
-    _check_max_chunk(max_chunk, mode)
+    check_max_chunk(max_chunk, mode)
     if impl == "xla" or x.size == 0:
         # Nothing to compute for an empty array: XLA's answer (and gradient) is exact.
         return REFERENCES[mode](x, axes)
@@ -125,13 +125,6 @@ def _softmax_family(x, axis, mode, implementation, max_chunk):
     return view.restore(out2)
 
 
-def _check_max_chunk(max_chunk, op):
-    if max_chunk is None:
-        return
-    if (not isinstance(max_chunk, int) or isinstance(max_chunk, bool) or max_chunk < 128
-            or max_chunk & (max_chunk - 1)):
-        raise ValueError(f"{op}: max_chunk must be None or a power of two >= 128, "
-                         f"got {max_chunk!r}.")
 
 
 # --------------------------------------------------------------------------

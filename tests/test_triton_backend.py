@@ -310,6 +310,9 @@ ROW_CASES = {
                                             implementation="xla")),
     "rms_norm": (lambda x, **k: ops.rms_norm(x, **k), lambda x: ops.rms_norm(x, implementation="xla")),
     "softmax": (lambda x, **k: ops.softmax(x, **k), jax.nn.softmax),
+    "log_softmax": (lambda x, **k: ops.log_softmax(x, **k), jax.nn.log_softmax),
+    "sum_max": (lambda x, **k: ops.sum(x, axis=-1, **k) + ops.max(x, axis=-1, **k),
+                lambda x: jnp.sum(x, -1) + jnp.max(x, -1)),
     "logsumexp": (lambda x, **k: ops.logsumexp(x, **k), lambda x: jax.nn.logsumexp(x, axis=-1)),
     "cross_entropy": (lambda x, **k: ops.cross_entropy(x, jnp.arange(5) * 7, **k),
                       lambda x: ops.cross_entropy(x, jnp.arange(5) * 7, implementation="xla")),
@@ -323,3 +326,15 @@ def test_row_ops_forward_and_gradient(name):
     assert_close(f(ROWS), ref(ROWS), 1e-5)
     g = jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(ROWS)
     assert_close(g, jax.grad(lambda x: jnp.sum(jnp.sin(ref(x))))(ROWS), 1e-4)
+
+
+def test_linear_cross_entropy_forward_and_gradients():
+    k = jax.random.split(jax.random.key(12), 3)
+    x = jax.random.normal(k[0], (13, 32))
+    w = jax.random.normal(k[1], (32, 300)) / 5
+    labels = jax.random.randint(k[2], (13,), 0, 300)
+    ours = lambda x, w: ops.linear_cross_entropy(x, w, labels, implementation="triton")
+    ref = lambda x, w: ops.linear_cross_entropy(x, w, labels, implementation="xla")
+    assert_close(ours(x, w), ref(x, w), 1e-5)
+    for g, e in zip(jax.grad(lambda *a: ours(*a).sum(), (0, 1))(x, w), jax.grad(lambda *a: ref(*a).sum(), (0, 1))(x, w)):
+        assert_close(g, e, 1e-4)

@@ -1,0 +1,75 @@
+"""Rung 5: the kernels on a real GPU (``pytest -m gpu``), skipped where there is none.
+
+Every op runs through JAX's Pallas Triton lowering and through ours, on
+shapes that do not divide the blocks (so edge blocks, and on pallas_triton
+the edge-masked Refs, are exercised on hardware), against the float32 XLA
+reference.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ops
+from ops.matmul import reference
+from tests.tolerances import BACKWARD, FORWARD, assert_close
+
+pytestmark = pytest.mark.gpu
+IMPLEMENTATIONS = ["pallas_triton", "triton"]
+KEYS = jax.random.split(jax.random.key(0), 6)
+
+
+def up(*arrays):
+    return [a.astype(jnp.float32) for a in arrays]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fused_matmul(impl, dtype):
+    x = jax.random.normal(KEYS[0], (1000, 768), dtype)
+    w = (jax.random.normal(KEYS[1], (768, 1537)) / 28).astype(dtype)
+    b = jax.random.normal(KEYS[2], (1537,), dtype)
+    act = ops.ACTIVATIONS["gelu_exact"]
+    f = functools.partial(ops.fused_matmul, activation="gelu_exact", implementation=impl)
+    assert_close(f(x, w, b), reference(*up(x, w, b), act), FORWARD[dtype])
+    cot = jax.random.normal(KEYS[3], (1000, 1537))
+    grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot), (0, 1, 2))(x, w, b)
+    want = jax.grad(lambda *a: jnp.sum(reference(*a, act) * cot), (0, 1, 2))(*up(x, w, b))
+    for g, e in zip(grads, want):
+        assert_close(g, e, BACKWARD[dtype])
+
+
+ROW_OPS = {
+    "layer_norm": (lambda x, **k: ops.layer_norm(x, **k), lambda x: ops.layer_norm(x, implementation="xla")),
+    "rms_norm": (lambda x, **k: ops.rms_norm(x, **k), lambda x: ops.rms_norm(x, implementation="xla")),
+    "softmax": (lambda x, **k: ops.softmax(x, **k), jax.nn.softmax),
+    "logsumexp": (lambda x, **k: ops.logsumexp(x, **k), lambda x: jax.nn.logsumexp(x, axis=-1)),
+    "sum": (lambda x, **k: ops.sum(x, axis=-1, **k), lambda x: jnp.sum(x, axis=-1)),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", sorted(ROW_OPS))
+def test_row_ops(impl, name):
+    ours, ref = ROW_OPS[name]
+    x = jax.random.normal(KEYS[4], (1003, 5000), jnp.float32) * 2
+    f = functools.partial(ours, implementation=impl)
+    assert_close(f(x), ref(x), 1e-5)
+    assert_close(jax.grad(lambda v: jnp.sum(jnp.sin(f(v))))(x),
+                 jax.grad(lambda v: jnp.sum(jnp.sin(ref(v))))(x), 1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_cross_entropies(impl):
+    logits = jax.random.normal(KEYS[5], (1003, 50257)) * 4
+    labels = jax.random.randint(KEYS[0], (1003,), 0, 50257)
+    assert_close(ops.cross_entropy(logits, labels, implementation=impl),
+                 ops.cross_entropy(logits, labels, implementation="xla"), 1e-5)
+    x = jax.random.normal(KEYS[1], (517, 256))
+    w = jax.random.normal(KEYS[2], (256, 32003)) / 16
+    lab = jax.random.randint(KEYS[3], (517,), 0, 32003)
+    f = lambda x, w: ops.linear_cross_entropy(x, w, lab, implementation=impl).sum()
+    r = lambda x, w: ops.linear_cross_entropy(x, w, lab, implementation="xla").sum()
+    for g, e in zip(jax.grad(f, (0, 1))(x, w), jax.grad(r, (0, 1))(x, w)):
+        assert_close(g, e, 1e-4)

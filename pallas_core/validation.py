@@ -10,7 +10,8 @@ from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.specs import BlockMapping
 
 TPU_BACKENDS = ("mosaic_tpu",)
-POW2_BACKENDS = ("pallas_triton", "triton")
+# JAX's Triton lowering needs power-of-two blocks; ours pads them and masks (triton/codegen.py).
+POW2_BACKENDS = ("pallas_triton",)
 # Backends that run every grid point concurrently: no grid axis may revisit an output.
 NO_SEQUENTIAL_AXES = ("pallas_triton",)
 
@@ -73,7 +74,8 @@ def check_pow2(m: BlockMapping, backend: str) -> None:
             raise ValueError(
                 f"{m.origin}: block_shape {m.block_shape} has dim {axis} = {b}, which is "
                 f"not a power of two; the {backend} backend needs power-of-two blocks "
-                "(pad the block up and mask, or pick another block size).")
+                "(pick another block size, or use backend='triton', which pads blocks "
+                "to powers of two and masks).")
 
 
 def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: False) -> tuple[str, ...]:

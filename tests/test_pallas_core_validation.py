@@ -136,11 +136,6 @@ def test_program_id_outside_a_kernel():
         pl.program_id(0)
 
 
-def test_our_triton_backend_needs_power_of_two_blocks_too():
-    with pytest.raises(ValueError, match=r"in_specs\[0\].*96.*not a power of two.*triton"):
-        call(X, in_spec=pl.BlockSpec((8, 96), lambda i: (0, i)), grid=(2,), backend="triton")
-
-
 def test_semantics_are_inferred_from_revisits():
     """A kernel that revisits along the last axis runs sequentially and accumulates."""
     def acc_kernel(x_ref, o_ref):

@@ -208,6 +208,103 @@ def test_scratch_shapes_and_jit_vmap():
     np.testing.assert_allclose(jax.jit(jax.vmap(f))(xs), xs * 2 + 1, rtol=1e-6)
 
 
+def test_register_scratch_and_memory_scratch():
+    """Whole-block scratch is a loop-carried value; scratch sliced in the kernel stays in memory."""
+    def acc_kernel(x_ref, o_ref, acc_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+        acc_ref[...] += jnp.exp(x_ref[...])
+
+        @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+        def _():
+            o_ref[...] = jnp.log(acc_ref[...])
+
+    def sliced_kernel(x_ref, o_ref, acc_ref):
+        acc_ref[:, 0:16] = x_ref[:, 16:32]
+        acc_ref[:, 16:32] = x_ref[:, 0:16]
+        o_ref[...] = acc_ref[...] * 2
+
+    x = jax.random.normal(jax.random.key(21), (16, 96))
+    kw = dict(grid=(2, 3), in_specs=[pl.BlockSpec((8, 32), lambda i, k: (i, k))],
+              out_specs=pl.BlockSpec((8, 32), lambda i, k: (i, 0)),
+              scratch_shapes=[pl.tpu.VMEM((8, 32), jnp.float32)])
+    out = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    for kernel in (acc_kernel, sliced_kernel):
+        (src,) = pl.triton.source(lambda x: pl.pallas_call(kernel, out, backend="triton", **kw)(x), x)
+        in_memory = ", s0," in src
+        assert in_memory == (kernel is sliced_kernel), src
+        assert_same(kernel, out, x, **kw)
+    want = jnp.log(jnp.exp(x).reshape(16, 3, 32).sum(1))
+    got = pl.pallas_call(acc_kernel, out, backend="triton", **kw)(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_non_power_of_two_blocks_are_padded_and_masked():
+    """Head dim 96 and a 48-wide row: padded lanes stay out of reductions, dots and stores."""
+    k = jax.random.split(jax.random.key(22), 3)
+    q = jax.random.normal(k[0], (40, 96))  # 40 rows: the last row block (16 of 48) overhangs
+    kv = jax.random.normal(k[1], (24, 96))
+    w = jax.random.normal(k[2], (96, 48)) / 10
+
+    def kernel(q_ref, kv_ref, w_ref, s_ref, p_ref, stats_ref):
+        q, kv = q_ref[...], kv_ref[...]
+        inv = 1.0 / q  # padding lanes load 0: inf there must not reach the dots
+        s = jax.lax.dot_general(q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s_ref[...] = s + jnp.dot(inv * 0, w_ref[...], preferred_element_type=jnp.float32).sum()
+        h = jnp.dot(jnp.tanh(q), w_ref[...], preferred_element_type=jnp.float32)  # (16, 48)
+        p = jnp.exp(h - h.max(axis=1, keepdims=True))
+        p_ref[...] = jnp.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
+        # Shifted so that a padding lane (0) would win the max, the min and add exp(0) = 1 to the sum.
+        stats_ref[:, 0] = jnp.argmax(q - 10, axis=1).astype(jnp.float32)
+        stats_ref[:, 1] = (q + 10).min(axis=1)
+        stats_ref[:, 2] = jnp.exp(q).sum(axis=1)
+
+    out_shape = [jax.ShapeDtypeStruct((40, 24), jnp.float32), jax.ShapeDtypeStruct((40, 48), jnp.float32),
+                 jax.ShapeDtypeStruct((40, 3), jnp.float32)]
+    kw = dict(grid=(3,), in_specs=[pl.BlockSpec((16, 96), lambda i: (i, 0)), pl.BlockSpec((24, 96), lambda i: (0, 0)),
+                                   pl.BlockSpec((96, 48), lambda i: (0, 0))],
+              out_specs=[pl.BlockSpec((16, 24), lambda i: (i, 0)), pl.BlockSpec((16, 48), lambda i: (i, 0)),
+                         pl.BlockSpec((16, 3), lambda i: (i, 0))])
+    got = pl.pallas_call(kernel, out_shape, backend="triton", **kw)(q, kv, w)
+    want = pl.pallas_call(kernel, out_shape, backend="interpret", **kw)(q, kv, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+    h = jnp.tanh(q) @ w
+    np.testing.assert_allclose(got[1], jnp.cumsum(jax.nn.softmax(h, axis=1), axis=1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got[2][:, 0], jnp.argmax(q, axis=1))
+    np.testing.assert_allclose(got[2][:, 2], jnp.exp(q).sum(axis=1), rtol=1e-5)
+
+
+def test_non_power_of_two_scratch_and_edge_blocks():
+    """A (8, 100) block over a (12, 150) array: both padding and the array's edge are masked."""
+    x = jax.random.normal(jax.random.key(23), (12, 150))
+
+    def kernel(x_ref, o_ref, acc_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+        acc_ref[...] += jnp.where(jnp.isnan(x_ref[...]), 0.0, x_ref[...])
+        o_ref[...] = acc_ref[...]
+
+    kw = dict(grid=(2, 2), in_specs=[pl.BlockSpec((8, 100), lambda i, k: (i, k))],
+              out_specs=pl.BlockSpec((8, 100), lambda i, k: (i, 0)),
+              scratch_shapes=[pl.tpu.VMEM((8, 100), jnp.float32)])
+    got = pl.pallas_call(kernel, jax.ShapeDtypeStruct((12, 100), jnp.float32), backend="triton", **kw)(x)
+    # Columns 100..149 are the second block's valid part; its padding past 150 reads as 0 on triton.
+    want = x[:, :100] + jnp.pad(x[:, 100:], ((0, 0), (0, 50)))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_reshape_that_would_mix_padding_is_refused():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...].reshape(4, 72)
+
+    with pytest.raises(NotImplementedError, match=r"reshape \(8, 36\) -> \(4, 72\).*non-power-of-two"):
+        pl.pallas_call(kernel, jax.ShapeDtypeStruct((4, 72), jnp.float32), backend="triton",
+                       in_specs=[pl.BlockSpec((8, 36), lambda: (0, 0))])(jnp.ones((8, 36)))
+
+
 def test_unsupported_primitive_names_kernel_and_line():
     def kernel(x_ref, o_ref):
         o_ref[...] = jnp.cumprod(x_ref[...], axis=0)

@@ -38,13 +38,16 @@ def run(call, args):
     if call.debug:
         print(f"# pallas_core triton: kernel {name}, launch grid {launch_grid(call)}\n{source}")
     grid = launch_grid(call)
+    # Scratch the generated kernel keeps in global memory (parameter s<k>) is an
+    # extra output, one private slice per program; the rest lives in registers.
+    memory_scratch = [s for k, s in enumerate(call.scratch_shapes) if f"s{k}" in params]
     scratch_avals = [jax.ShapeDtypeStruct((grid[0] * int(np.prod(s.shape)),), s.dtype)
-                     for s in call.scratch_shapes]
+                     for s in memory_scratch]
     out_avals = [jax.ShapeDtypeStruct(m.array_shape, m.dtype) for m in call.out_mappings]
     records = _CAPTURE.get()
     if records is not None:
         pointer_dtypes = [m.dtype for m in (*call.in_mappings, *call.out_mappings)]
-        pointer_dtypes += [s.dtype for s in call.scratch_shapes]
+        pointer_dtypes += [s.dtype for s in memory_scratch]
         records.append(dict(name=name, source=source, constexprs=constexprs, params=params,
                             pointer_dtypes=pointer_dtypes, grid=grid,
                             num_warps=call.params.triton.get("num_warps", 4),

@@ -10,6 +10,12 @@ jaxpr and writes one readable ``@jit`` function:
   ``(start, size, stride)`` range or fixed index per array dim;
 * loads and stores are masked wherever a block can run past the array, so
   edge blocks need no hand-written masks (seed 000 semantics);
+* Triton tensors have power-of-two dims, so a value of logical shape
+  ``(8, 96)`` is a ``(8, 128)`` tensor whose padding lanes are never
+  stored, are masked out of reductions and dot contractions, and never leak
+  into valid lanes otherwise (elementwise ops, broadcasts, transposes and
+  forward scans keep lanes apart); reshapes that would mix padding into
+  valid lanes raise NotImplementedError;
 * parallel grid axes are the launch grid (flattened into axis 0, decoded
   with constexpr div/mod); arbitrary axes run as loops inside each program,
   so a TPU-style reduction over a grid axis is correct (DESIGN 2.4);
@@ -124,6 +130,7 @@ class RefView:
     masked: tuple[bool, ...]
     dtype: Any
     wide: bool  # more than 2**31 elements: int64 offsets
+    register: str | None = None  # scratch kept as a loop-carried value of this name
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -190,11 +197,25 @@ _COMBINERS = {
 }
 
 
-class KernelWriter:
-    """Writes the Triton source of one resolved pallas_call."""
+class _ScratchNeedsMemory(Exception):
+    """Raised while writing when scratch ``index`` is accessed other than as a whole block."""
 
-    def __init__(self, call):
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.index = index
+
+
+class KernelWriter:
+    """Writes the Triton source of one resolved pallas_call.
+
+    Args:
+      memory_scratch: indices of scratch buffers kept in global memory; every
+        other scratch buffer is a loop-carried value (see :meth:`_scratch_ref`).
+    """
+
+    def __init__(self, call, memory_scratch: frozenset[int] = frozenset()):
         self.call = call
+        self.memory_scratch = memory_scratch
         self.name = _identifier(call.name)
         self.lines: list[str] = []
         self.indent = 1
@@ -240,6 +261,7 @@ class KernelWriter:
         arbitrary = [a for a, s in enumerate(call.semantics) if s == ARBITRARY]
         for a, n in enumerate(grid):
             self.constexpr(f"G{a}", n)
+        scratch_refs = [self._scratch_ref(k, s, parallel) for k, s in enumerate(call.scratch_shapes)]
         # Program ids: parallel axes decoded from the flat launch id, arbitrary axes looped.
         ids: dict[int, str] = {}
         if parallel:
@@ -250,6 +272,9 @@ class KernelWriter:
                 self.emit(f"i{a} = pid % G{a}" if not last else f"i{a} = pid")
                 if not last:
                     self.emit(f"pid = pid // G{a}")
+        for ref in scratch_refs:
+            if ref.register:  # garbage is unspecified: zeros are as good as anything
+                self.emit(f"{ref.register} = tl.full({_shape(ref.shape)}, 0, {tl_dtype(ref.dtype)})")
         for a in arbitrary:
             self.emit(f"for i{a} in range(G{a}):")
             self.indent += 1
@@ -264,8 +289,8 @@ class KernelWriter:
         self.ref_of_value: dict = {}
         for k, (m, var) in enumerate(zip(mappings, operand_vars)):
             self.ref_of_value[var] = self._operand_ref(k, m, ids)
-        for k, (s, var) in enumerate(zip(call.scratch_shapes, scratch_vars)):
-            self.ref_of_value[var] = self._scratch_ref(k, s, parallel)
+        for ref, var in zip(scratch_refs, scratch_vars):
+            self.ref_of_value[var] = ref
         self.body(jaxpr, closed.consts, env)
         self.emit("pass")  # keeps a loop over arbitrary axes well-formed if its body is empty
         header = self._header(len(mappings))
@@ -274,7 +299,8 @@ class KernelWriter:
                 + "\n".join(self.lines) + "\n")
 
     def _header(self, n_operands) -> str:
-        ptrs = [f"p{k}" for k in range(n_operands)] + [f"s{k}" for k in range(len(self.call.scratch_shapes))]
+        ptrs = [f"p{k}" for k in range(n_operands)]
+        ptrs += [f"s{k}" for k in range(len(self.call.scratch_shapes)) if k in self.memory_scratch]
         consts = [f"{n}: tl.constexpr" for n in self.constexprs]
         self.params = ptrs
         return f"def {self.name}(" + ", ".join(ptrs + consts) + "):"
@@ -298,14 +324,25 @@ class KernelWriter:
                        masked=tuple(masked), dtype=np.dtype(m.dtype), wide=numel > _INT32_MAX)
 
     def _scratch_ref(self, k, s, parallel) -> RefView:
-        """Scratch lives in global memory, one private slice per launched program."""
+        """A scratch buffer: a loop-carried value, or private global memory.
+
+        A scratch buffer only ever read and written whole (``acc_ref[...]``,
+        the usual accumulator) is a value named ``acc{k}`` that Triton carries
+        through the loops over arbitrary axes, i.e. registers: the classic
+        Triton matmul. One accessed any other way (slices, atomics) lives in
+        global memory, one private slice per launched program;
+        :func:`generate` finds out which by writing the kernel again after
+        :class:`_ScratchNeedsMemory`.
+        """
         rank = len(s.shape)
         names = tuple(self.constexpr(f"S{k}_{d}", s.shape[d]) for d in range(rank))
         numel = int(np.prod(s.shape)) if rank else 1
         ptr = f"s{k}" if not parallel else f"(s{k} + tl.program_id(0) * {numel})"
+        # Rank 0 stays in memory: a Triton scalar cannot be carried like a block.
+        register = f"acc{k}" if rank and k not in self.memory_scratch else None
         return RefView(ptr=ptr, array_shape=tuple(s.shape), dim_names=names,
                        dims=tuple(Range("0", n, 1) for n in s.shape), masked=(False,) * rank,
-                       dtype=np.dtype(s.dtype), wide=False)
+                       dtype=np.dtype(s.dtype), wide=False, register=register)
 
     def _index_map(self, m, ids) -> list[str]:
         grid = self.call.grid
@@ -397,16 +434,13 @@ class KernelWriter:
             strides[d] = _mul(strides[d + 1], ref.dim_names[d + 1])
         for d, dim in enumerate(ref.dims):
             if isinstance(dim, Range):
-                if dim.size & (dim.size - 1):
-                    raise NotImplementedError(
-                        f"triton backend: kernel {self.call.name} accesses a slice of {dim.size} "
-                        "elements; Triton tensors need power-of-two sizes (pad the block up to a "
-                        "power of two and mask).")
                 index = self.fresh("r")
-                shape_ix = ", ".join(":" if k == axis else "None" for k in range(rank))
+                shape_ix = _axis_index(axis, rank)
                 step = f" * {dim.stride}" if dim.stride != 1 else ""
-                lanes = f"tl.arange(0, {dim.size}){step}"
+                lanes = f"tl.arange(0, {_pow2(dim.size)}){step}"
                 self.emit(f"{index} = ({_add(dim.start, lanes)})[{shape_ix}]")
+                if _pow2(dim.size) != dim.size:  # padding lanes: never read or written
+                    masks.append(_lane_mask(axis, dim.size, rank))
                 axis += 1
             else:
                 index = self.fresh("r")
@@ -440,11 +474,34 @@ class KernelWriter:
     def _transforms(self, eqn, env, n_leading):
         return jax.tree.unflatten(eqn.params["tree"], eqn.invars[n_leading:])
 
+    def _register(self, ref: RefView, transforms) -> str | None:
+        """The value name of a register scratch accessed whole; raises if accessed otherwise."""
+        if not isinstance(ref, RefView) or ref.register is None:
+            return None
+        if all(_is_whole(t, ref.shape) for t in transforms):
+            return ref.register
+        raise _ScratchNeedsMemory(int(ref.register[len("acc"):]))
+
+    def _set_register(self, name: str, ref: RefView, val: Val) -> None:
+        value = _expr(val)
+        if tuple(val.shape) != tuple(ref.shape):
+            value = f"tl.broadcast_to({value}, {_shape(ref.shape)})"
+        self.emit(f"{name} = {value}")
+
     def _p_get(self, eqn, env, ref, *idx):
-        return self._load(self._view(ref, self._transforms(eqn, env, 1), env))
+        transforms = self._transforms(eqn, env, 1)
+        if register := self._register(ref, transforms):
+            # A copy: the register is reassigned by later writes, this value must not be.
+            return self.assign(register, ref.shape, ref.dtype)
+        return self._load(self._view(ref, transforms, env))
 
     def _p_swap(self, eqn, env, ref, val, *idx):
-        view = self._view(ref, self._transforms(eqn, env, 2), env)
+        transforms = self._transforms(eqn, env, 2)
+        if register := self._register(ref, transforms):
+            old = self.assign(register, ref.shape, ref.dtype) if eqn.outvars[0] in self.used else None
+            self._set_register(register, ref, val)
+            return old
+        view = self._view(ref, transforms, env)
         old = None
         if eqn.outvars[0] in self.used:  # the value a swap returns is rarely read
             old = self._load(view)
@@ -452,7 +509,11 @@ class KernelWriter:
         return old
 
     def _p_addupdate(self, eqn, env, ref, val, *idx):
-        view = self._view(ref, self._transforms(eqn, env, 2), env)
+        transforms = self._transforms(eqn, env, 2)
+        if register := self._register(ref, transforms):
+            self.emit(f"{register} = {register} + {_expr(val)}")
+            return
+        view = self._view(ref, transforms, env)
         current = self._load(view)
         total = self.assign(f"{current.expr} + {_expr(val)}", current.shape, current.dtype)
         self._store(view, total)
@@ -551,8 +612,7 @@ class KernelWriter:
     def _p_iota(self, eqn, env):
         aval = eqn.outvars[0].aval
         shape, dim = aval.shape, eqn.params["dimension"]
-        ix = ", ".join(":" if k == dim else "None" for k in range(len(shape)))
-        expr = f"tl.arange(0, {shape[dim]})[{ix}]"
+        expr = f"tl.arange(0, {_pow2(shape[dim])})[{_axis_index(dim, len(shape))}]"
         return self.assign(f"tl.broadcast_to({expr}, {_shape(shape)}).to({tl_dtype(aval.dtype)})",
                            shape, aval.dtype)
 
@@ -571,17 +631,28 @@ class KernelWriter:
             return x
         if not aval.shape:
             return self._reduce_to_scalar(x, aval)
+        self._check_reshape(eqn, x.shape, aval.shape)
         return self.assign(f"tl.reshape({_expr(x)}, {_shape(aval.shape)})", aval.shape, aval.dtype)
 
     def _p_squeeze(self, eqn, env, x):
         aval = eqn.outvars[0].aval
         if not aval.shape:
             return self._reduce_to_scalar(x, aval)
+        self._check_reshape(eqn, x.shape, aval.shape)
         return self.assign(f"tl.reshape({_expr(x)}, {_shape(aval.shape)})", aval.shape, aval.dtype)
+
+    _p_expand_dims = _p_squeeze
+
+    def _check_reshape(self, eqn, src, dst):
+        """Padded tensors reshape lane for lane only when just unit dims come and go."""
+        padded = any(_pow2(d) != d for d in (*src, *dst))
+        if padded and [d for d in src if d != 1] != [d for d in dst if d != 1]:
+            self.unsupported(eqn, f"reshape {tuple(src)} -> {tuple(dst)} of non-power-of-two "
+                                  "dims (it would mix padding lanes into values)")
 
     def _reduce_to_scalar(self, x, aval):
         self.combiners.add("sum")
-        flat = f"tl.reshape({_expr(x)}, ({int(np.prod(x.shape))},))"
+        flat = f"tl.reshape({_expr(x)}, ({int(np.prod(_padded(x.shape)))},))"
         return self.assign(f"tl.reduce({flat}, 0, _combine_sum)", (), aval.dtype)
 
     def _p_transpose(self, eqn, env, x):
@@ -596,7 +667,7 @@ class KernelWriter:
         aval = eqn.outvars[0].aval
         axes = sorted(eqn.params["axes"], reverse=True)
         self.combiners.add(combiner)
-        expr, shape = _expr(x), list(x.shape)
+        expr, shape = self._mask_padding(x, axes, _identity(combiner, x.dtype)), list(x.shape)
         needs_f32 = combiner == "sum" and np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
         if needs_f32:
             expr = f"{expr}.to(tl.float32)"
@@ -606,6 +677,13 @@ class KernelWriter:
         if needs_f32:
             expr = f"({expr}).to({tl_dtype(aval.dtype)})"
         return self.assign(expr, aval.shape, aval.dtype)
+
+    def _mask_padding(self, x: Val, axes, fill: str) -> str:
+        """``x`` with the padding lanes of ``axes`` replaced by ``fill``, as an expression."""
+        masks = [_lane_mask(a, x.shape[a], len(x.shape)) for a in axes if _pow2(x.shape[a]) != x.shape[a]]
+        if not masks:
+            return _expr(x)
+        return f"tl.where({' & '.join(masks)}, {_expr(x)}, {fill})"
 
     def _p_reduce_sum(self, eqn, env, x):
         return self._reduce(eqn, x, "sum")
@@ -620,10 +698,12 @@ class KernelWriter:
         aval = eqn.outvars[0].aval
         (axis,) = eqn.params["axes"]
         self.combiners.add(kind)
-        ix = ", ".join(":" if k == axis else "None" for k in range(len(x.shape)))
-        index = f"tl.broadcast_to(tl.arange(0, {x.shape[axis]})[{ix}], {_shape(x.shape)})"
+        lanes = f"tl.arange(0, {_pow2(x.shape[axis])})[{_axis_index(axis, len(x.shape))}]"
+        index = f"tl.broadcast_to({lanes}, {_shape(x.shape)})"
+        # Padding lanes hold the value that loses every comparison, and come last on ties.
+        value = self._mask_padding(x, [axis], _identity("max" if kind == "argmax" else "min", x.dtype))
         pair = self.fresh("a")
-        self.emit(f"_, {pair} = tl.reduce(({_expr(x)}, {index}), {axis}, _combine_{kind})")
+        self.emit(f"_, {pair} = tl.reduce(({value}, {index}), {axis}, _combine_{kind})")
         return self.assign(f"{pair}.to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
 
     def _p_argmax(self, eqn, env, x):
@@ -653,10 +733,13 @@ class KernelWriter:
         (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
         if ba or bb or len(a.shape) != 2 or len(b.shape) != 2:
             self.unsupported(eqn, "batched or non-2-D dot_general")
-        lhs = _expr(a) if tuple(ca) == (1,) else f"tl.trans({_expr(a)})"
-        rhs = _expr(b) if tuple(cb) == (0,) else f"tl.trans({_expr(b)})"
+        # Zero both operands' padding along the contraction: either may hold inf or NaN there.
+        a_expr = self._mask_padding(a, ca, "0.0" if np.issubdtype(a.dtype, np.floating) else "0")
+        b_expr = self._mask_padding(b, cb, "0.0" if np.issubdtype(b.dtype, np.floating) else "0")
+        lhs = a_expr if tuple(ca) == (1,) else f"tl.trans({a_expr})"
+        rhs = b_expr if tuple(cb) == (0,) else f"tl.trans({b_expr})"
         for dim in (*a.shape, *b.shape):
-            if dim < 16:
+            if _pow2(dim) < 16:
                 self.unsupported(eqn, f"dot_general with a dim of {dim} (< 16, tl.dot's minimum)")
         acc = "tl.float32" if np.issubdtype(aval.dtype, np.floating) else "tl.int32"
         precision = eqn.params.get("precision")
@@ -688,6 +771,8 @@ class KernelWriter:
         """``tl.atomic_<op>`` at the address the atomic's body reads (pallas_core.triton.atomics)."""
         jaxpr = closed.jaxpr
         ref, val, mask, cmp = args[:4]
+        if ref.register is not None:
+            raise _ScratchNeedsMemory(int(ref.register[len("acc"):]))
         inner = {v: a for v, a in zip(jaxpr.invars, args) if not isinstance(a, RefView)}
         self.ref_of_value.update({v: a for v, a in zip(jaxpr.invars, args) if isinstance(a, RefView)})
         get = next(e for e in jaxpr.eqns if e.primitive.name == "get")
@@ -795,8 +880,44 @@ def _expr(x) -> str:
     raise NotImplementedError(f"triton backend: a Ref was used as a value ({x!r})")
 
 
+def _pow2(n: int) -> int:
+    """The power-of-two extent a dim of ``n`` elements has as a Triton tensor."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _padded(shape) -> tuple[int, ...]:
+    return tuple(_pow2(d) for d in shape)
+
+
 def _shape(shape) -> str:
-    return "(" + ", ".join(str(int(d)) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+    """The Triton (padded) shape of a value of logical ``shape``, as a tuple literal."""
+    dims = _padded(shape)
+    return "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def _axis_index(axis: int, rank: int) -> str:
+    """The subscript that lays a 1-D range along ``axis`` of a rank-``rank`` tensor."""
+    return ", ".join(":" if k == axis else "None" for k in range(rank))
+
+
+def _lane_mask(axis: int, size: int, rank: int) -> str:
+    """True on the ``size`` valid lanes of ``axis``, False on its padding."""
+    return f"(tl.arange(0, {_pow2(size)}) < {size})[{_axis_index(axis, rank)}]"
+
+
+def _identity(combiner: str, dtype) -> str:
+    """The neutral element of a reduction, as a Triton expression."""
+    dtype = np.dtype(dtype)
+    if combiner == "sum":
+        return "0"
+    big = combiner == "min"
+    if dtype == np.bool_:
+        return "True" if big else "False"
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return str(int(info.max if big else info.min))
+    return 'float("inf")' if big else 'float("-inf")'
 
 
 def _literal(value, aval) -> Val:
@@ -838,8 +959,31 @@ def _user_frame(eqn) -> str:
     return ""
 
 
+def _is_whole(indexer, shape) -> bool:
+    """Whether an NDIndexer selects every element of a view of ``shape``, in order."""
+    if tuple(indexer.int_indexer_shape) or len(indexer.indices) != len(shape):
+        return False
+    for idx, n in zip(indexer.indices, shape):
+        if not (hasattr(idx, "size") and hasattr(idx, "stride") and hasattr(idx, "start")):
+            return False
+        start = idx.start
+        if not isinstance(start, (int, np.integer)) or int(start) != 0 or int(idx.size) != n or int(idx.stride) != 1:
+            return False
+    return True
+
+
 def generate(call) -> tuple[str, str, dict[str, int], list[str]]:
-    """``(source, function name, constexprs, pointer parameter names)`` of a call."""
-    writer = KernelWriter(call)
-    source = writer.write()
-    return source, writer.name, dict(writer.constexprs), list(writer.params)
+    """``(source, function name, constexprs, pointer parameter names)`` of a call.
+
+    Pointer parameters are ``p<k>`` per operand (inputs, then outputs) and
+    ``s<k>`` per scratch buffer kept in global memory.
+    """
+    memory: set[int] = set()
+    while True:
+        writer = KernelWriter(call, frozenset(memory))
+        try:
+            source = writer.write()
+        except _ScratchNeedsMemory as needs:
+            memory.add(needs.index)
+            continue
+        return source, writer.name, dict(writer.constexprs), list(writer.params)

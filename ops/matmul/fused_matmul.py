@@ -9,9 +9,12 @@ round trip through memory.
 
 The contraction is walked one of two ways, chosen by backend:
 
-* ``"grid"`` (interpret, mosaic_tpu): K is the last grid axis,
+* ``"grid"`` (interpret, mosaic_tpu, triton): K is the last grid axis,
   marked ``"arbitrary"``; the accumulator is a scratch buffer initialised
   under ``pl.when(k == 0)`` and stored under ``pl.when(k == last)`` (seed 002).
+  Our Triton lowering runs that axis as a loop inside each program and keeps
+  the accumulator in registers across it, which Triton pipelines like its
+  own tutorial matmul (sm_90: cp.async, num_stages=3, wgmma).
 * ``"loop"`` (pallas_triton, whose programs all run concurrently): each
   program loads ``pl.ds`` slices of full-K blocks in a ``fori_loop``.
 
@@ -249,7 +252,10 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
             out_shape=out_shapes, grid=(*grid_mn, num_k), in_specs=in_specs,
             out_specs=[out_spec] * len(out_shapes),
             scratch_shapes=[pl.tpu.VMEM((bm, bn), jnp.float32)],
-            compiler_params=pl.CompilerParams(("parallel", "parallel", "arbitrary")),
+            compiler_params=pl.triton.CompilerParams(
+                num_warps=_num_warps(bm, bn), num_stages=3,
+                dimension_semantics=("parallel", "parallel", "arbitrary"))
+            if backend == "triton" else pl.CompilerParams(("parallel", "parallel", "arbitrary")),
             backend=backend, name=_kernel_name(activation, bias))
     else:
         def spec(free, contract_dim, pick):
@@ -264,11 +270,15 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
             functools.partial(_loop_kernel, block_k=bk, num_k=num_k, **kw),
             out_shape=out_shapes, grid=grid_mn, in_specs=in_specs,
             out_specs=[out_spec] * len(out_shapes),
-            compiler_params=pl.triton.CompilerParams(
-                num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3),
+            compiler_params=pl.triton.CompilerParams(num_warps=_num_warps(bm, bn), num_stages=3),
             backend=backend, name=_kernel_name(activation, bias))
     outs = call(*operands)
     return tuple(outs) if want_preact else outs[0]
+
+
+def _num_warps(block_m: int, block_n: int) -> int:
+    """8 warps once a float32 accumulator tile reaches 128x128 (64 KiB of registers), else 4."""
+    return 8 if block_m * block_n >= 128 * 128 else 4
 
 
 def _kernel_name(activation, bias):

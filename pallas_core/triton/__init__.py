@@ -65,8 +65,11 @@ def compile(f, *args, target: str = "sm_90", **kwargs) -> list[dict]:  # noqa: A
         kernel = runtime.load(r["source"], r["name"], "jit")
         signature = {p: runtime.pointer_type(d) for p, d in builtins.zip(r["params"], r["pointer_dtypes"])}
         signature.update({c: "constexpr" for c in r["constexprs"]})
+        # Like jax_triton at launch: XLA buffers are 16-byte aligned, which lets
+        # Triton vectorise loads and pipeline them with cp.async.
+        aligned = {(i,): [["tt.divisibility", 16]] for i in builtins.range(len(r["params"]))}
         compiled = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=dict(r["constexprs"])),
+            ASTSource(fn=kernel, signature=signature, constexprs=dict(r["constexprs"]), attrs=aligned),
             target=GPUTarget("cuda", capability, 32),
             options=dict(num_warps=r["num_warps"], num_stages=r["num_stages"]))
         metadata = compiled.metadata

@@ -25,7 +25,7 @@ PASSES = ("fwd", "fwd+bwd")
 # The kernel implementation each platform is benchmarked with. CPUs have no
 # kernel backend, so they run our Pallas interpreter: slow by design, but it
 # exercises the same kernels and catches accuracy regressions without a GPU.
-_KERNEL_IMPLEMENTATION = {"gpu": "pallas_triton", "cuda": "pallas_triton", "rocm": "pallas_triton",
+_KERNEL_IMPLEMENTATION = {"gpu": "triton", "cuda": "triton", "rocm": "triton",
                           "tpu": "mosaic_tpu", "cpu": "interpret"}
 
 # Fewer samples than this make p10/p90 meaningless; a time budget never cuts below it.

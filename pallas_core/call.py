@@ -92,7 +92,7 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
       input_output_aliases: ``{input_index: output_index}``; the output starts
         with (and may reuse the buffer of) that input.
       compiler_params: see :mod:`pallas_core.params`.
-      backend: ``None`` (by platform: cpu -> interpret, gpu -> pallas_triton,
+      backend: ``None`` (by platform: cpu -> interpret, gpu -> triton,
         tpu -> mosaic_tpu), "interpret", "triton" (our own Triton lowering,
         :mod:`pallas_core.triton`), "mosaic_tpu", "mosaic_gpu", "pallas_triton".
       interpret: True (or an :class:`InterpretParams`) forces the interpreter;

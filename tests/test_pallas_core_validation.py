@@ -69,6 +69,17 @@ def test_gpu_power_of_two_blocks():
         call(X, in_spec=pl.BlockSpec((8, 96), lambda i: (0, i)), grid=(2,), backend="pallas_triton")
 
 
+@pytest.mark.parametrize("platform, backend, implementation",
+                         [("cpu", "interpret", "xla"), ("gpu", "triton", "triton"),
+                          ("tpu", "mosaic_tpu", "mosaic_tpu")])
+def test_platform_defaults(monkeypatch, platform, backend, implementation):
+    """GPUs default to our own Triton lowering, for raw pallas_calls and for every op."""
+    from ops._implementation import resolve_implementation
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    assert pl.default_backend() == backend
+    assert resolve_implementation(None, "op") == implementation
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match=r"backend: unknown backend 'cuda_magic'"):
         call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend="cuda_magic")

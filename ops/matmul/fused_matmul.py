@@ -61,10 +61,10 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
         ``jax.nn.gelu`` (tanh form), "gelu_exact" (erf form), "silu"/"swish",
         "sigmoid", "tanh", "softplus"); or any elementwise JAX callable. It runs
         on the float32 accumulator inside the kernel's epilogue.
-      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
-        "mosaic_tpu"), "xla", "interpret", "pallas_triton", "mosaic_tpu",
-        "mosaic_gpu". "triton" (our own lowering) and "mosaic_gpu" (needs a
-        wgmma kernel) raise NotImplementedError until they land.
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
+        "mosaic_tpu"), "xla", "interpret", "triton" (pallas_core's own Triton
+        lowering), "pallas_triton" (JAX's) or "mosaic_tpu". "mosaic_gpu"
+        raises NotImplementedError (it needs a wgmma kernel).
       block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes; None picks
         them by shape, dtype and backend (:func:`default_block_sizes`). The
         backward pass reuses them by role.

@@ -62,7 +62,7 @@ def cross_entropy(logits, labels, *, implementation: str | None = None,
       labels: integer array of shape ``logits.shape[:-1]``, the class of each
         example in ``[0, V)``. Labels outside that range give a NaN loss (see
         the module docstring).
-      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
       max_chunk: cap on the column chunk the kernels walk a row in (a power of
         two >= 128); None picks it by dtype. A tuning / test hook.

@@ -94,7 +94,7 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
       w: ``[D, V]``, same dtype as x (the output projection / unembedding).
       labels: integer array of shape ``x.shape[:-1]``, classes in ``[0, V)``;
         labels outside that range give a NaN loss.
-      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla" (naive, materialises the logits), "interpret",
         "triton" (ours), "pallas_triton", "mosaic_tpu".
       block_sizes: optional ``(block_rows, block_vocab, block_d)`` tile of the

@@ -93,10 +93,9 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6,
       scale: ``[features]`` or None (no scaling), same dtype as x.
       bias: ``[features]`` or None (no offset), same dtype as x.
       epsilon: a static non-negative number added to the variance.
-      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton" or "mosaic_tpu".
-        "triton" (pallas_core's own Triton lowering) and "mosaic_gpu" raise
-        NotImplementedError until the kernels are validated there.
+        "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
       max_chunk: optional cap on the column chunk the kernels walk a row in
         (a power of two >= 128; None picks 4096 for 16-bit inputs, 2048 for
         float32). Results do not depend on it beyond float rounding; tests use

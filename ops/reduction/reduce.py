@@ -66,7 +66,7 @@ def sum(x, axis=None, *, implementation: str | None = None,  # noqa: A001 - mirr
       axis: None (every axis), an int, or a tuple of ints; negative counts
         from the end. The reduced axes are moved last (a transpose, one copy
         of x, unless they already are the trailing axes).
-      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
         "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
       max_chunk: keyword-only tuning/test hook: caps the columns one in-kernel

@@ -62,7 +62,7 @@ def softmax(x, axis=-1, *, implementation: str | None = None,
       axis: the normalized axis: an int, a tuple of ints (normalized jointly)
         or None (every axis); negative counts from the end. Axes other than
         the trailing ones are moved last by a transpose (a copy each way).
-      implementation: None (cpu -> "xla", gpu -> "pallas_triton", tpu ->
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
         "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
       max_chunk: keyword-only tuning/test hook: caps the column chunk an

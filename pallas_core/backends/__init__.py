@@ -8,10 +8,8 @@ JAX_PALLAS_BACKENDS = ("mosaic_tpu", "mosaic_gpu", "pallas_triton")
 # Backends whose kernels become Triton: power-of-two tiles, num_warps / num_stages.
 TRITON_BACKENDS = ("triton", "pallas_triton")
 
-# CUDA defaults to JAX's Pallas Triton lowering until our own ("triton", checked
-# in Triton's interpreter and by sm_90 compiles) has run on a GPU.
-_PLATFORM_DEFAULT = {"cpu": "interpret", "gpu": "pallas_triton", "cuda": "pallas_triton",
-                     "tpu": "mosaic_tpu"}
+# GPUs default to our own Triton lowering; JAX's ("pallas_triton") is the yardstick.
+_PLATFORM_DEFAULT = {"cpu": "interpret", "gpu": "triton", "cuda": "triton", "tpu": "mosaic_tpu"}
 
 
 def default_backend() -> str:

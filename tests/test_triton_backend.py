@@ -435,3 +435,12 @@ def test_linear_cross_entropy_forward_and_gradients():
     assert_close(ours(x, w), ref(x, w), 1e-5)
     for g, e in zip(jax.grad(lambda *a: ours(*a).sum(), (0, 1))(x, w), jax.grad(lambda *a: ref(*a).sum(), (0, 1))(x, w)):
         assert_close(g, e, 1e-4)
+
+
+def test_gpu_launch_without_jax_triton_says_how_to_fix(monkeypatch):
+    import sys
+
+    from pallas_core.triton import runtime
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # makes `import jax_triton` fail
+    with pytest.raises(ImportError, match=r"jax_triton.*pallas-kernels\[gpu\].*pallas_triton"):
+        runtime.import_jax_triton()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import linecache
+import os
 import types
 
 import jax
@@ -89,18 +90,47 @@ def launch_interpreted(kernel, *, grid, args, out_avals, aliases, constexprs):
     return [_from_torch(t, aval.dtype).reshape(aval.shape) for t, aval in zip(outs, out_avals)]
 
 
+def import_jax_triton():
+    """``jax_triton``, imported without breaking Triton's own compiles in this process.
+
+    Importing jax_triton sets ``TRITON_CACHE_DIR=""``. Its lowering never uses
+    Triton's cache, but every later ``triton.compile`` in the process (our
+    :func:`pallas_core.triton.compile`, anyone's ``@triton.jit`` kernels)
+    then fails with "Could not create or locate cache dir". An empty value is
+    never usable, so it is put back as it was (or removed).
+    """
+    before = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        import jax_triton
+    except ImportError as e:
+        raise ImportError(
+            f"backend='triton' launches kernels on a GPU through jax_triton, which could not "
+            f"be imported ({e}): pip install 'pallas-kernels[gpu]' (or jax-triton==0.3.1), or pass "
+            "backend='pallas_triton' / implementation='pallas_triton'.") from e
+    if os.environ.get("TRITON_CACHE_DIR") == "":
+        if before:
+            os.environ["TRITON_CACHE_DIR"] = before
+        else:
+            del os.environ["TRITON_CACHE_DIR"]
+    return jax_triton
+
+
 def launch(kernel_source, name, *, grid, args, out_avals, aliases, constexprs,
            num_warps, num_stages, on_gpu):
     """Launches a generated kernel from JAX; returns the outputs.
 
-    Outputs start as garbage (NaN / the integer minimum on the interpreter),
-    except aliased ones, which start as their input.
+    Outputs start as garbage (uninitialised memory on a GPU; NaN / the integer
+    minimum on the interpreter), except aliased ones, which start as their
+    input. So does scratch kept in memory (the trailing outputs): kernels must
+    not assume it zero.
     """
     if on_gpu:
-        import jax_triton as jt
+        jt = import_jax_triton()
         kernel = load(kernel_source, name, "jit")
+        # name: jax_triton's default is "", which leaves the kernel call unnamed in
+        # its serialised form (what profiles and error messages show).
         return jt.triton_call(*args, kernel=kernel, out_shape=list(out_avals), grid=grid,
-                              num_warps=num_warps, num_stages=num_stages,
+                              name=name, num_warps=num_warps, num_stages=num_stages,
                               input_output_aliases=dict(aliases), **constexprs)
     kernel = load(kernel_source, name, "interpret")
     run = functools.partial(launch_interpreted, kernel, grid=grid, out_avals=out_avals,

@@ -94,7 +94,7 @@ def test_gelu_exact_means_jax_gelu_erf_form():
     np.testing.assert_array_equal(ACTIVATIONS["gelu"](x), jax.nn.gelu(x))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(m=st.integers(1, 70), k=st.integers(1, 70), n=st.integers(1, 70),
        lead=st.lists(st.integers(1, 3), max_size=2),
        act=st.sampled_from([None, "relu", "gelu", "gelu_exact", "sigmoid"]),
@@ -106,7 +106,7 @@ def test_property_forward(m, k, n, lead, act, with_bias, blocks, seed):
     assert_close(out, ref32(x, w, b, act), FORWARD[jnp.float32])
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(m=st.integers(1, 48), k=st.integers(1, 48), n=st.integers(1, 48),
        act=st.sampled_from([None, "gelu", "silu"]), blocks=st.tuples(*[st.sampled_from([8, 16])] * 3),
        seed=st.integers(0, 2**16))

@@ -25,6 +25,14 @@ def capturing():
 
 
 def _on_gpu() -> bool:
+    """Whether to launch through jax_triton rather than Triton's CPU interpreter.
+
+    Decided when the call is traced, by the default device's platform, like
+    every platform default here: on a GPU host, a triton pallas_call inside a
+    function jitted for (or exported to) the CPU has no CPU lowering. Pass
+    ``backend="interpret"`` there. (``lax.platform_dependent`` cannot choose
+    later: jax_triton does not import where jaxlib lacks its CUDA plugin.)
+    """
     return jax.default_backend() == "gpu"
 
 

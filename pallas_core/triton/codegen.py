@@ -40,6 +40,7 @@ from jax.extend import core as jex_core
 
 from pallas_core import context
 from pallas_core.params import ARBITRARY, PARALLEL
+from pallas_core.primitives import next_power_of_2
 from pallas_core.triton.atomics import ATOMIC_PREFIX
 
 _TL_DTYPES = {
@@ -130,7 +131,11 @@ class RefView:
     masked: tuple[bool, ...]
     dtype: Any
     wide: bool  # more than 2**31 elements: int64 offsets
-    register: str | None = None  # scratch kept as a loop-carried value of this name
+    register: int | None = None  # index of a scratch buffer kept as a loop-carried value
+
+    @property
+    def register_name(self) -> str:
+        return f"acc{self.register}"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -252,9 +257,9 @@ class KernelWriter:
             f"{self.call.name} is not supported{where}.")
 
     # ---- the kernel ----------------------------------------------------------------
-    def write(self) -> str:
+    def write(self, closed: jex_core.ClosedJaxpr) -> str:
+        """The module source for the kernel jaxpr ``closed`` (from :func:`trace_kernel`)."""
         call = self.call
-        closed = trace_kernel(call)
         jaxpr = closed.jaxpr
         grid = call.grid
         parallel = [a for a, s in enumerate(call.semantics) if s == PARALLEL]
@@ -273,8 +278,8 @@ class KernelWriter:
                 if not last:
                     self.emit(f"pid = pid // G{a}")
         for ref in scratch_refs:
-            if ref.register:  # garbage is unspecified: zeros are as good as anything
-                self.emit(f"{ref.register} = tl.full({_shape(ref.shape)}, 0, {tl_dtype(ref.dtype)})")
+            if ref.register is not None:  # garbage is unspecified: zeros are as good as anything
+                self.emit(f"{ref.register_name} = tl.full({_shape(ref.shape)}, 0, {tl_dtype(ref.dtype)})")
         for a in arbitrary:
             self.emit(f"for i{a} in range(G{a}):")
             self.indent += 1
@@ -339,7 +344,7 @@ class KernelWriter:
         numel = int(np.prod(s.shape)) if rank else 1
         ptr = f"s{k}" if not parallel else f"(s{k} + tl.program_id(0) * {numel})"
         # Rank 0 stays in memory: a Triton scalar cannot be carried like a block.
-        register = f"acc{k}" if rank and k not in self.memory_scratch else None
+        register = k if rank and k not in self.memory_scratch else None
         return RefView(ptr=ptr, array_shape=tuple(s.shape), dim_names=names,
                        dims=tuple(Range("0", n, 1) for n in s.shape), masked=(False,) * rank,
                        dtype=np.dtype(s.dtype), wide=False, register=register)
@@ -437,9 +442,9 @@ class KernelWriter:
                 index = self.fresh("r")
                 shape_ix = _axis_index(axis, rank)
                 step = f" * {dim.stride}" if dim.stride != 1 else ""
-                lanes = f"tl.arange(0, {_pow2(dim.size)}){step}"
+                lanes = f"tl.arange(0, {next_power_of_2(dim.size)}){step}"
                 self.emit(f"{index} = ({_add(dim.start, lanes)})[{shape_ix}]")
-                if _pow2(dim.size) != dim.size:  # padding lanes: never read or written
+                if next_power_of_2(dim.size) != dim.size:  # padding lanes: never read or written
                     masks.append(_lane_mask(axis, dim.size, rank))
                 axis += 1
             else:
@@ -463,13 +468,8 @@ class KernelWriter:
 
     def _store(self, ref: RefView, val: Val) -> None:
         offset, mask, shape = self._addresses(ref)
-        value = _expr(val)
-        if shape and not val.shape:
-            value = f"tl.full({_shape(shape)}, {value}, {tl_dtype(ref.dtype)})"
-        elif tuple(val.shape) != tuple(shape):
-            value = f"tl.broadcast_to({value}, {_shape(shape)})"
         extra = f", mask={mask}" if mask else ""
-        self.emit(f"tl.store({ref.ptr} + {offset}, {value}{extra})")
+        self.emit(f"tl.store({ref.ptr} + {offset}, {_fit(val, shape, ref.dtype)}{extra})")
 
     def _transforms(self, eqn, env, n_leading):
         return jax.tree.unflatten(eqn.params["tree"], eqn.invars[n_leading:])
@@ -479,14 +479,8 @@ class KernelWriter:
         if not isinstance(ref, RefView) or ref.register is None:
             return None
         if all(_is_whole(t, ref.shape) for t in transforms):
-            return ref.register
-        raise _ScratchNeedsMemory(int(ref.register[len("acc"):]))
-
-    def _set_register(self, name: str, ref: RefView, val: Val) -> None:
-        value = _expr(val)
-        if tuple(val.shape) != tuple(ref.shape):
-            value = f"tl.broadcast_to({value}, {_shape(ref.shape)})"
-        self.emit(f"{name} = {value}")
+            return ref.register_name
+        raise _ScratchNeedsMemory(ref.register)
 
     def _p_get(self, eqn, env, ref, *idx):
         transforms = self._transforms(eqn, env, 1)
@@ -499,7 +493,7 @@ class KernelWriter:
         transforms = self._transforms(eqn, env, 2)
         if register := self._register(ref, transforms):
             old = self.assign(register, ref.shape, ref.dtype) if eqn.outvars[0] in self.used else None
-            self._set_register(register, ref, val)
+            self.emit(f"{register} = {_fit(val, ref.shape, ref.dtype)}")
             return old
         view = self._view(ref, transforms, env)
         old = None
@@ -612,7 +606,7 @@ class KernelWriter:
     def _p_iota(self, eqn, env):
         aval = eqn.outvars[0].aval
         shape, dim = aval.shape, eqn.params["dimension"]
-        expr = f"tl.arange(0, {_pow2(shape[dim])})[{_axis_index(dim, len(shape))}]"
+        expr = f"tl.arange(0, {next_power_of_2(shape[dim])})[{_axis_index(dim, len(shape))}]"
         return self.assign(f"tl.broadcast_to({expr}, {_shape(shape)}).to({tl_dtype(aval.dtype)})",
                            shape, aval.dtype)
 
@@ -641,11 +635,9 @@ class KernelWriter:
         self._check_reshape(eqn, x.shape, aval.shape)
         return self.assign(f"tl.reshape({_expr(x)}, {_shape(aval.shape)})", aval.shape, aval.dtype)
 
-    _p_expand_dims = _p_squeeze
-
     def _check_reshape(self, eqn, src, dst):
         """Padded tensors reshape lane for lane only when just unit dims come and go."""
-        padded = any(_pow2(d) != d for d in (*src, *dst))
+        padded = any(next_power_of_2(d) != d for d in (*src, *dst))
         if padded and [d for d in src if d != 1] != [d for d in dst if d != 1]:
             self.unsupported(eqn, f"reshape {tuple(src)} -> {tuple(dst)} of non-power-of-two "
                                   "dims (it would mix padding lanes into values)")
@@ -680,7 +672,7 @@ class KernelWriter:
 
     def _mask_padding(self, x: Val, axes, fill: str) -> str:
         """``x`` with the padding lanes of ``axes`` replaced by ``fill``, as an expression."""
-        masks = [_lane_mask(a, x.shape[a], len(x.shape)) for a in axes if _pow2(x.shape[a]) != x.shape[a]]
+        masks = [_lane_mask(a, x.shape[a], len(x.shape)) for a in axes if next_power_of_2(x.shape[a]) != x.shape[a]]
         if not masks:
             return _expr(x)
         return f"tl.where({' & '.join(masks)}, {_expr(x)}, {fill})"
@@ -698,7 +690,7 @@ class KernelWriter:
         aval = eqn.outvars[0].aval
         (axis,) = eqn.params["axes"]
         self.combiners.add(kind)
-        lanes = f"tl.arange(0, {_pow2(x.shape[axis])})[{_axis_index(axis, len(x.shape))}]"
+        lanes = f"tl.arange(0, {next_power_of_2(x.shape[axis])})[{_axis_index(axis, len(x.shape))}]"
         index = f"tl.broadcast_to({lanes}, {_shape(x.shape)})"
         # Padding lanes hold the value that loses every comparison, and come last on ties.
         value = self._mask_padding(x, [axis], _identity("max" if kind == "argmax" else "min", x.dtype))
@@ -739,7 +731,7 @@ class KernelWriter:
         lhs = a_expr if tuple(ca) == (1,) else f"tl.trans({a_expr})"
         rhs = b_expr if tuple(cb) == (0,) else f"tl.trans({b_expr})"
         for dim in (*a.shape, *b.shape):
-            if _pow2(dim) < 16:
+            if next_power_of_2(dim) < 16:
                 self.unsupported(eqn, f"dot_general with a dim of {dim} (< 16, tl.dot's minimum)")
         acc = "tl.float32" if np.issubdtype(aval.dtype, np.floating) else "tl.int32"
         precision = eqn.params.get("precision")
@@ -772,7 +764,7 @@ class KernelWriter:
         jaxpr = closed.jaxpr
         ref, val, mask, cmp = args[:4]
         if ref.register is not None:
-            raise _ScratchNeedsMemory(int(ref.register[len("acc"):]))
+            raise _ScratchNeedsMemory(ref.register)
         inner = {v: a for v, a in zip(jaxpr.invars, args) if not isinstance(a, RefView)}
         self.ref_of_value.update({v: a for v, a in zip(jaxpr.invars, args) if isinstance(a, RefView)})
         get = next(e for e in jaxpr.eqns if e.primitive.name == "get")
@@ -870,6 +862,15 @@ def _combiner_source(name: str) -> str:
     return f"\n@jit\ndef _combine_{name}({params}):\n    {body}\n"
 
 
+def _fit(val: Val, shape, dtype) -> str:
+    """``val`` as an expression of ``shape``: scalars filled, smaller tensors broadcast."""
+    if shape and not val.shape:
+        return f"tl.full({_shape(shape)}, {_expr(val)}, {tl_dtype(dtype)})"
+    if tuple(val.shape) != tuple(shape):
+        return f"tl.broadcast_to({_expr(val)}, {_shape(shape)})"
+    return _expr(val)
+
+
 def _is_tensor(x) -> bool:
     return isinstance(x, Val) and bool(x.shape)
 
@@ -880,14 +881,8 @@ def _expr(x) -> str:
     raise NotImplementedError(f"triton backend: a Ref was used as a value ({x!r})")
 
 
-def _pow2(n: int) -> int:
-    """The power-of-two extent a dim of ``n`` elements has as a Triton tensor."""
-    n = int(n)
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 def _padded(shape) -> tuple[int, ...]:
-    return tuple(_pow2(d) for d in shape)
+    return tuple(next_power_of_2(d) for d in shape)
 
 
 def _shape(shape) -> str:
@@ -903,7 +898,7 @@ def _axis_index(axis: int, rank: int) -> str:
 
 def _lane_mask(axis: int, size: int, rank: int) -> str:
     """True on the ``size`` valid lanes of ``axis``, False on its padding."""
-    return f"(tl.arange(0, {_pow2(size)}) < {size})[{_axis_index(axis, rank)}]"
+    return f"(tl.arange(0, {next_power_of_2(size)}) < {size})[{_axis_index(axis, rank)}]"
 
 
 def _identity(combiner: str, dtype) -> str:
@@ -978,11 +973,12 @@ def generate(call) -> tuple[str, str, dict[str, int], list[str]]:
     Pointer parameters are ``p<k>`` per operand (inputs, then outputs) and
     ``s<k>`` per scratch buffer kept in global memory.
     """
+    closed = trace_kernel(call)
     memory: set[int] = set()
     while True:
         writer = KernelWriter(call, frozenset(memory))
         try:
-            source = writer.write()
+            source = writer.write(closed)
         except _ScratchNeedsMemory as needs:
             memory.add(needs.index)
             continue

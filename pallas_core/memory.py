@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -41,7 +42,7 @@ def garbage_fill_value(dtype):
     minimum for ints, False for bools.
     """
     dtype = np.dtype(dtype)
-    if np.issubdtype(dtype, np.inexact):
+    if jnp.issubdtype(dtype, jnp.inexact):  # bfloat16 too, unlike np.issubdtype
         return np.nan
     if np.issubdtype(dtype, np.integer):
         return np.iinfo(dtype).min

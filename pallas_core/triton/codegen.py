@@ -41,6 +41,7 @@ from jax.extend import core as jex_core
 from pallas_core import context
 from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.primitives import next_power_of_2
+from pallas_core.triton import jit_helpers
 from pallas_core.triton.atomics import ATOMIC_PREFIX
 
 _TL_DTYPES = {
@@ -184,24 +185,10 @@ def _mul(a: str, b: str) -> str:
 # ------------------------------------------------------------------------------------
 
 _BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
-           "gt": ">", "ge": ">=", "and": "&", "or": "|", "xor": "^", "shift_left": "<<",
-           "shift_right_arithmetic": ">>"}
+           "gt": ">", "ge": ">=", "and": "&", "or": "|", "xor": "^"}
 _UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt",
              "rsqrt": "tl.rsqrt", "abs": "tl.abs", "floor": "tl.floor", "ceil": "tl.ceil",
              "sin": "tl.sin", "cos": "tl.cos", "erf": "tl.erf"}
-# Reductions and scans: combine function name -> (parameters, body).
-_COMBINERS = {
-    "sum": ("a, b", "a + b"),
-    "max": ("a, b", "tl.maximum(a, b)"),
-    "min": ("a, b", "tl.minimum(a, b)"),
-    # (value, index) pairs; ties keep the smaller index, as jnp.argmax / argmin do.
-    "argmax": ("a, i, b, j", "pick = (a > b) | ((a == b) & (i < j))\n    "
-                             "return tl.where(pick, a, b), tl.where(pick, i, j)"),
-    "argmin": ("a, i, b, j", "pick = (a < b) | ((a == b) & (i < j))\n    "
-                             "return tl.where(pick, a, b), tl.where(pick, i, j)"),
-}
-
-
 class _ScratchNeedsMemory(Exception):
     """Raised while writing when scratch ``index`` is accessed other than as a whole block."""
 
@@ -225,7 +212,8 @@ class KernelWriter:
         self.lines: list[str] = []
         self.indent = 1
         self.counter = 0
-        self.combiners: set[str] = set()
+        self.combiners: set[str] = set()  # jit_helpers.COMBINERS used
+        self.math: set[str] = set()  # jit_helpers.MATH used
         self.params: list[str] = []
         self.constexprs: dict[str, int] = {}
         self.used: set = set()  # jaxpr vars read by some equation or returned
@@ -299,8 +287,9 @@ class KernelWriter:
         self.body(jaxpr, closed.consts, env)
         self.emit("pass")  # keeps a loop over arbitrary axes well-formed if its body is empty
         header = self._header(len(mappings))
-        combiners = "".join(_combiner_source(n) for n in sorted(self.combiners))
-        return ("import triton.language as tl\n" + combiners + "\n\n@jit\n" + header + "\n"
+        helpers = "".join(jit_helpers.combiner_source(n) for n in sorted(self.combiners))
+        helpers += "".join(jit_helpers.math_source(n) for n in jit_helpers.with_dependencies(self.math))
+        return ("import triton.language as tl\n" + helpers + "\n\n@jit\n" + header + "\n"
                 + "\n".join(self.lines) + "\n")
 
     def _header(self, n_operands) -> str:
@@ -522,7 +511,9 @@ class KernelWriter:
 
     # ---- elementwise ---------------------------------------------------------------
     def _p_neg(self, eqn, env, x):
-        return self.assign(f"-{_expr(x)}", x.shape, x.dtype)
+        # Triton negates as 0 - x, which turns -0.0 into +0.0; * -1 is IEEE negation.
+        expr = f"{_expr(x)} * -1.0" if _is_float(x.dtype) else f"-{_expr(x)}"
+        return self.assign(expr, x.shape, x.dtype)
 
     def _p_not(self, eqn, env, x):
         if np.dtype(x.dtype) == np.bool_:
@@ -539,25 +530,41 @@ class KernelWriter:
         return self.assign(f"{_expr(a)} % {_expr(b)}", aval.shape, aval.dtype)
 
     def _p_max(self, eqn, env, a, b):
-        aval = eqn.outvars[0].aval
-        return self.assign(f"tl.maximum({_expr(a)}, {_expr(b)})", aval.shape, aval.dtype)
+        return self._extremum("maximum", eqn, a, b)
 
     def _p_min(self, eqn, env, a, b):
+        return self._extremum("minimum", eqn, a, b)
+
+    def _extremum(self, fn, eqn, a, b):
         aval = eqn.outvars[0].aval
-        return self.assign(f"tl.minimum({_expr(a)}, {_expr(b)})", aval.shape, aval.dtype)
+        return self.assign(f"tl.{fn}({_expr(a)}, {_expr(b)}{_nan_policy(aval.dtype)})", aval.shape, aval.dtype)
+
+    def _p_clamp(self, eqn, env, lo, x, hi):
+        keep = _nan_policy(x.dtype)
+        return self.assign(f"tl.minimum(tl.maximum({_expr(x)}, {_expr(lo)}{keep}), {_expr(hi)}{keep})",
+                           x.shape, x.dtype)
 
     def _p_pow(self, eqn, env, a, b):
-        aval = eqn.outvars[0].aval
-        return self.assign(f"tl.exp2({_expr(b)} * tl.log2({_expr(a)}))", aval.shape, aval.dtype)
+        if not _is_float(eqn.outvars[0].aval.dtype):
+            self.unsupported(eqn, "pow of integers")
+        return self._math("pow", eqn, a, b)
 
     def _p_integer_pow(self, eqn, env, x):
+        """x ** y by repeated squaring, like XLA (y is a static int)."""
         y = int(eqn.params["y"])
         if y == 0:
             return self.assign(f"tl.full({_shape(x.shape)}, 1, {tl_dtype(x.dtype)})", x.shape, x.dtype)
-        expr = " * ".join([_expr(x)] * abs(y))
+        result, square, n = None, x, abs(y)
+        while n:
+            if n & 1:
+                result = square if result is None else self.assign(f"{_expr(result)} * {_expr(square)}",
+                                                                   x.shape, x.dtype)
+            n >>= 1
+            if n:
+                square = self.assign(f"{_expr(square)} * {_expr(square)}", x.shape, x.dtype)
         if y < 0:
-            expr = f"1.0 / ({expr})"
-        return self.assign(expr, x.shape, x.dtype)
+            return self.assign(f"1.0 / {_expr(result)}", x.shape, x.dtype)
+        return result
 
     def _p_square(self, eqn, env, x):
         return self.assign(f"{_expr(x)} * {_expr(x)}", x.shape, x.dtype)
@@ -565,25 +572,75 @@ class KernelWriter:
     def _p_logistic(self, eqn, env, x):
         return self._unary("1.0 / (1.0 + tl.exp(-{x}))", x, eqn)
 
+    def _p_tan(self, eqn, env, x):
+        return self._unary("tl.sin({x}) / tl.cos({x})", x, eqn)
+
     def _p_tanh(self, eqn, env, x):
-        # tanh(x) = 2 * sigmoid(2x) - 1, stable for large |x| (exp overflows to inf -> 1 / inf = 0).
-        return self._unary("2.0 / (1.0 + tl.exp(-2.0 * {x})) - 1.0", x, eqn)
+        return self._math("tanh", eqn, x)
 
     def _p_log1p(self, eqn, env, x):
-        return self._unary("tl.log(1.0 + {x})", x, eqn)
+        return self._math("log1p", eqn, x)
 
     def _p_expm1(self, eqn, env, x):
-        return self._unary("tl.exp({x}) - 1.0", x, eqn)
-
-    def _p_sign(self, eqn, env, x):
-        return self.assign(f"tl.where({_expr(x)} > 0, 1, tl.where({_expr(x)} < 0, -1, 0)).to({tl_dtype(x.dtype)})",
-                           x.shape, x.dtype)
+        return self._math("expm1", eqn, x)
 
     def _p_round(self, eqn, env, x):
-        return self._unary("tl.floor({x} + 0.5)", x, eqn)
+        even = eqn.params["rounding_method"] == jax.lax.RoundingMethod.TO_NEAREST_EVEN
+        return self._math("round_even" if even else "round_away", eqn, x)
 
-    def _p_clamp(self, eqn, env, lo, x, hi):
-        return self.assign(f"tl.minimum(tl.maximum({_expr(x)}, {_expr(lo)}), {_expr(hi)})", x.shape, x.dtype)
+    def _p_sign(self, eqn, env, x):
+        # Zero returns itself, so -0.0 keeps its sign and NaN stays NaN, as lax.sign.
+        v = _expr(x)
+        return self.assign(f"tl.where({v} > 0, 1, tl.where({v} < 0, -1, {v})).to({tl_dtype(x.dtype)})",
+                           x.shape, x.dtype)
+
+    def _p_is_finite(self, eqn, env, x):
+        v = _expr(x)
+        return self.assign(f"({v} == {v}) & (tl.abs({v}) != float(\"inf\"))", x.shape, np.bool_)
+
+    def _math(self, name, eqn, *xs):
+        """``_<name>(*xs)``, a :data:`jit_helpers.MATH` helper, computed in float32."""
+        aval = eqn.outvars[0].aval
+        self.math.add(name)
+        # Every argument as a float32 tensor of the result's shape, so helpers
+        # never mix Triton scalars with tensors in bitwise ops.
+        f32 = [x if np.dtype(x.dtype) == np.float32 else Val(_cast(x, "tl.float32"), x.shape, np.float32)
+               for x in xs]
+        args = ", ".join(_fit(x, aval.shape, np.float32) for x in f32)
+        expr = f"_{name}({args})"
+        if np.dtype(aval.dtype) != np.float32:
+            expr = f"{expr}.to({tl_dtype(aval.dtype)})"
+        return self.assign(expr, aval.shape, aval.dtype)
+
+    # Shifts by the operand's bit width or more (or by a negative amount, which
+    # is huge as unsigned) are defined by XLA, unlike in Triton / LLVM.
+    def _p_shift_left(self, eqn, env, a, b):
+        return self._shift(eqn, a, b, f"{_expr(a)} << {_expr(b)}", "0")
+
+    def _p_shift_right_arithmetic(self, eqn, env, a, b):
+        bits = np.dtype(a.dtype).itemsize * 8
+        return self._shift(eqn, a, b, f"{_expr(a)} >> {_expr(b)}", f"{_expr(a)} >> {bits - 1}")
+
+    def _p_shift_right_logical(self, eqn, env, a, b):
+        dtype = np.dtype(a.dtype)
+        if np.issubdtype(dtype, np.signedinteger):  # Triton's >> is logical only on unsigned ints
+            unsigned = tl_dtype(np.dtype(f"uint{dtype.itemsize * 8}"))
+            shifted = f"({_expr(a)}.to({unsigned}, bitcast=True) >> {_expr(b)}).to({tl_dtype(dtype)}, bitcast=True)"
+        else:
+            shifted = f"{_expr(a)} >> {_expr(b)}"
+        return self._shift(eqn, a, b, shifted, "0")
+
+    def _shift(self, eqn, a, b, shifted, out_of_range):
+        aval = eqn.outvars[0].aval
+        bits = np.dtype(a.dtype).itemsize * 8
+        amount = _expr(b)
+        if amount.lstrip("-").isdigit():  # a literal amount: decide here
+            expr = shifted if 0 <= int(amount) < bits else out_of_range
+            if expr == "0":
+                expr = f"tl.full({_shape(aval.shape)}, 0, {tl_dtype(aval.dtype)})"
+            return self.assign(expr, aval.shape, aval.dtype)
+        return self.assign(f"tl.where(({amount} >= 0) & ({amount} < {bits}), {shifted}, {out_of_range})"
+                           f".to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
 
     def _p_select_n(self, eqn, env, pred, *cases):
         aval = eqn.outvars[0].aval
@@ -592,16 +649,48 @@ class KernelWriter:
         return self.assign(f"tl.where({_expr(pred)}, {_expr(cases[1])}, {_expr(cases[0])})",
                            aval.shape, aval.dtype)
 
+    def _p_copy_p(self, eqn, env, x):
+        return x
+
+    # Values only; autodiff never reaches inside a kernel.
+    _p_copy = _p_stop_gradient = _p_copy_p
+
+    def _p_bitcast_convert_type(self, eqn, env, x):
+        aval = eqn.outvars[0].aval
+        if np.dtype(aval.dtype).itemsize != np.dtype(x.dtype).itemsize:
+            self.unsupported(eqn, "bitcast between dtypes of different widths")
+        return self.assign(f"{_expr(x)}.to({tl_dtype(aval.dtype)}, bitcast=True)", aval.shape, aval.dtype)
+
     def _p_convert_element_type(self, eqn, env, x):
         aval = eqn.outvars[0].aval
         src, dst = np.dtype(x.dtype), np.dtype(aval.dtype)
+        if _is_float(src) and np.issubdtype(dst, np.integer):
+            return self._float_to_int(x, aval)
         # JAX rounds float downcasts to nearest-even; say so, Triton's default may differ.
         rounding = (', fp_downcast_rounding="rtne"'
-                    if np.issubdtype(src, np.floating) and np.issubdtype(dst, np.floating)
+                    if _is_float(src) and _is_float(dst)
                     and dst.itemsize < src.itemsize else "")
-        if not x.shape and not _is_tensor(x):
-            return self.assign(f"tl.cast({_expr(x)}, {tl_dtype(dst)}{rounding})", aval.shape, dst)
-        return self.assign(f"{_expr(x)}.to({tl_dtype(dst)}{rounding})", aval.shape, dst)
+        return self.assign(_cast(x, f"{tl_dtype(dst)}{rounding}"), aval.shape, dst)
+
+    def _float_to_int(self, x, aval):
+        """XLA's conversion: truncate, saturate at the integer range, NaN -> 0.
+
+        The value is clamped before the cast, so no lane ever converts out of
+        range (undefined in LLVM; garbage in Triton's numpy interpreter).
+        """
+        dst = np.dtype(aval.dtype)
+        info = np.iinfo(dst)
+        wide = np.float64 if np.dtype(x.dtype) == np.float64 else np.float32  # exact for every 16-bit float
+        v = _expr(x) if np.dtype(x.dtype) == np.dtype(wide) else _cast(x, tl_dtype(wide))
+        hi = 2.0 ** (info.bits - (1 if info.min else 0))  # first value past the range
+        below_hi = float(np.nextafter(wide(hi), wide(0)))
+        lo = float(info.min)
+        xw = self.assign(v, x.shape, wide, prefix="f")
+        safe = self.assign(f"tl.minimum(tl.maximum(tl.where({xw.expr} != {xw.expr}, 0.0, {xw.expr}), {lo!r}), "
+                           f"{below_hi!r})", x.shape, wide, prefix="f")
+        converted = _cast(safe, tl_dtype(dst))
+        return self.assign(f"tl.where({xw.expr} >= {hi!r}, {int(info.max)}, {converted}).to({tl_dtype(dst)})",
+                           aval.shape, dst)
 
     def _p_iota(self, eqn, env):
         aval = eqn.outvars[0].aval
@@ -660,7 +749,7 @@ class KernelWriter:
         axes = sorted(eqn.params["axes"], reverse=True)
         self.combiners.add(combiner)
         expr, shape = self._mask_padding(x, axes, _identity(combiner, x.dtype)), list(x.shape)
-        needs_f32 = combiner == "sum" and np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+        needs_f32 = combiner in ("sum", "prod") and np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
         if needs_f32:
             expr = f"{expr}.to(tl.float32)"
         for axis in axes:
@@ -685,6 +774,18 @@ class KernelWriter:
 
     def _p_reduce_min(self, eqn, env, x):
         return self._reduce(eqn, x, "min")
+
+    def _p_reduce_prod(self, eqn, env, x):
+        return self._reduce(eqn, x, "prod")
+
+    def _p_reduce_and(self, eqn, env, x):
+        return self._reduce(eqn, x, "and")
+
+    def _p_reduce_or(self, eqn, env, x):
+        return self._reduce(eqn, x, "or")
+
+    def _p_reduce_xor(self, eqn, env, x):
+        return self._reduce(eqn, x, "xor")
 
     def _arg_reduce(self, eqn, x, kind):
         aval = eqn.outvars[0].aval
@@ -714,6 +815,9 @@ class KernelWriter:
     def _p_cumsum(self, eqn, env, x):
         return self._scan(eqn, x, "sum")
 
+    def _p_cumprod(self, eqn, env, x):
+        return self._scan(eqn, x, "prod")
+
     def _p_cummax(self, eqn, env, x):
         return self._scan(eqn, x, "max")
 
@@ -726,20 +830,21 @@ class KernelWriter:
         if ba or bb or len(a.shape) != 2 or len(b.shape) != 2:
             self.unsupported(eqn, "batched or non-2-D dot_general")
         # Zero both operands' padding along the contraction: either may hold inf or NaN there.
-        a_expr = self._mask_padding(a, ca, "0.0" if np.issubdtype(a.dtype, np.floating) else "0")
-        b_expr = self._mask_padding(b, cb, "0.0" if np.issubdtype(b.dtype, np.floating) else "0")
+        a_expr = self._mask_padding(a, ca, "0.0" if _is_float(a.dtype) else "0")
+        b_expr = self._mask_padding(b, cb, "0.0" if _is_float(b.dtype) else "0")
         lhs = a_expr if tuple(ca) == (1,) else f"tl.trans({a_expr})"
         rhs = b_expr if tuple(cb) == (0,) else f"tl.trans({b_expr})"
         for dim in (*a.shape, *b.shape):
             if next_power_of_2(dim) < 16:
                 self.unsupported(eqn, f"dot_general with a dim of {dim} (< 16, tl.dot's minimum)")
-        acc = "tl.float32" if np.issubdtype(aval.dtype, np.floating) else "tl.int32"
+        acc = "tl.float32" if _is_float(aval.dtype) else "tl.int32"
         precision = eqn.params.get("precision")
         ieee = np.dtype(a.dtype) == np.float32 and precision is not None and any(
             "HIGHEST" in str(p) for p in (precision if isinstance(precision, tuple) else (precision,)))
         prec = ', input_precision="ieee"' if ieee else ""
-        out = self.assign(f"tl.dot({lhs}, {rhs}{prec}, out_dtype={acc})", aval.shape, np.float32)
-        if np.dtype(aval.dtype) != np.float32:
+        acc_dtype = np.float32 if acc == "tl.float32" else np.int32
+        out = self.assign(f"tl.dot({lhs}, {rhs}{prec}, out_dtype={acc})", aval.shape, acc_dtype)
+        if np.dtype(aval.dtype) != acc_dtype:
             out = self.assign(f"{out.expr}.to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
         return out
 
@@ -856,12 +961,6 @@ class KernelWriter:
         return current
 
 
-def _combiner_source(name: str) -> str:
-    params, body = _COMBINERS[name]
-    body = body if "return" in body else f"return {body}"
-    return f"\n@jit\ndef _combine_{name}({params}):\n    {body}\n"
-
-
 def _fit(val: Val, shape, dtype) -> str:
     """``val`` as an expression of ``shape``: scalars filled, smaller tensors broadcast."""
     if shape and not val.shape:
@@ -869,6 +968,23 @@ def _fit(val: Val, shape, dtype) -> str:
     if tuple(val.shape) != tuple(shape):
         return f"tl.broadcast_to({_expr(val)}, {_shape(shape)})"
     return _expr(val)
+
+
+def _cast(x: Val, tl_type: str) -> str:
+    """``x`` converted to ``tl_type`` (which may carry keyword arguments)."""
+    if not x.shape and not _is_tensor(x):  # a Python literal has no ``.to``
+        return f"tl.cast({_expr(x)}, {tl_type})"
+    return f"{_expr(x)}.to({tl_type})"
+
+
+def _is_float(dtype) -> bool:
+    """Floating point, bfloat16 included (``np.issubdtype`` says no to ml_dtypes' floats)."""
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _nan_policy(dtype) -> str:
+    """Extra ``tl.maximum`` / ``tl.minimum`` argument that keeps NaNs, as lax.max / lax.min do."""
+    return ", propagate_nan=tl.PropagateNan.ALL" if _is_float(dtype) else ""
 
 
 def _is_tensor(x) -> bool:
@@ -902,12 +1018,17 @@ def _lane_mask(axis: int, size: int, rank: int) -> str:
 
 
 def _identity(combiner: str, dtype) -> str:
-    """The neutral element of a reduction, as a Triton expression."""
+    """The neutral element of a reduction, as a Triton expression of ``dtype``."""
     dtype = np.dtype(dtype)
-    if combiner == "sum":
-        return "0"
+    boolean = dtype == np.bool_
+    if combiner in ("sum", "or", "xor"):
+        return "False" if boolean else "0"
+    if combiner == "prod":
+        return "1"
+    if combiner == "and":  # every bit set
+        return "True" if boolean else str(int(np.iinfo(dtype).max if dtype.kind == "u" else -1))
     big = combiner == "min"
-    if dtype == np.bool_:
+    if boolean:
         return "True" if big else "False"
     if np.issubdtype(dtype, np.integer):
         info = np.iinfo(dtype)

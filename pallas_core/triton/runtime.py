@@ -77,6 +77,9 @@ def _from_torch(tensor, dtype):
 def launch_interpreted(kernel, *, grid, args, out_avals, aliases, constexprs):
     """Runs an interpreted kernel on numpy inputs; returns numpy outputs."""
     import torch  # noqa: F401 - the interpreter's tensor bridge
+
+    from pallas_core.triton import interpreter_fixes
+    interpreter_fixes.apply()
     ins = [_to_torch(np.asarray(a)) for a in args]
     outs = []
     for o, aval in enumerate(out_avals):

@@ -1,0 +1,124 @@
+"""``@jit`` functions a generated Triton module defines for itself.
+
+Two kinds, both emitted into the source only when a kernel uses them (so
+the generated module stays self-contained and readable):
+
+* combine functions for ``tl.reduce`` / ``tl.associative_scan``
+  (``_combine_sum``, ``_combine_argmax`` …);
+* math with XLA's semantics where the plain ``tl`` builtin differs: on the
+  GPU ``tl.maximum`` drops NaNs while ``lax.max`` keeps them, ``log(1 + x)``
+  loses every digit of ``log1p`` for tiny ``x``, and ``floor(x + 0.5)`` is
+  not ``round`` (ties, signed zeros).
+
+Every math helper takes float32 tensors (the writer upcasts 16-bit floats)
+and returns float32. Negation is written ``r * -1.0``: Triton's unary minus
+is ``0 - r``, which loses the sign of zero. Sources of the algorithms: log1p after D. Goldberg,
+"What every computer scientist should know about floating-point
+arithmetic" (1991), Theorem 4; expm1 after W. Kahan's companion trick
+(``(u - 1) * x / log(u)`` with ``u = exp(x)``), which cancels the rounding
+error of ``u`` as long as ``log`` is accurate (it is libdevice's on the GPU).
+"""
+from __future__ import annotations
+
+# NaN-propagating maximum / minimum, as lax.max / lax.min and XLA's reductions.
+# For integers Triton ignores ``propagate_nan``, so one combiner serves every dtype.
+_MAX = "tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)"
+_MIN = "tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)"
+
+# (value, index) pairs for argmax / argmin. Like jnp.argmax, a NaN beats every
+# number and ties keep the smaller index (``a != a`` is only true for NaN).
+_ARG_PICK = ("pick = (a {op} b) | ((a != a) & (b == b)) | (((a == b) | ((a != a) & (b != b))) & (i < j))\n"
+             "    return tl.where(pick, a, b), tl.where(pick, i, j)")
+
+COMBINERS = {
+    "sum": ("a, b", "a + b"),
+    "prod": ("a, b", "a * b"),
+    "max": ("a, b", _MAX),
+    "min": ("a, b", _MIN),
+    "and": ("a, b", "a & b"),
+    "or": ("a, b", "a | b"),
+    "xor": ("a, b", "a ^ b"),
+    "argmax": ("a, i, b, j", _ARG_PICK.format(op=">")),
+    "argmin": ("a, i, b, j", _ARG_PICK.format(op="<")),
+}
+
+MATH = {
+    # Goldberg: log(u) * x / (u - 1) corrects the rounding of u = 1 + x.
+    # u == 1 keeps tiny x (and -0.0) exactly; u == inf keeps log1p(inf) = inf.
+    "log1p": ("x", """\
+u = 1.0 + x
+return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, tl.log(u) * (x / (u - 1.0))))"""),
+    # Kahan: (u - 1) * x / log(u) corrects the rounding of u = exp(x); the
+    # division comes first so exp(x) near the float32 maximum does not overflow.
+    "expm1": ("x", """\
+u = tl.exp(x)
+em1 = (u - 1.0) * (x / tl.log(u))
+em1 = tl.where(u == float("inf"), u, tl.where(u - 1.0 == -1.0, -1.0, em1))
+return tl.where(u == 1.0, x, em1)"""),
+    # tanh|x| = -t / (t + 2) with t = expm1(-2|x|): no cancellation near 0 and
+    # no overflow for large |x|; signed zeros and NaN pass through.
+    "tanh": ("x", """\
+t = _expm1(-2.0 * tl.abs(x))
+r = -t / (t + 2.0)
+return tl.where(x > 0, r, tl.where(x < 0, -r, x))"""),
+    # lax.round(..., TO_NEAREST_EVEN) (jnp.round): ties go to the even neighbour.
+    # floor(x) is exact, so x - floor(x) is too; large, infinite and NaN x pass.
+    "round_even": ("x", """\
+r = tl.floor(x)
+d = x - r
+odd = (r - 2.0 * tl.floor(0.5 * r)) == 1.0
+r = tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
+return tl.where(r == 0.0, x * 0.0, r)"""),
+    # lax.round(..., AWAY_FROM_ZERO): -0.3 -> -0.0, as XLA.
+    "round_away": ("x", """\
+a = tl.abs(x)
+r = tl.floor(a)
+r = tl.where(a - r >= 0.5, r + 1.0, r)
+return tl.where(x > 0, r, tl.where(x < 0, r * -1.0, x))"""),
+    # C's pow, as XLA: negative bases with integral exponents, zeros and
+    # infinities keep their signs; pow(x, 0) = pow(1, y) = pow(-1, +-inf) = 1.
+    # exp2(b * log2|a|) in float32 loses |b * log2 a| * 2^-24 of relative
+    # accuracy (64 ulps at 2^128); float64 keeps the float32 result within an ulp.
+    "pow": ("a, b", """\
+inf = float("inf")
+r = tl.exp2(b.to(tl.float64) * tl.log2(tl.abs(a).to(tl.float64))).to(tl.float32)
+integral = tl.floor(b) == b
+odd = integral & ((b - 2.0 * tl.floor(0.5 * b)) == 1.0)
+r = tl.where(a < 0, tl.where(integral, tl.where(odd, r * -1.0, r), float("nan")), r)
+zero = tl.where(b > 0, tl.where(odd, a, 0.0), tl.where(odd, 1.0 / a, inf))
+r = tl.where((a == 0) & (b == b), zero, r)
+one = (b == 0) | (a == 1.0) | ((a == -1.0) & (tl.abs(b) == inf))
+return tl.where(one, 1.0, r)"""),
+}
+
+# Helpers that call other helpers.
+_NEEDS = {"tanh": ("expm1",)}
+
+
+def with_dependencies(names) -> list[str]:
+    """``names`` plus the math helpers they call, dependencies first."""
+    out: list[str] = []
+
+    def visit(name):
+        for dep in _NEEDS.get(name, ()):
+            visit(dep)
+        if name not in out:
+            out.append(name)
+
+    for name in sorted(names):
+        visit(name)
+    return out
+
+
+def combiner_source(name: str) -> str:
+    """Module source of ``_combine_<name>``."""
+    params, body = COMBINERS[name]
+    body = body if "return" in body else f"return {body}"
+    return f"\n@jit\ndef _combine_{name}({params}):\n    {body}\n"
+
+
+def math_source(name: str) -> str:
+    """Module source of ``_<name>``, one of :data:`MATH`."""
+    params, body = MATH[name]
+    lines = "\n".join("    " + line for line in body.splitlines())
+    return f"\n@jit\ndef _{name}({params}):\n{lines}\n"

@@ -26,6 +26,11 @@ __all__ = ["CompilerParams", "atomic_add", "atomic_cas", "atomic_max", "atomic_m
 
 def _trace(f, *args, **kwargs):
     from pallas_core.triton import backend
+    # Kernels are recorded while JAX traces them; a function traced before
+    # (make_jaxpr and jit cache traces by function and shapes) would not be
+    # traced again and its kernels would go unseen. Hence clear_caches, at the
+    # price of recompiling what runs next.
+    jax.clear_caches()
     with backend.capturing() as records:
         jax.make_jaxpr(f)(*args, **kwargs)
     return records
@@ -35,7 +40,9 @@ def source(f, *args, **kwargs) -> list[str]:
     """Generated Triton source of every ``backend="triton"`` pallas_call in ``f(*args)``.
 
     ``f`` is only traced (``jax.make_jaxpr``); nothing runs. ``args`` may be
-    arrays or ``jax.ShapeDtypeStruct``s.
+    arrays or ``jax.ShapeDtypeStruct``s. JAX's caches are cleared first
+    (``jax.clear_caches``), so asking twice, or after running ``f``, sees the
+    same kernels.
     """
     return [r["source"] for r in _trace(f, *args, **kwargs)]
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_core.primitives import next_power_of_2
-from pallas_core.triton.values import (Val, as_code, axis_index, cast, fit, identity, is_float,
+from pallas_core.triton.values import (Val, as_code, axis_index, cast, fit, identity, is_16bit_float, is_float,
                                        lane_mask, nan_policy, padded, tl_dtype, tl_shape)
 
 _BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
@@ -26,17 +25,26 @@ _BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "eq": "==", "ne":
 _UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt",
              "rsqrt": "tl.rsqrt", "abs": "tl.abs", "floor": "tl.floor", "ceil": "tl.ceil",
              "sin": "tl.sin", "cos": "tl.cos", "erf": "tl.erf"}
+# Reductions and scans: primitive -> jit_helpers.COMBINERS entry.
+_REDUCTIONS = {f"reduce_{c}": c for c in ("sum", "max", "min", "prod", "and", "or", "xor")}
+_ARG_REDUCTIONS = {"argmax": "argmax", "argmin": "argmin"}
+_SCANS = {"cumsum": "sum", "cumprod": "prod", "cummax": "max", "cummin": "min"}
 
 
 class ElementwiseWriter:
     """The element-wise part of the kernel writer (a mixin; see the module docstring)."""
 
     def table_handler(self, name):
-        """A handler for a primitive spelled by an operator or a ``tl`` function, or None."""
+        """A handler for a primitive spelled by an operator, a ``tl`` function or a
+        combine function (reductions, scans), or None."""
         if name in _BINARY:
             return functools.partial(self._binary, _BINARY[name])
         if name in _UNARY_TL:
             return functools.partial(self._unary_tl, _UNARY_TL[name])
+        for table, method in ((_REDUCTIONS, self._reduce), (_ARG_REDUCTIONS, self._arg_reduce),
+                              (_SCANS, self._scan)):
+            if name in table:
+                return lambda eqn, env, x, method=method, combiner=table[name]: method(eqn, x, combiner)
         return None
 
     def _binary(self, op, eqn, env, a, b):
@@ -51,7 +59,7 @@ class ElementwiseWriter:
         float32, the only width (with float64) Triton's math functions take."""
         aval = eqn.outvars[0].aval
         xf = as_code(x)
-        needs_f32 = np.dtype(aval.dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+        needs_f32 = is_16bit_float(aval.dtype)
         if needs_f32 and not template.startswith("tl.abs"):
             xf = f"{xf}.to(tl.float32)"
             return self.assign(template.format(x=xf) + f".to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
@@ -296,7 +304,7 @@ class ElementwiseWriter:
         axes = sorted(eqn.params["axes"], reverse=True)
         self.combiners.add(combiner)
         expr, shape = self._mask_padding(x, axes, identity(combiner, x.dtype)), list(x.shape)
-        needs_f32 = combiner in ("sum", "prod") and np.dtype(x.dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+        needs_f32 = combiner in ("sum", "prod") and is_16bit_float(x.dtype)
         if needs_f32:
             expr = f"{expr}.to(tl.float32)"
         for axis in axes:
@@ -313,27 +321,6 @@ class ElementwiseWriter:
             return as_code(x)
         return f"tl.where({' & '.join(masks)}, {as_code(x)}, {fill})"
 
-    def _p_reduce_sum(self, eqn, env, x):
-        return self._reduce(eqn, x, "sum")
-
-    def _p_reduce_max(self, eqn, env, x):
-        return self._reduce(eqn, x, "max")
-
-    def _p_reduce_min(self, eqn, env, x):
-        return self._reduce(eqn, x, "min")
-
-    def _p_reduce_prod(self, eqn, env, x):
-        return self._reduce(eqn, x, "prod")
-
-    def _p_reduce_and(self, eqn, env, x):
-        return self._reduce(eqn, x, "and")
-
-    def _p_reduce_or(self, eqn, env, x):
-        return self._reduce(eqn, x, "or")
-
-    def _p_reduce_xor(self, eqn, env, x):
-        return self._reduce(eqn, x, "xor")
-
     def _arg_reduce(self, eqn, x, kind):
         aval = eqn.outvars[0].aval
         (axis,) = eqn.params["axes"]
@@ -346,30 +333,12 @@ class ElementwiseWriter:
         self.emit(f"_, {pair} = tl.reduce(({value}, {index}), {axis}, _combine_{kind})")
         return self.assign(f"{pair}.to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
 
-    def _p_argmax(self, eqn, env, x):
-        return self._arg_reduce(eqn, x, "argmax")
-
-    def _p_argmin(self, eqn, env, x):
-        return self._arg_reduce(eqn, x, "argmin")
-
     def _scan(self, eqn, x, kind):
         if eqn.params.get("reverse"):
             self.unsupported(eqn, "a reversed cumulative op")
         self.combiners.add(kind)
         return self.assign(f"tl.associative_scan({as_code(x)}, {eqn.params['axis']}, _combine_{kind})",
                            x.shape, x.dtype)
-
-    def _p_cumsum(self, eqn, env, x):
-        return self._scan(eqn, x, "sum")
-
-    def _p_cumprod(self, eqn, env, x):
-        return self._scan(eqn, x, "prod")
-
-    def _p_cummax(self, eqn, env, x):
-        return self._scan(eqn, x, "max")
-
-    def _p_cummin(self, eqn, env, x):
-        return self._scan(eqn, x, "min")
 
     def _p_dot_general(self, eqn, env, a, b):
         aval = eqn.outvars[0].aval

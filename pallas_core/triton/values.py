@@ -65,6 +65,11 @@ def is_float(dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
+def is_16bit_float(dtype) -> bool:
+    """bfloat16 or float16: Triton's math and accumulations want these widened to float32."""
+    return np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
 def nan_policy(dtype) -> str:
     """Extra ``tl.maximum`` / ``tl.minimum`` argument that keeps NaNs, as lax.max / lax.min do."""
     return ", propagate_nan=tl.PropagateNan.ALL" if is_float(dtype) else ""

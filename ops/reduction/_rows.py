@@ -30,6 +30,8 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from ops._checks import check_array, check_float_dtype
+from ops._implementation import resolve_implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,23 @@ class RowLayout:
         """A per-row statistic stored as ``[rows, 1]`` float32 (mean, rstd, logsumexp...)."""
         return pl.BlockSpec((self.block_rows, 1), lambda i: (i, 0))
 
+
+
+def check_axis_op(x, axis, op: str, implementation, max_chunk) -> tuple[tuple[int, ...], str]:
+    """Checks the arguments of a reduction over ``axis`` (sum, max, softmax, logsumexp …).
+
+    Returns ``(axes, implementation)``: the normalised axes and the resolved
+    implementation name.
+
+    Raises:
+      TypeError / ValueError: from the checks named, each naming the argument.
+    """
+    check_array(x, "x", op)
+    check_float_dtype(x, "x", op)
+    axes = normalize_axes(axis, x.ndim, op)
+    impl = resolve_implementation(implementation, op)
+    check_max_chunk(max_chunk, op)
+    return axes, impl
 
 
 def check_max_chunk(max_chunk, op: str) -> None:

@@ -45,9 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_core as pl
-from ops._checks import check_array, check_float_dtype
-from ops._implementation import resolve_implementation
-from ops.reduction._rows import (RowLayout, check_max_chunk, for_each_chunk, load_chunk, normalize_axes,
+from ops.reduction._rows import (RowLayout, check_axis_op, for_each_chunk, load_chunk,
                                  row_compiler_params, row_layout, rows_over_axes)
 
 KINDS = ("sum", "mean", "max")
@@ -104,11 +102,7 @@ def max(x, axis=None, *, implementation: str | None = None,  # noqa: A001 - mirr
 
 
 def _reduce(x, axis, kind, implementation, max_chunk):
-    check_array(x, "x", kind)
-    check_float_dtype(x, "x", kind)
-    axes = normalize_axes(axis, x.ndim, kind)
-    impl = resolve_implementation(implementation, kind)
-    check_max_chunk(max_chunk, kind)
+    axes, impl = check_axis_op(x, axis, kind, implementation, max_chunk)
     if impl == "xla" or x.size == 0:
         # Empty arrays: nothing to compute; XLA gives jnp's answer (or error).
         return reference(x, axes, kind)

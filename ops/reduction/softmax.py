@@ -40,10 +40,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_core as pl
-from ops._checks import check_array, check_float_dtype
-from ops._implementation import resolve_implementation
-from ops.reduction._rows import (RowLayout, check_max_chunk, chunk_slice, for_each_chunk, load_chunk,
-                                 logsumexp_shift, normalize_axes, online_logsumexp_update,
+from ops.reduction._rows import (RowLayout, check_axis_op, chunk_slice, for_each_chunk, load_chunk,
+                                 logsumexp_shift, online_logsumexp_update,
                                  row_compiler_params, row_layout, rows_over_axes)
 
 MODES = ("softmax", "log_softmax", "logsumexp")
@@ -110,11 +108,7 @@ def logsumexp(x, axis=-1, *, implementation: str | None = None,
 
 
 def _softmax_family(x, axis, mode, implementation, max_chunk):
-    check_array(x, "x", mode)
-    check_float_dtype(x, "x", mode)
-    axes = normalize_axes(axis, x.ndim, mode)
-    impl = resolve_implementation(implementation, mode)
-    check_max_chunk(max_chunk, mode)
+    axes, impl = check_axis_op(x, axis, mode, implementation, max_chunk)
     if impl == "xla" or x.size == 0:
         # Nothing to compute for an empty array: XLA's answer (and gradient) is exact.
         return REFERENCES[mode](x, axes)

@@ -6,10 +6,11 @@ picks the best for the platform (falling back to "xla"); see
 """
 from ops._implementation import IMPLEMENTATIONS
 from ops.activations import ACTIVATIONS
+from ops.attention import dot_product_attention
 from ops.matmul import fused_matmul
 from ops.reduction import (cross_entropy, layer_norm, linear_cross_entropy, log_softmax, logsumexp,
                            max, mean, rms_norm, softmax, sum)  # noqa: A004 - jnp's names
 
-__all__ = ["ACTIVATIONS", "IMPLEMENTATIONS", "cross_entropy", "fused_matmul", "layer_norm",
+__all__ = ["ACTIVATIONS", "IMPLEMENTATIONS", "cross_entropy", "dot_product_attention", "fused_matmul", "layer_norm",
            "linear_cross_entropy", "log_softmax", "logsumexp", "max", "mean", "rms_norm", "softmax",
            "sum"]

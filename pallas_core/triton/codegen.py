@@ -567,6 +567,8 @@ class KernelWriter(ElementwiseWriter):
         p = eqn.params
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         cond_consts, body_consts, init = args[:nc], args[nc:nc + nb], args[nc + nb:]
+        if _is_counted_loop(p):
+            return self._counted_loop(eqn, env, body_consts, init)
         carry = [self.fresh("c") for _ in init]
         for name, value in zip(carry, init):
             self.emit(f"{name} = {as_code(value)}")
@@ -584,6 +586,55 @@ class KernelWriter(ElementwiseWriter):
         self.emit(f"{flag} = {as_code(again)}")
         self.indent -= 1
         return current
+
+
+    def _counted_loop(self, eqn, env, body_consts, init):
+        """``lax.fori_loop(lower, upper, ...)`` with traced bounds as ``for i in range(lower, upper)``.
+
+        Triton software-pipelines the loads of an ``scf.for`` loop (cp.async /
+        TMA stages), never those of an ``scf.while``; loops whose bounds depend on
+        the program id (the key/value range of flash attention) are the ones
+        that need it.
+        """
+        p = eqn.params
+        counter, upper = self.fresh("c"), self.fresh("c")
+        carry = [self.fresh("c") for _ in init[2:]]
+        self.emit(f"{upper} = {as_code(init[1])}")
+        for name, value in zip(carry, init[2:]):
+            self.emit(f"{name} = {as_code(value)}")
+        avals = [v.aval for v in eqn.outvars]
+        current = [Val(counter, (), np.dtype(np.int32)), Val(upper, (), np.dtype(np.int32))]
+        current += [Val(n, a.shape, np.dtype(a.dtype)) for n, a in zip(carry, avals[2:])]
+        self.emit(f"for {counter} in range({as_code(init[0])}, {upper}):")
+        self.indent += 1
+        outs = self._inline(p["body_jaxpr"], list(body_consts) + current, env)
+        for name, out in zip(carry, outs[2:]):
+            self.emit(f"{name} = {as_code(out)}")
+        self.emit("pass")
+        self.indent -= 1
+        final = None
+        if eqn.outvars[0] in self.used:  # the counter after the loop: max(lower, upper)
+            final = self.assign(f"tl.maximum({as_code(init[0])}, {upper})", (), np.int32)
+        return [final, current[1], *current[2:]]
+
+
+def _is_counted_loop(params) -> bool:
+    """Whether a ``while`` is ``fori_loop``'s: carry ``(i, upper, ...)``, ``i < upper``, ``i += 1``."""
+    cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
+    if params["cond_nconsts"] or len(cond.invars) < 2 or len(cond.eqns) != 1:
+        return False
+    (lt,) = cond.eqns
+    i, upper = cond.invars[0], cond.invars[1]
+    if (lt.primitive.name != "lt" or list(lt.invars) != [i, upper] or cond.outvars != lt.outvars
+            or np.dtype(i.aval.dtype) != np.int32 or np.dtype(upper.aval.dtype) != np.int32):
+        return False
+    nb = params["body_nconsts"]
+    bi, bupper = body.invars[nb], body.invars[nb + 1]
+    if body.outvars[1] is not bupper:
+        return False
+    inc = next((e for e in body.eqns if body.outvars[0] in e.outvars), None)
+    return (inc is not None and inc.primitive.name == "add" and inc.invars[0] is bi
+            and isinstance(inc.invars[1], jex_core.Literal) and int(inc.invars[1].val) == 1)
 
 
 def _identifier(name: str) -> str:

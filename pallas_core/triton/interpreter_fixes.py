@@ -11,6 +11,11 @@ bfloat16 tensors as their uint16 bit patterns and then, unlike the GPU:
   convert the bit patterns, not the values;
 * bfloat16 scalar constants (``x * 50`` for a bfloat16 ``x``) do not exist.
 
+And, for every dtype, a loop bounded by a runtime scalar (``for j in
+range(lo, hi)`` with ``lo`` computed from the program id, as flash attention's
+key/value loop is) fails under numpy >= 2.4: the interpreter converts the
+scalar with ``int()`` of a one-element array, which numpy no longer allows.
+
 :func:`apply` patches those builder methods, once, before the first
 interpreted launch. Other dtypes take Triton's own code paths untouched.
 """
@@ -61,6 +66,13 @@ def apply() -> None:
     def get_bf16(self, value):  # scalar constants (x * 50 for a bf16 x); fp16 has its own
         return TensorHandle(np.array([value], np.float32).astype(ml_dtypes.bfloat16).view(np.uint16), tl.bfloat16)
 
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
     builder.create_dot = create_dot
     builder.get_bf16 = get_bf16
     builder.binary_op = bf16_binary_op  # every element-wise binary method calls self.binary_op

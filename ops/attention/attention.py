@@ -1,0 +1,346 @@
+"""``ops.dot_product_attention``: flash attention, a drop-in for ``jax.nn.dot_product_attention``.
+
+Argument checks and normalisation live here; the kernels are in
+:mod:`ops.attention.kernels`, the masks in :mod:`ops.attention.masking`, the
+dropout hash in :mod:`ops.attention.dropout` and the XLA reference in
+:mod:`ops.attention.reference`.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ops._checks import check_array, check_float_dtype, check_same_dtype
+from ops._implementation import resolve_implementation
+from ops.attention import dropout as dropout_lib
+from ops.attention import kernels
+from ops.attention.block_sizes import BlockSizes, default_block_sizes
+from ops.attention.masking import MaskSpec, block_ranges, block_visibility, fold_lengths
+from ops.attention.reference import attention_reference
+
+_OP = "dot_product_attention"
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size=None, implementation: str | None = None,
+                          return_residual: bool = False, query_segment_ids=None,
+                          key_value_segment_ids=None, logits_soft_cap=None,
+                          dropout_rate: float = 0.0, dropout_rng=None, block_sizes=None):
+    """Scaled dot-product attention by flash-attention kernels (FlashAttention-2).
+
+    ``softmax(scale * q k^T + bias, masked) v`` per head, never materialising
+    the ``T x S`` score matrix: the forward kernel streams key/value blocks
+    through an online softmax (Dao 2023, "FlashAttention-2", Algorithm 1) and
+    the backward kernels recompute the probabilities from the saved logsumexp
+    (Algorithm 2). Blocks that no mask lets through are skipped, not only
+    masked, so causal attention costs about half of full attention.
+
+    Shapes (jax.nn's letters): ``B`` batch, ``T`` queries, ``S`` keys, ``N``
+    query heads, ``K`` key/value heads, ``H`` head dim.
+
+    Args:
+      query: ``[B, T, N, H]`` (BTNH) or ``[T, N, H]``; float32, bfloat16 or float16.
+      key, value: ``[B, S, K, H]`` (or ``[S, K, H]``), query's dtype, ``N % K == 0``:
+        grouped-query (``1 < K < N``) and multi-query (``K == 1``) attention read
+        each key/value head once for its whole group, never repeated in memory.
+      bias: optional float array broadcastable to ``[B, N, T, S]`` (rank <= 4,
+        each dim 1 or full), added to the logits in float32; read block by block,
+        never broadcast in memory. Differentiable (its gradient is summed over
+        the broadcast dims; it needs a float32 ``[B, N, T, S]`` buffer).
+      mask: optional boolean array broadcastable to ``[B, N, T, S]``; True attends.
+      scale: logit scale; None means ``1 / sqrt(H)``.
+      is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, also when
+        ``T != S``, as jax.nn).
+      query_seq_lengths, key_value_seq_lengths: optional int32 ``[B]``: queries /
+        keys at or past the length are padding.
+      local_window_size: optional ``int`` w (= ``(w, w)``) or ``(left, right)``:
+        query ``i`` sees keys ``i - left <= j <= i + right``.
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
+        "xla" (the float32 reference), "interpret", "triton" (our Triton
+        lowering), "pallas_triton" (JAX's) or "mosaic_tpu". "mosaic_gpu" raises
+        NotImplementedError.
+      return_residual: also return the logsumexp (see Returns).
+      query_segment_ids, key_value_segment_ids: optional int32 ``[B, T]`` /
+        ``[B, S]`` (both or neither): a query sees only keys with its id (packed
+        sequences). The ids ``-2**31`` and ``-2**31 + 1`` are reserved.
+      logits_soft_cap: optional cap > 0: logits become ``cap * tanh(logits / cap)``
+        (Gemma 2), before bias and masks.
+      dropout_rate: probability in ``[0, 1)`` of dropping an attention
+        probability (the survivors are scaled by ``1 / (1 - rate)``).
+      dropout_rng: a JAX PRNG key, required when ``dropout_rate > 0``. The mask
+        is a counter hash of (key, batch, head, query, key position)
+        (:mod:`ops.attention.dropout`): every backend and the backward pass draw
+        the same bits, and nothing ``T x S`` is stored.
+      block_sizes: None (the heuristic, :func:`default_block_sizes`), a
+        :class:`BlockSizes` or a pair ``(block_q, block_k)``.
+
+    Returns:
+      ``[B, T, N, H]`` (or ``[T, N, H]``) in query's dtype; with
+      ``return_residual`` also the logsumexp of each query's logits, float32
+      ``[B, T, N]`` (or ``[T, N]``) (jax.nn returns it in the input dtype),
+      with no gradient (as jax.nn's).
+
+    A query that sees no key at all (every key masked, a zero-length
+    sequence) gets output 0 and logsumexp ``-inf``, with zero gradients, as
+    FlashAttention and cuDNN do; jax.nn's XLA path returns the mean of the
+    values there, since it masks with a large finite negative logit.
+
+    Softmax statistics and accumulators are float32 whatever the input dtype;
+    float32 inputs multiply at full float32 precision.
+
+    Raises:
+      TypeError: non-arrays, non-float or mixed q/k/v dtypes, a non-boolean mask,
+        non-int32 lengths or segment ids, a bad dropout_rng.
+      ValueError: ranks, mismatched B / H / shapes, ``N % K != 0``, a bias or mask
+        that does not broadcast, bad lengths or segment-id shapes, a negative
+        window, a soft cap <= 0, a dropout_rate outside ``[0, 1)`` or without
+        dropout_rng, bad block sizes, an unknown implementation.
+      NotImplementedError: implementation="mosaic_gpu".
+    """
+    args = _check(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                  key_value_seq_lengths, local_window_size, query_segment_ids,
+                  key_value_segment_ids, logits_soft_cap, dropout_rate, dropout_rng)
+    impl = resolve_implementation(
+        implementation, _OP, missing_reason=" (JAX's Mosaic GPU lowering has no generic "
+        "dot_general for the kernels as written; use 'triton')")
+    q, k, v, bias, mask = args["q"], args["k"], args["v"], args["bias"], args["mask"]
+    T, S = q.shape[1], k.shape[1]
+    spec = MaskSpec(T=T, S=S, causal=bool(is_causal), left=args["left"], right=args["right"],
+                    segments=args["segments"])
+    q_seg, kv_seg = fold_lengths(args["q_seg"], args["kv_seg"], args["q_len"], args["kv_len"], T, S)
+    seed = dropout_lib.seed_from_rng(dropout_rng) if dropout_rate > 0 else None
+    rate = float(dropout_rate)
+    if impl == "xla":
+        out, lse = attention_reference(q, k, v, bias, mask, spec=spec, scale=args["scale"],
+                                       q_seg=q_seg, kv_seg=kv_seg, logits_soft_cap=args["cap"],
+                                       dropout_rate=rate, seed=seed)
+        out = out.astype(q.dtype)
+    else:
+        blocks = _check_block_sizes(block_sizes, T, S, q.shape[-1], q.dtype, impl)
+        cfg = kernels.Config(
+            backend=impl, layout="BNTH" if impl == "mosaic_tpu" else "BTNH", spec=spec,
+            batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+            scale=args["scale"], softcap=args["cap"], dropout_rate=rate,
+            bias_full=None if bias is None else tuple(d != 1 for d in bias.shape),
+            mask_full=None if mask is None else tuple(d != 1 for d in mask.shape),
+            block_q=blocks.block_q, block_k=blocks.block_k, block_q_dkv=blocks.block_q_dkv,
+            block_k_dkv=blocks.block_k_dkv, num_warps=blocks.num_warps,
+            num_stages=blocks.num_stages)
+        if mask is not None and impl in ("pallas_triton", "mosaic_tpu"):
+            mask = mask.astype(jnp.int32)  # neither lowering loads booleans from memory
+        out, lse = _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, cfg)
+        lse = jnp.transpose(lse[..., 0], (0, 2, 1))
+    if args["unbatched"]:
+        out, lse = out[0], lse[0]
+    if return_residual:
+        return out, lax.stop_gradient(lse)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Argument checks: every misuse is a TypeError / ValueError naming the argument
+# --------------------------------------------------------------------------
+
+def _as_4d(x, name, unbatched):
+    if x.ndim > 4:
+        raise ValueError(f"{_OP}: {name} must have rank <= 4 and broadcast to [B, N, T, S], got "
+                         f"shape {tuple(x.shape)}.")
+    return jnp.reshape(x, (1,) * (4 - x.ndim) + tuple(x.shape))
+
+
+def _check_pair_operand(x, name, target):
+    """bias / mask: each of the 4 dims is 1 or the full size."""
+    for d, (got, want, letter) in enumerate(zip(x.shape, target, "BNTS")):
+        if got not in (1, want):
+            raise ValueError(f"{_OP}: {name} of shape {tuple(x.shape)} does not broadcast to "
+                             f"[B, N, T, S] = {tuple(target)} (dim {letter} is {got}; expected 1 "
+                             f"or {want}).")
+
+
+def _check_per_batch(x, name, shape, unbatched):
+    check_array(x, name, _OP)
+    if np.dtype(x.dtype) != np.int32:
+        raise TypeError(f"{_OP}: {name} must be int32, got {np.dtype(x.dtype).name}.")
+    x = jnp.asarray(x)
+    if unbatched and x.ndim == len(shape) - 1:
+        x = x[None]
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{_OP}: {name} must have shape {tuple(shape)}, got {tuple(x.shape)}.")
+    return x
+
+
+def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, window, q_seg, kv_seg,
+           cap, dropout_rate, dropout_rng) -> dict:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_array(x, name, _OP)
+        check_float_dtype(x, name, _OP)
+    check_same_dtype(key, query, "key", "query", _OP)
+    check_same_dtype(value, query, "value", "query", _OP)
+    if query.ndim not in (3, 4) or key.ndim != query.ndim or value.ndim != query.ndim:
+        raise ValueError(f"{_OP}: query, key and value must all be [B, T|S, N|K, H] (rank 4) or "
+                         f"[T|S, N|K, H] (rank 3); got shapes {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}.")
+    unbatched = query.ndim == 3
+    q, k, v = (jnp.asarray(x)[None] if unbatched else jnp.asarray(x) for x in (query, key, value))
+    if k.shape != v.shape:
+        raise ValueError(f"{_OP}: key and value must have the same shape, got {tuple(key.shape)} "
+                         f"and {tuple(value.shape)}.")
+    B, T, N, H = q.shape
+    _, S, K, _ = k.shape
+    if k.shape[0] != B:
+        raise ValueError(f"{_OP}: query and key have different batch sizes ({B} and {k.shape[0]}).")
+    if k.shape[3] != H:
+        raise ValueError(f"{_OP}: query and key have different head dims H ({H} and {k.shape[3]}).")
+    if K == 0 or N % K:
+        raise ValueError(f"{_OP}: the number of query heads N={N} must be a multiple of the "
+                         f"number of key/value heads K={K}.")
+    target = (B, N, T, S)
+    if bias is not None:
+        check_array(bias, "bias", _OP)
+        check_float_dtype(bias, "bias", _OP)
+        bias = _as_4d(jnp.asarray(bias), "bias", unbatched)
+        _check_pair_operand(bias, "bias", target)
+    if mask is not None:
+        check_array(mask, "mask", _OP)
+        if np.dtype(mask.dtype) != np.bool_:
+            raise TypeError(f"{_OP}: mask must be boolean (True attends), got "
+                            f"{np.dtype(mask.dtype).name}; pass an additive mask as bias.")
+        mask = _as_4d(jnp.asarray(mask), "mask", unbatched)
+        _check_pair_operand(mask, "mask", target)
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(H))
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{_OP}: scale must be None or a Python number, got {type(scale).__name__}.")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"{_OP}: is_causal must be a bool, got {type(is_causal).__name__}.")
+    if q_len is not None:
+        q_len = _check_per_batch(q_len, "query_seq_lengths", (B,), unbatched and np.ndim(q_len) == 0)
+    if kv_len is not None:
+        kv_len = _check_per_batch(kv_len, "key_value_seq_lengths", (B,),
+                                  unbatched and np.ndim(kv_len) == 0)
+    left = right = None
+    if window is not None:
+        pair = (window, window) if isinstance(window, numbers.Integral) else window
+        if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+                or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in pair)):
+            raise TypeError(f"{_OP}: local_window_size must be an int or a pair of ints "
+                            f"(left, right), got {window!r}.")
+        left, right = int(pair[0]), int(pair[1])
+        if left < 0 or right < 0:
+            raise ValueError(f"{_OP}: local_window_size must be non-negative, got {window!r}.")
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError(f"{_OP}: query_segment_ids and key_value_segment_ids must be given "
+                         "together.")
+    if q_seg is not None:
+        q_seg = _check_per_batch(q_seg, "query_segment_ids", (B, T), unbatched)
+        kv_seg = _check_per_batch(kv_seg, "key_value_segment_ids", (B, S), unbatched)
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
+            raise ValueError(f"{_OP}: logits_soft_cap must be None or a number > 0, got {cap!r}.")
+        cap = float(cap)
+    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real):
+        raise TypeError(f"{_OP}: dropout_rate must be a Python number, got "
+                        f"{type(dropout_rate).__name__}.")
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"{_OP}: dropout_rate must be in [0, 1), got {dropout_rate!r}.")
+    if dropout_rate > 0:
+        if dropout_rng is None:
+            raise ValueError(f"{_OP}: dropout_rate={dropout_rate} needs dropout_rng (a PRNG key).")
+        if not hasattr(dropout_rng, "dtype") or not (
+                jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
+                or np.dtype(dropout_rng.dtype) == np.uint32):
+            raise TypeError(f"{_OP}: dropout_rng must be a JAX PRNG key (jax.random.key or "
+                            f"PRNGKey), got {dropout_rng!r}.")
+    segments = q_seg is not None or q_len is not None or kv_len is not None
+    return dict(q=q, k=k, v=v, bias=bias, mask=mask, scale=float(scale), left=left, right=right,
+                q_len=q_len, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg, cap=cap,
+                segments=segments, unbatched=unbatched)
+
+
+def _check_block_sizes(block_sizes, T, S, H, dtype, backend) -> BlockSizes:
+    if block_sizes is None:
+        return default_block_sizes(T, S, H, dtype, backend).resolved()
+    if isinstance(block_sizes, BlockSizes):
+        blocks = block_sizes.resolved()
+    elif (isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2):
+        blocks = BlockSizes(*block_sizes).resolved()
+    else:
+        raise ValueError(f"{_OP}: block_sizes must be None, a BlockSizes or a pair (block_q, "
+                         f"block_k), got {block_sizes!r}.")
+    sizes = (blocks.block_q, blocks.block_k, blocks.block_q_dkv, blocks.block_k_dkv)
+    if not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in sizes):
+        raise ValueError(f"{_OP}: block sizes must be positive ints, got {block_sizes!r}.")
+    if backend == "pallas_triton" and any(b & (b - 1) for b in sizes):
+        raise ValueError(f"{_OP}: block sizes must be powers of two on pallas_triton, got "
+                         f"{block_sizes!r}.")
+    if backend == "triton" and min(sizes) < 16:
+        raise ValueError(f"{_OP}: block sizes must be >= 16 on triton (tl.dot's minimum), got "
+                         f"{block_sizes!r}.")
+    if backend == "mosaic_tpu":
+        for bq in (blocks.block_q, blocks.block_q_dkv):
+            if bq % 8 and bq != T:
+                raise ValueError(f"{_OP}: on mosaic_tpu query blocks must be multiples of 8 or T, "
+                                 f"got {block_sizes!r}.")
+        for bk in (blocks.block_k, blocks.block_k_dkv):
+            if bk % 128 and bk != S:
+                raise ValueError(f"{_OP}: on mosaic_tpu key blocks must be multiples of 128 or S, "
+                                 f"got {block_sizes!r}.")
+    for name, value in (("num_warps", blocks.num_warps), ("num_stages", blocks.num_stages)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
+            raise ValueError(f"{_OP}: {name} must be None or a positive int, got {value!r}.")
+    return blocks
+
+
+# --------------------------------------------------------------------------
+# custom_vjp: residuals q, k, v, out, lse (and the seed, inside the scalar tables)
+# --------------------------------------------------------------------------
+
+def _tables(cfg: kernels.Config, q_seg, kv_seg, seed):
+    """The scalar tables of the forward/dQ kernels and of the dK/dV kernel."""
+    fwd = block_visibility(cfg.spec, cfg.block_q, cfg.block_k, q_seg, kv_seg)
+    dkdv = block_visibility(cfg.spec, cfg.block_q_dkv, cfg.block_k_dkv, q_seg, kv_seg)
+    return (kernels.scalar_table(seed, block_ranges(fwd, cfg.batch)),
+            kernels.scalar_table(seed, block_ranges(dkdv, cfg.batch, transpose=True)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, cfg):
+    table, _ = _tables(cfg, q_seg, kv_seg, seed)
+    return kernels.forward_call(cfg, q, k, v, bias, mask, q_seg, kv_seg, table)
+
+
+def _flash_fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, cfg):
+    # symbolic_zeros: each array argument arrives as (value, perturbed); None stays None.
+    values = [None if x is None else x.value for x in (q, k, v, bias, mask, q_seg, kv_seg, seed)]
+    bias_wanted = bias is not None and bias.perturbed
+    qv, kv, vv, biasv, maskv, q_segv, kv_segv, seedv = values
+    table, table_dkdv = _tables(cfg, q_segv, kv_segv, seedv)
+    out, lse = kernels.forward_call(cfg, qv, kv, vv, biasv, maskv, q_segv, kv_segv, table)
+    residuals = (qv, kv, vv, biasv, maskv, q_segv, kv_segv, out, lse, table, table_dkdv)
+    return (out, lse), (residuals, bias_wanted)
+
+
+def _flash_bwd(cfg, saved, cotangents):
+    (q, k, v, bias, mask, q_seg, kv_seg, out, lse, table, table_dkdv), bias_wanted = saved
+    do = cotangents[0]
+    if type(do).__name__ == "SymbolicZero":  # out unused: every gradient is zero
+        do = jnp.zeros(out.shape, out.dtype)
+    # delta = rowsum(dO * O) (FA-2 Algorithm 2, line 4): one fused XLA pass over O and dO.
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = jnp.transpose(delta, (0, 2, 1))[..., None]
+    dq, dbias = kernels.dq_call(cfg, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table,
+                                want_dbias=bias_wanted)
+    dk, dv = kernels.dkdv_call(cfg, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table_dkdv)
+    if bias_wanted:
+        axes = tuple(d for d, full in enumerate(cfg.bias_full) if not full)
+        dbias = jnp.sum(dbias, axis=axes, keepdims=True).astype(bias.dtype)
+    return dq, dk, dv, dbias, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

@@ -1,0 +1,718 @@
+"""Flash-attention kernels: forward, dQ and dK/dV (FlashAttention-2, Dao 2023).
+
+One set of per-tile math serves three kernels and two ways of walking the
+sequence, chosen by backend (as fused_matmul's contraction walk):
+
+* ``"grid"`` (interpret, mosaic_tpu): the walked blocks are the last grid
+  axis, marked ``"arbitrary"``; running statistics and accumulators live in
+  scratch, initialised under ``pl.when(step == 0)`` and finished under
+  ``pl.when(step == last)`` (seed 002); blocks outside the visible range are
+  skipped with ``pl.when``.
+* ``"loop"`` (triton, pallas_triton): each program walks only its visible
+  range with ``lax.fori_loop(lo, hi)`` over ``pl.ds`` slices of whole-length
+  blocks, the carries in registers. Our Triton lowering emits that loop as
+  ``for j in range(lo, hi)``, which Triton software-pipelines (cp.async /
+  TMA stages), and JAX's Pallas Triton lowering runs programs concurrently,
+  so it cannot walk a grid axis.
+
+Forward (Algorithm 1): programs over (batch, query head, query block); for
+each visible key/value block, ``s = q k^T`` scaled into log2 units (the scale
+and ``log2(e)`` folded into one multiply so the softmax runs on ``exp2``),
+soft cap, bias and masks, then the online softmax update of the running max
+``m``, sum ``l`` and output accumulator, all float32. Writes ``out`` and the
+logsumexp ``lse`` (float32, natural log).
+
+Backward (Algorithm 2, split into two kernels so nothing is accumulated with
+atomics and gradients are bit-for-bit deterministic): with ``delta =
+rowsum(dO * O)`` and ``p = exp(s - lse)`` recomputed per tile,
+
+* dQ kernel, programs over (batch, query head, query block), walking
+  key/value blocks: ``ds = p * (dp - delta)`` with ``dp = dO v^T``, then
+  ``dq += ds k``; it also writes ``ds`` for the bias gradient when asked;
+* dK/dV kernel, programs over (batch, key/value head, key/value block),
+  walking every (query head of the group, query block): ``dv += p^T dO``,
+  ``dk += ds^T q``. For grouped-query attention one program owns a
+  key/value head and sums over its group of query heads, so no
+  ``[B, S, N, H]`` intermediate exists.
+
+Dropout multiplies ``p`` by ``keep / (1 - rate)`` after the normalisation
+statistics (which stay undropped), with keep bits regenerated per tile from
+the counter hash of :mod:`ops.attention.dropout`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas_core as pl
+from ops.attention import dropout as dropout_lib
+from ops.attention.masking import MaskSpec, visible
+from ops.reduction._rows import logsumexp_shift
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything static about one attention call (hashable: a custom_vjp nondiff argument).
+
+    Attributes:
+      layout: "BTNH" (operands as given) or "BNTH" (heads before the
+        sequence, what TPU tiling needs; transposed outside the kernels).
+      bias_full / mask_full: per dim of the 4-D bias / mask, whether it is full
+        size (True) or broadcast (size 1); None when absent.
+      block_q, block_k: forward / dQ tiles; block_q_dkv, block_k_dkv: dK/dV tiles.
+    """
+
+    backend: str
+    layout: str
+    spec: MaskSpec
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    softcap: float | None
+    dropout_rate: float
+    bias_full: tuple[bool, ...] | None
+    mask_full: tuple[bool, ...] | None
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_k_dkv: int
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def strategy(self) -> str:
+        return "loop" if self.backend in pl.TRITON_BACKENDS else "grid"
+
+
+# --------------------------------------------------------------------------
+# Per-tile math, shared by every kernel and both strategies
+# --------------------------------------------------------------------------
+
+def _dot(a, b, ca: int, cb: int):
+    """A @ B contracting a's dim ca with b's dim cb, float32 accumulation."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _positions(first, block: int, shape, axis: int):
+    return first * block + lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _zero_rows_past(x, first, block: int, limit: int):
+    """Rows of a ``[block, ...]`` tile at or past ``limit`` set to 0 (edge tiles hold
+    unspecified padding, and 0 * NaN would leak into products)."""
+    if limit % block == 0:
+        return x
+    rows = _positions(first, block, x.shape, 0)
+    return jnp.where(rows < limit, x, jnp.zeros_like(x))
+
+
+@dataclasses.dataclass
+class Tile:
+    """What one (query block, key/value block) pair needs, already read from refs."""
+
+    q: jax.Array  # [bq, H]
+    k: jax.Array  # [bk, H]
+    i: jax.Array  # query block index
+    j: jax.Array  # key/value block index
+    head: jax.Array  # b * N + n, for dropout
+    bias: jax.Array | None = None  # [bq or 1, bk or 1]
+    mask: jax.Array | None = None
+    q_seg: jax.Array | None = None  # [bq, 1]
+    k_seg: jax.Array | None = None  # [1, bk]
+
+
+def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False):
+    """``(s2, capped)``: masked logits in log2 units ``[bq, bk]`` (-inf where not visible)
+    and ``tanh(scores / cap)`` for the soft cap's derivative (None without one)."""
+    s = _dot(tile.q, tile.k, 1, 1)
+    capped = None
+    if cfg.softcap is not None:
+        capped = jnp.tanh(s * (cfg.scale / cfg.softcap))
+        s2 = capped * (cfg.softcap * LOG2E)
+    else:
+        s2 = s * (cfg.scale * LOG2E)
+    if tile.bias is not None:
+        s2 = s2 + tile.bias.astype(jnp.float32) * LOG2E
+    shape = (bq, bk)
+    q_pos, k_pos = _positions(tile.i, bq, shape, 0), _positions(tile.j, bk, shape, 1)
+    vis = visible(cfg.spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=cfg.spec.S % bk != 0)
+    if bound_q and cfg.spec.T % bq:
+        vis = (q_pos < cfg.spec.T) if vis is None else vis & (q_pos < cfg.spec.T)
+    if tile.mask is not None:
+        m = tile.mask != 0
+        vis = m if vis is None else vis & m
+    if vis is not None:
+        s2 = jnp.where(vis, s2, -jnp.inf)
+    return s2, capped
+
+
+def dropout_keep(cfg: Config, tile: Tile, seed, bq: int, bk: int):
+    if cfg.dropout_rate == 0.0:
+        return None
+    shape = (bq, bk)
+    return dropout_lib.keep_mask(seed, tile.head, _positions(tile.i, bq, shape, 0),
+                                 _positions(tile.j, bk, shape, 1), cfg.dropout_rate)
+
+
+def _apply_dropout(cfg: Config, x, keep):
+    if keep is None:
+        return x
+    return jnp.where(keep, x * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
+
+
+def forward_update(cfg: Config, carry, tile: Tile, v, seed, bq: int, bk: int):
+    """One online-softmax step (FA-2 Algorithm 1, lines 8-10) for one key/value block."""
+    m, l, acc = carry
+    s2, _ = logits_log2(cfg, tile, bq, bk)
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1, keepdims=True))
+    shift = logsumexp_shift(m_new)
+    p = jnp.exp2(s2 - shift)
+    alpha = jnp.exp2(m - shift)
+    l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+    p = _apply_dropout(cfg, p, dropout_keep(cfg, tile, seed, bq, bk))
+    acc = acc * alpha + _dot(p.astype(v.dtype), v, 1, 0)
+    return m_new, l, acc
+
+
+def forward_finish(m, l, acc):
+    """``(out, lse)``: a row that saw no key gets 0 and -inf."""
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
+    return out, lse
+
+
+def backward_tile(cfg: Config, tile: Tile, v, do, lse, delta, seed, bq: int, bk: int):
+    """``(p_dropped, dscores, dbias)`` of one tile (FA-2 Algorithm 2, lines 11-14).
+
+    ``dscores`` is the gradient of the scaled scores ``scale * q.k`` (before the
+    soft cap); ``dbias`` that of the logits after it, i.e. of the bias.
+    """
+    s2, capped = logits_log2(cfg, tile, bq, bk, bound_q=True)
+    p = jnp.exp2(s2 - logsumexp_shift(lse * LOG2E))
+    keep = dropout_keep(cfg, tile, seed, bq, bk)
+    dp = _apply_dropout(cfg, _dot(do, v, 1, 1), keep)
+    dbias = p * (dp - delta)
+    dscores = dbias if capped is None else dbias * (1.0 - capped * capped)
+    return _apply_dropout(cfg, p, keep), dscores, dbias
+
+
+# --------------------------------------------------------------------------
+# Operand layout: BlockSpecs over [B, L, N, H] (or [B, N, L, H]) operands
+# --------------------------------------------------------------------------
+
+def padded_length(length: int, block: int, backend: str) -> int:
+    """The whole-length block the loop strategy reads ``pl.ds`` slices of."""
+    n = pl.cdiv(length, block) * block
+    return pl.next_power_of_2(n) if backend == "pallas_triton" else n
+
+
+def _heads_block(cfg: Config, n: int) -> int:
+    return pl.next_power_of_2(n) if cfg.backend == "pallas_triton" else n
+
+
+def _seq_spec(cfg: Config, block_l: int, pick, *, all_heads: bool = False):
+    """Block ``(block_l, H)`` (or ``(block_l, heads, H)``) of a ``[B, L, heads, H]`` operand.
+
+    ``pick(*ids) -> (b, l, n)``: the batch, sequence-block and head indices
+    (n ignored with ``all_heads``). BNTH operands are ``[B, heads, L, H]``.
+    """
+    h = cfg.head_dim
+
+    def index_map(*ids):
+        b, l, n = pick(*ids)
+        n = 0 if all_heads else n
+        return (b, l, n, 0) if cfg.layout == "BTNH" else (b, n, l, 0)
+
+    heads = None
+    if all_heads:
+        heads = _heads_block(cfg, cfg.heads)
+    shape = (None, block_l, heads, h) if cfg.layout == "BTNH" else (None, heads, block_l, h)
+    return pl.BlockSpec(shape, index_map)
+
+
+def _stat_spec(cfg: Config, block_l: int, pick, *, all_heads: bool = False):
+    """Block of a float32 ``[B, N, T, 1]`` per-row statistic (lse, delta)."""
+    def index_map(*ids):
+        b, l, n = pick(*ids)
+        return (b, 0 if all_heads else n, l, 0)
+    heads = _heads_block(cfg, cfg.heads) if all_heads else None
+    return pl.BlockSpec((None, heads, block_l, 1), index_map)
+
+
+def _pair_spec(full, block_q: int, block_k: int, pick, *, all_heads=False, heads=None):
+    """Block of a 4-D bias / mask ``[B', N', T', S']`` whose dims may be broadcast (size 1).
+
+    ``pick(*ids) -> (b, i, j, n)``; a broadcast dim has block 1 at index 0.
+    With ``all_heads`` the head dim is kept whole (``heads`` wide, or 1 when
+    broadcast), otherwise it is squeezed.
+    """
+    fb, fn, ft, fs = full
+
+    def index_map(*ids):
+        b, i, j, n = pick(*ids)
+        return (b if fb else 0, 0 if (all_heads or not fn) else n, i if ft else 0, j if fs else 0)
+
+    head_block = (heads if fn else 1) if all_heads else None
+    return pl.BlockSpec((None, head_block, block_q if ft else 1, block_k if fs else 1), index_map)
+
+
+def _table_spec(cfg: Config):
+    """The flat int32 scalar table (seed, block ranges): one whole-array block."""
+    space = pl.tpu.SMEM if cfg.backend == "mosaic_tpu" else None
+    return pl.BlockSpec(memory_space=space) if space is not None else pl.BlockSpec()
+
+
+def scalar_table(seed, ranges):
+    """``[seed, ranges...]`` as one flat int32 vector of power-of-two length."""
+    seed = jnp.zeros((), jnp.int32) if seed is None else seed.astype(jnp.int32)
+    flat = jnp.concatenate([seed.reshape(1), ranges])
+    size = pl.next_power_of_2(flat.shape[0])
+    return jnp.pad(flat, (0, size - flat.shape[0]))
+
+
+def _params(cfg: Config, semantics):
+    if cfg.backend in pl.TRITON_BACKENDS:
+        warps = cfg.num_warps or (8 if cfg.block_q * cfg.head_dim >= 128 * 128 else 4)
+        stages = cfg.num_stages or 2
+        if cfg.backend == "pallas_triton":
+            return pl.triton.CompilerParams(num_warps=warps, num_stages=stages)
+        return pl.triton.CompilerParams(num_warps=warps, num_stages=stages,
+                                        dimension_semantics=semantics)
+    return pl.CompilerParams(dimension_semantics=semantics)
+
+
+# --------------------------------------------------------------------------
+# Reading one walked block: a grid step's block, or a pl.ds slice of a whole-length block
+# --------------------------------------------------------------------------
+
+def _slice_rows(ref, start, size, axis=0):
+    idx = [slice(None)] * len(ref.shape)
+    idx[axis] = pl.ds(start, size)
+    return ref[tuple(idx)]
+
+
+def _pair_block(ref, full, walked_q: bool, index, block, grid: bool):
+    """The (bq|1, bk|1) tile of a bias/mask ref at the walked block ``index``."""
+    if ref is None:
+        return None
+    if grid:
+        return ref[...]
+    axis, is_full = (0, full[2]) if walked_q else (1, full[3])
+    return _slice_rows(ref, index * block, block, axis) if is_full else ref[...]
+
+
+# --------------------------------------------------------------------------
+# Forward kernel
+# --------------------------------------------------------------------------
+
+def _split(refs, *flags):
+    refs = list(refs)
+    return [refs.pop(0) if f else None for f in flags], refs
+
+
+def _forward_kernel(*refs, cfg: Config):
+    grid_walk = cfg.strategy == "grid"
+    bq, bk = cfg.block_q, cfg.block_k
+    has_bias, has_mask = cfg.bias_full is not None, cfg.mask_full is not None
+    q_ref, k_ref, v_ref, *rest = refs
+    (bias_ref, mask_ref, qs_ref, ks_ref), rest = _split(rest, has_bias, has_mask,
+                                                      cfg.spec.segments, cfg.spec.segments)
+    table_ref, out_ref, lse_ref, *scratch = rest
+    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    nq = pl.cdiv(cfg.spec.T, bq)
+    seed = table_ref[0]
+    lo, hi = table_ref[1 + 2 * (b * nq + i)], table_ref[2 + 2 * (b * nq + i)]
+    q = q_ref[...]
+    q_seg = None if qs_ref is None else qs_ref[...]
+    head = b * cfg.heads + n
+
+    def step(j, carry):
+        k = k_ref[...] if grid_walk else _slice_rows(k_ref, j * bk, bk)
+        v = v_ref[...] if grid_walk else _slice_rows(v_ref, j * bk, bk)
+        v = _zero_rows_past(v, j, bk, cfg.spec.S)
+        k_seg = None
+        if ks_ref is not None:
+            k_seg = ks_ref[...] if grid_walk else _slice_rows(ks_ref, j * bk, bk, axis=1)
+        tile = Tile(q=q, k=k, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg,
+                    bias=_pair_block(bias_ref, cfg.bias_full, False, j, bk, grid_walk),
+                    mask=_pair_block(mask_ref, cfg.mask_full, False, j, bk, grid_walk))
+        return forward_update(cfg, carry, tile, v, seed, bq, bk)
+
+    def finish(m, l, acc):
+        out, lse = forward_finish(m, l, acc)
+        out_ref[...] = out.astype(out_ref.dtype)
+        lse_ref[...] = lse
+
+    init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+            jnp.zeros((bq, cfg.head_dim), jnp.float32))
+    if not grid_walk:
+        finish(*lax.fori_loop(lo, hi, step, init))
+        return
+    m_ref, l_ref, acc_ref = scratch
+    j = pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...], l_ref[...], acc_ref[...] = init
+
+    @pl.when((j >= lo) & (j < hi))
+    def _step():
+        m_ref[...], l_ref[...], acc_ref[...] = step(j, (m_ref[...], l_ref[...], acc_ref[...]))
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        finish(m_ref[...], l_ref[...], acc_ref[...])
+
+
+def _aux_inputs(cfg: Config, bias, mask, q_seg, kv_seg):
+    """The optional operands in kernel order, as arrays (seg ids reshaped for their blocks)."""
+    ops_ = []
+    if bias is not None:
+        ops_.append(bias)
+    if mask is not None:
+        ops_.append(mask)
+    if cfg.spec.segments:
+        ops_ += [q_seg[:, :, None], kv_seg[:, None, :]]
+    return ops_
+
+
+def _to_layout(cfg: Config, x):
+    return x if cfg.layout == "BTNH" else jnp.swapaxes(x, 1, 2)
+
+
+def _from_layout(cfg: Config, x):
+    return _to_layout(cfg, x)
+
+
+def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table):
+    """``(out [B, T, N, H] in q's dtype, lse float32 [B, N, T, 1])``."""
+    T, S = cfg.spec.T, cfg.spec.S
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = pl.cdiv(T, bq), pl.cdiv(S, bk)
+    g = cfg.group
+    grid_walk = cfg.strategy == "grid"
+    if grid_walk:
+        grid = (cfg.batch, cfg.heads, nq, nk)
+        kv_block, kv_pick = bk, (lambda b, n, i, j: (b, j, n // g))
+        pair = lambda b, n, i, j: (b, i, j, n)
+        seg_k = pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))
+    else:
+        grid = (cfg.batch, cfg.heads, nq)
+        kv_block, kv_pick = padded_length(S, bk, cfg.backend), (lambda b, n, i: (b, 0, n // g))
+        pair = lambda b, n, i: (b, i, 0, n)
+        seg_k = pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0))
+    q_pick = lambda b, n, i, *_: (b, i, n)
+    in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, kv_block, kv_pick),
+                _seq_spec(cfg, kv_block, kv_pick)]
+    if bias is not None:
+        in_specs.append(_pair_spec(cfg.bias_full, bq, kv_block, pair))
+    if mask is not None:
+        in_specs.append(_pair_spec(cfg.mask_full, bq, kv_block, pair))
+    if cfg.spec.segments:
+        in_specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, *_: (b, i, 0)), seg_k]
+    in_specs.append(_table_spec(cfg))
+    out_shape = [jax.ShapeDtypeStruct(_to_layout(cfg, q).shape, q.dtype),
+                 jax.ShapeDtypeStruct((cfg.batch, cfg.heads, T, 1), jnp.float32)]
+    out_specs = [_seq_spec(cfg, bq, q_pick), _stat_spec(cfg, bq, q_pick)]
+    scratch = []
+    semantics = ("parallel",) * 3
+    if grid_walk:
+        scratch = [pl.tpu.VMEM((bq, 1), jnp.float32), pl.tpu.VMEM((bq, 1), jnp.float32),
+                   pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)]
+        semantics += ("arbitrary",)
+    out, lse = pl.pallas_call(
+        functools.partial(_forward_kernel, cfg=cfg), out_shape=out_shape, grid=grid,
+        in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
+        compiler_params=_params(cfg, semantics), backend=cfg.backend,
+        name="flash_attention_fwd")(
+            _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v),
+            *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table)
+    return _from_layout(cfg, out), lse
+
+
+# --------------------------------------------------------------------------
+# dQ kernel (also the bias gradient)
+# --------------------------------------------------------------------------
+
+def _dq_kernel(*refs, cfg: Config, want_dbias: bool):
+    grid_walk = cfg.strategy == "grid"
+    bq, bk = cfg.block_q, cfg.block_k
+    has_bias, has_mask = cfg.bias_full is not None, cfg.mask_full is not None
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest = refs
+    (bias_ref, mask_ref, qs_ref, ks_ref), rest = _split(rest, has_bias, has_mask,
+                                                      cfg.spec.segments, cfg.spec.segments)
+    table_ref, dq_ref, *rest = rest
+    dbias_ref = rest.pop(0) if want_dbias else None
+    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    nq = pl.cdiv(cfg.spec.T, bq)
+    seed = table_ref[0]
+    lo, hi = table_ref[1 + 2 * (b * nq + i)], table_ref[2 + 2 * (b * nq + i)]
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_seg = None if qs_ref is None else qs_ref[...]
+    head = b * cfg.heads + n
+
+    def step(j, dq):
+        k = k_ref[...] if grid_walk else _slice_rows(k_ref, j * bk, bk)
+        v = v_ref[...] if grid_walk else _slice_rows(v_ref, j * bk, bk)
+        k = _zero_rows_past(k, j, bk, cfg.spec.S)
+        v = _zero_rows_past(v, j, bk, cfg.spec.S)
+        k_seg = None
+        if ks_ref is not None:
+            k_seg = ks_ref[...] if grid_walk else _slice_rows(ks_ref, j * bk, bk, axis=1)
+        tile = Tile(q=q, k=k, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg,
+                    bias=_pair_block(bias_ref, cfg.bias_full, False, j, bk, grid_walk),
+                    mask=_pair_block(mask_ref, cfg.mask_full, False, j, bk, grid_walk))
+        _, dscores, dbias = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk)
+        if dbias_ref is not None:
+            if grid_walk:
+                dbias_ref[...] = dbias
+            else:
+                dbias_ref[:, pl.ds(j * bk, bk)] = dbias
+        return dq + _dot(dscores.astype(k.dtype), k, 1, 0)
+
+    zeros = jnp.zeros((bq, cfg.head_dim), jnp.float32)
+    if not grid_walk:
+        dq_ref[...] = (lax.fori_loop(lo, hi, step, zeros) * cfg.scale).astype(dq_ref.dtype)
+        return
+    (acc_ref,) = rest
+    j = pl.program_id(3)
+    run = (j >= lo) & (j < hi)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = zeros
+
+    @pl.when(run)
+    def _step():
+        acc_ref[...] = step(j, acc_ref[...])
+
+    if dbias_ref is not None:
+        @pl.when(jnp.logical_not(run))
+        def _skipped():  # the block is written back whatever happens: make it zeros
+            dbias_ref[...] = jnp.zeros(dbias_ref.shape, jnp.float32)
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = (acc_ref[...] * cfg.scale).astype(dq_ref.dtype)
+
+
+def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table, want_dbias):
+    """``dq [B, T, N, H]`` (q's dtype) and, with ``want_dbias``, float32 ``[B, N, T, S]``."""
+    T, S = cfg.spec.T, cfg.spec.S
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = pl.cdiv(T, bq), pl.cdiv(S, bk)
+    g = cfg.group
+    grid_walk = cfg.strategy == "grid"
+    if grid_walk:
+        grid = (cfg.batch, cfg.heads, nq, nk)
+        kv_block, kv_pick = bk, (lambda b, n, i, j: (b, j, n // g))
+        pair = lambda b, n, i, j: (b, i, j, n)
+        seg_k = pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))
+    else:
+        grid = (cfg.batch, cfg.heads, nq)
+        kv_block, kv_pick = padded_length(S, bk, cfg.backend), (lambda b, n, i: (b, 0, n // g))
+        pair = lambda b, n, i: (b, i, 0, n)
+        seg_k = pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0))
+    q_pick = lambda b, n, i, *_: (b, i, n)
+    in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, kv_block, kv_pick),
+                _seq_spec(cfg, kv_block, kv_pick), _seq_spec(cfg, bq, q_pick),
+                _stat_spec(cfg, bq, q_pick), _stat_spec(cfg, bq, q_pick)]
+    if bias is not None:
+        in_specs.append(_pair_spec(cfg.bias_full, bq, kv_block, pair))
+    if mask is not None:
+        in_specs.append(_pair_spec(cfg.mask_full, bq, kv_block, pair))
+    if cfg.spec.segments:
+        in_specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, *_: (b, i, 0)), seg_k]
+    in_specs.append(_table_spec(cfg))
+    out_shape = [jax.ShapeDtypeStruct(_to_layout(cfg, q).shape, q.dtype)]
+    out_specs = [_seq_spec(cfg, bq, q_pick)]
+    operands = [_to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v), _to_layout(cfg, do),
+                lse, delta, *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table]
+    aliases = {}
+    if want_dbias:
+        out_shape.append(jax.ShapeDtypeStruct((cfg.batch, cfg.heads, T, S), jnp.float32))
+        out_specs.append(_pair_spec((True,) * 4, bq, kv_block, pair))
+        if not grid_walk:  # only visible blocks are written: start from zeros
+            in_specs.append(out_specs[-1])
+            operands.append(jnp.zeros((cfg.batch, cfg.heads, T, S), jnp.float32))
+            aliases = {len(operands) - 1: 1}
+    scratch, semantics = [], ("parallel",) * 3
+    if grid_walk:
+        scratch = [pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)]
+        semantics += ("arbitrary",)
+    kernel = functools.partial(_dq_kernel, cfg=cfg, want_dbias=want_dbias)
+    if aliases:
+        kernel = _ignore_input(kernel, position=len(operands) - 1)
+    outs = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch, input_output_aliases=aliases,
+        compiler_params=_params(cfg, semantics), backend=cfg.backend,
+        name="flash_attention_dq")(*operands)
+    dq = _from_layout(cfg, outs[0])
+    return dq, (outs[1] if want_dbias else None)
+
+
+def _ignore_input(kernel, position: int):
+    """The kernel without the Ref at ``position`` (an aliased buffer it only writes through its output)."""
+    def wrapped(*refs):
+        refs = list(refs)
+        del refs[position]
+        return kernel(*refs)
+    return wrapped
+
+
+# --------------------------------------------------------------------------
+# dK/dV kernel
+# --------------------------------------------------------------------------
+
+def _dkdv_kernel(*refs, cfg: Config):
+    grid_walk = cfg.strategy == "grid"
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    g = cfg.group
+    has_bias, has_mask = cfg.bias_full is not None, cfg.mask_full is not None
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest = refs
+    (bias_ref, mask_ref, qs_ref, ks_ref), rest = _split(rest, has_bias, has_mask,
+                                                      cfg.spec.segments, cfg.spec.segments)
+    table_ref, dk_ref, dv_ref, *scratch = rest
+    b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    nk = pl.cdiv(cfg.spec.S, bk)
+    nq = pl.cdiv(cfg.spec.T, bq)
+    seed = table_ref[0]
+    lo, hi = table_ref[1 + 2 * (b * nk + j)], table_ref[2 + 2 * (b * nk + j)]
+    k, v = k_ref[...], v_ref[...]
+    k_seg = None if ks_ref is None else ks_ref[...]
+
+    def step(gi, i, carry):
+        """Query head ``kh * G + gi``, query block ``i``."""
+        dk, dv = carry
+        n = kh * g + gi
+        if grid_walk:
+            q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+            q_seg = None if qs_ref is None else qs_ref[...]
+            bias, mask = (None if r is None else r[...] for r in (bias_ref, mask_ref))
+        else:
+            rows = pl.ds(i * bq, bq)
+            if cfg.layout == "BTNH":
+                q, do = q_ref[rows, n, :], do_ref[rows, n, :]
+            else:
+                q, do = q_ref[n, rows, :], do_ref[n, rows, :]
+            lse, delta = lse_ref[n, rows, :], delta_ref[n, rows, :]
+            q_seg = None if qs_ref is None else qs_ref[rows, :]
+            bias, mask = (_pair_rows(r, full, n, rows) for r, full in
+                          ((bias_ref, cfg.bias_full), (mask_ref, cfg.mask_full)))
+        q = _zero_rows_past(q, i, bq, cfg.spec.T)
+        do = _zero_rows_past(do, i, bq, cfg.spec.T)
+        delta = _zero_rows_past(delta, i, bq, cfg.spec.T)
+        tile = Tile(q=q, k=k, i=i, j=j, head=b * cfg.heads + n, q_seg=q_seg, k_seg=k_seg,
+                    bias=bias, mask=mask)
+        p, dscores, _ = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk)
+        dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+        dk = dk + _dot(dscores.astype(q.dtype), q, 0, 0)
+        return dk, dv
+
+    def finish(dk, dv):
+        dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv.astype(dv_ref.dtype)
+
+    zeros = jnp.zeros((bk, cfg.head_dim), jnp.float32)
+    if not grid_walk:
+        count = hi - lo
+
+        def flat_step(t, carry):  # t walks (query head of the group, visible query block)
+            return step(t // count, lo + t % count, carry)
+
+        finish(*lax.fori_loop(0, g * count, flat_step, (zeros, zeros)))
+        return
+    dk_acc, dv_acc = scratch
+    t = pl.program_id(3)
+    gi, i = t // nq, t % nq
+
+    @pl.when(t == 0)
+    def _init():
+        dk_acc[...], dv_acc[...] = zeros, zeros
+
+    @pl.when((i >= lo) & (i < hi))
+    def _step():
+        dk_acc[...], dv_acc[...] = step(gi, i, (dk_acc[...], dv_acc[...]))
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _finish():
+        finish(dk_acc[...], dv_acc[...])
+
+
+def _pair_rows(ref, full, n, rows):
+    """Loop strategy, dK/dV kernel: the bias/mask tile of query head n at query rows ``rows``."""
+    if ref is None:
+        return None
+    idx = (n if full[1] else 0, rows if full[2] else slice(None), slice(None))
+    return ref[idx]
+
+
+def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table):
+    """``(dk, dv)``, ``[B, S, K, H]`` in k's dtype."""
+    T, S = cfg.spec.T, cfg.spec.S
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    nq, nk = pl.cdiv(T, bq), pl.cdiv(S, bk)
+    g = cfg.group
+    grid_walk = cfg.strategy == "grid"
+    kv_pick = lambda b, kh, j, *_: (b, j, kh)
+    if grid_walk:
+        grid = (cfg.batch, cfg.kv_heads, nk, g * nq)
+        q_block, all_heads = bq, False
+        q_pick = lambda b, kh, j, t: (b, t % nq, kh * g + t // nq)
+        pair = lambda b, kh, j, t: (b, t % nq, j, kh * g + t // nq)
+        seg_q = pl.BlockSpec((None, bq, 1), lambda b, kh, j, t: (b, t % nq, 0))
+    else:
+        grid = (cfg.batch, cfg.kv_heads, nk)
+        q_block, all_heads = padded_length(T, bq, cfg.backend), True
+        q_pick = lambda b, kh, j: (b, 0, 0)
+        pair = lambda b, kh, j: (b, 0, j, 0)
+        seg_q = pl.BlockSpec((None, q_block, 1), lambda b, kh, j: (b, 0, 0))
+    in_specs = [_seq_spec(cfg, q_block, q_pick, all_heads=all_heads),
+                _seq_spec(cfg, bk, kv_pick), _seq_spec(cfg, bk, kv_pick),
+                _seq_spec(cfg, q_block, q_pick, all_heads=all_heads),
+                _stat_spec(cfg, q_block, q_pick, all_heads=all_heads),
+                _stat_spec(cfg, q_block, q_pick, all_heads=all_heads)]
+    heads_block = _heads_block(cfg, cfg.heads)
+    if bias is not None:
+        in_specs.append(_pair_spec(cfg.bias_full, q_block, bk, pair, all_heads=all_heads,
+                                   heads=heads_block))
+    if mask is not None:
+        in_specs.append(_pair_spec(cfg.mask_full, q_block, bk, pair, all_heads=all_heads,
+                                   heads=heads_block))
+    if cfg.spec.segments:
+        in_specs += [seg_q, pl.BlockSpec((None, 1, bk), lambda b, kh, j, *_: (b, 0, j))]
+    in_specs.append(_table_spec(cfg))
+    kv_shape = _to_layout(cfg, k).shape
+    out_shape = [jax.ShapeDtypeStruct(kv_shape, k.dtype), jax.ShapeDtypeStruct(kv_shape, v.dtype)]
+    out_specs = [_seq_spec(cfg, bk, kv_pick), _seq_spec(cfg, bk, kv_pick)]
+    scratch, semantics = [], ("parallel",) * 3
+    if grid_walk:
+        scratch = [pl.tpu.VMEM((bk, cfg.head_dim), jnp.float32)] * 2
+        semantics += ("arbitrary",)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, cfg=cfg), out_shape=out_shape, grid=grid,
+        in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
+        compiler_params=_params(cfg, semantics), backend=cfg.backend,
+        name="flash_attention_dkdv")(
+            _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v), _to_layout(cfg, do),
+            lse, delta, *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table)
+    return _from_layout(cfg, dk), _from_layout(cfg, dv)

@@ -1,0 +1,168 @@
+"""Which (query, key) pairs attend: one definition for the reference and every kernel.
+
+A pair ``(q, k)`` of batch ``b`` is visible when every requested condition
+holds (jax.nn.dot_product_attention's conventions):
+
+* ``is_causal``: ``k <= q`` (top-left aligned, also when ``T != S``);
+* ``local_window_size = (left, right)``: ``q - left <= k <= q + right``;
+* sequence lengths: ``q < query_seq_lengths[b]`` and ``k < key_value_seq_lengths[b]``;
+* segment ids: ``query_segment_ids[b, q] == key_value_segment_ids[b, k]``;
+* ``mask[b, n, q, k]`` (boolean, broadcast) is True.
+
+Sequence lengths are folded into segment ids (:func:`fold_lengths`): a padded
+query gets the id ``QUERY_PAD`` and a padded key ``KEY_PAD``, two reserved
+values that equal no other id, so kernels only ever compare ids. The
+positional conditions and the ids are evaluated elementwise on a tile by
+:func:`visible`; the same function evaluates them on the whole ``T x S``
+grid in the reference.
+
+Block skipping (:func:`block_ranges`): for each query block, the key/value
+blocks that can hold a visible pair form a range ``[lo, hi)`` computed once
+in XLA (exactly for the positional conditions, conservatively from per-block
+id ranges for segments); kernels visit only that range. The transposed table
+serves the dK/dV kernel, which walks query blocks for a key/value block.
+An explicit ``mask`` array is applied elementwise but not used to skip.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_core as pl
+
+QUERY_PAD = np.int32(np.iinfo(np.int32).min)  # the id of a query past its sequence length
+KEY_PAD = np.int32(np.iinfo(np.int32).min + 1)  # the id of a key past its sequence length
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """The static (trace-time) part of the mask.
+
+    Attributes:
+      T, S: query and key lengths.
+      causal: ``k <= q``.
+      left, right: the local window's reach (None: unbounded).
+      segments: whether segment ids (user ids or folded lengths) are compared.
+    """
+
+    T: int
+    S: int
+    causal: bool = False
+    left: int | None = None
+    right: int | None = None
+    segments: bool = False
+
+    @property
+    def right_reach(self) -> int | None:
+        """How far right of ``q`` a key may be: the window's right reach, capped at 0 if causal."""
+        if self.causal:
+            return 0 if self.right is None else min(self.right, 0)
+        return self.right
+
+
+def visible(spec: MaskSpec, q_pos, k_pos, q_seg=None, k_seg=None, *, bound_k: bool = False):
+    """Elementwise visibility of ``(q_pos, k_pos)``; None when everything is visible.
+
+    Args:
+      q_pos, k_pos: int32 absolute positions, broadcastable against each other.
+      q_seg, k_seg: int32 ids at those positions (with ``spec.segments``).
+      bound_k: also require ``k_pos < spec.S`` (tiles that overhang the keys).
+    """
+    conds = []
+    right = spec.right_reach
+    if right is not None:
+        conds.append(k_pos <= q_pos + right)
+    if spec.left is not None:
+        conds.append(k_pos >= q_pos - spec.left)
+    if bound_k:
+        conds.append(k_pos < spec.S)
+    if spec.segments:
+        conds.append(q_seg == k_seg)
+    if not conds:
+        return None
+    out = conds[0]
+    for c in conds[1:]:
+        out = out & c
+    return out
+
+
+def fold_lengths(q_seg, kv_seg, q_len, kv_len, T: int, S: int):
+    """Segment ids ``([B, T], [B, S])`` with sequence lengths folded in; ``(None, None)`` if neither.
+
+    Past ``q_len[b]`` a query's id becomes ``QUERY_PAD``, past ``kv_len[b]`` a
+    key's becomes ``KEY_PAD``: a padded query sees no key and a padded key is
+    seen by no query, exactly the length masks of jax.nn.
+    """
+    if q_seg is None and q_len is None and kv_len is None:
+        return None, None
+    batch = next(x.shape[0] for x in (q_seg, q_len, kv_len) if x is not None)
+    if q_seg is None:
+        q_seg = jnp.zeros((batch, T), jnp.int32)
+        kv_seg = jnp.zeros((batch, S), jnp.int32)
+    if q_len is not None:
+        q_seg = jnp.where(jnp.arange(T)[None, :] < q_len[:, None], q_seg, QUERY_PAD)
+    if kv_len is not None:
+        kv_seg = jnp.where(jnp.arange(S)[None, :] < kv_len[:, None], kv_seg, KEY_PAD)
+    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+
+
+def _block_id_range(seg, block: int):
+    """Per-block (min, max) of ids ``[B, L]`` -> two ``[B, cdiv(L, block)]``."""
+    length = seg.shape[1]
+    nblocks = pl.cdiv(length, block)
+    padded = jnp.pad(seg, ((0, 0), (0, nblocks * block - length)), mode="edge")
+    tiles = padded.reshape(seg.shape[0], nblocks, block)
+    return tiles.min(axis=2), tiles.max(axis=2)
+
+
+def block_visibility(spec: MaskSpec, block_q: int, block_k: int, q_seg=None, kv_seg=None):
+    """``[B or 1, nq, nk]`` bool: whether query block i and key block j can share a visible pair."""
+    nq, nk = pl.cdiv(spec.T, block_q), pl.cdiv(spec.S, block_k)
+    q_first = np.arange(nq) * block_q
+    q_last = np.minimum(q_first + block_q, spec.T) - 1
+    k_first = np.arange(nk) * block_k
+    k_last = np.minimum(k_first + block_k, spec.S) - 1
+    vis = np.ones((nq, nk), bool)
+    # The pair offsets k - q inside a block pair span [k_first - q_last, k_last - q_first].
+    if spec.right_reach is not None:
+        vis &= (k_first[None, :] - q_last[:, None]) <= spec.right_reach
+    if spec.left is not None:
+        vis &= (k_last[None, :] - q_first[:, None]) >= -spec.left
+    out = jnp.asarray(vis)[None]
+    if spec.segments:
+        q_min, q_max = _block_id_range(q_seg, block_q)
+        k_min, k_max = _block_id_range(kv_seg, block_k)
+        overlap = (jnp.maximum(q_min[:, :, None], k_min[:, None, :])
+                   <= jnp.minimum(q_max[:, :, None], k_max[:, None, :]))
+        out = out & overlap
+    return out
+
+
+def _first_last(vis):
+    """``[..., n]`` bool -> int32 ``(lo, hi)``: the range from the first to the last True (0, 0 if none)."""
+    n = vis.shape[-1]
+    any_ = vis.any(axis=-1)
+    lo = jnp.argmax(vis, axis=-1)
+    hi = n - jnp.argmax(vis[..., ::-1], axis=-1)
+    return jnp.where(any_, lo, 0).astype(jnp.int32), jnp.where(any_, hi, 0).astype(jnp.int32)
+
+
+def block_ranges(vis, batch: int, *, transpose: bool = False):
+    """The per-block loop ranges as a flat int32 table.
+
+    ``vis`` is :func:`block_visibility`'s ``[B or 1, nq, nk]``. Without
+    ``transpose`` entry ``2 * (b * nq + i)`` is the first key/value block
+    query block ``i`` of batch ``b`` visits and the next entry one past the
+    last; with ``transpose`` the roles swap (query blocks per key/value block,
+    ``2 * (b * nk + j)``). The table is padded to a power-of-two length, so
+    it is one whole-array block on every backend.
+    """
+    if transpose:
+        vis = jnp.swapaxes(vis, 1, 2)
+    vis = jnp.broadcast_to(vis, (batch, *vis.shape[1:]))
+    lo, hi = _first_last(vis)
+    flat = jnp.stack([lo, hi], axis=-1).reshape(-1)
+    size = pl.next_power_of_2(max(flat.shape[0], 2))
+    return jnp.pad(flat, (0, size - flat.shape[0]))

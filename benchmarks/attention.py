@@ -1,0 +1,275 @@
+"""Benchmark cases for ``ops.dot_product_attention`` (flash attention).
+
+Each case pits our kernels (every implementation in
+:func:`benchmarks.harness.kernel_implementations`: ``triton`` and
+``pallas_triton`` on GPUs, ``interpret`` on CPUs) against the baseline a user
+would write without us: ``jax.nn.dot_product_attention(implementation="xla")``
+in the inputs' dtype, jitted, which materialises the ``[B, N, T, S]`` logits
+in float32 (and, for the backward pass, their gradient). On GPUs the cuDNN
+flash attention behind the same function (``implementation="cudnn"``) is an
+extra column; where cuDNN rejects a shape, or the XLA baseline runs out of
+memory (its logits at T = 16k, head dim 64, take 32 GiB), the harness records
+an error row for that implementation instead of stopping the run.
+
+Accuracy is measured against exact float32 attention (inputs upcast,
+products at ``Precision.HIGHEST``), written here independently of both
+``ops`` and ``jax.nn`` (:func:`float32_reference`). It walks the queries in
+chunks of :data:`REFERENCE_CHUNK` rows, each rematerialised in the backward
+pass, so that even the 16k-token reference needs only one chunk's logits.
+
+Cost model (FlashAttention-2's convention, so TFLOP/s compare with published
+numbers; ceiling "matmul"): the forward is two products of ``2*B*N*T*S*H``
+flops each (``q k^T`` and ``p v``), ``4*B*N*T*S*H``; the backward counts 2.5
+forwards (five products: the recomputed logits, dV, dP, dQ, dK), so fwd+bwd
+counts ``3.5 * 4*B*N*T*S*H``. Causal attention counts half of that, the work
+below the diagonal. Every row also reports ``peak_bytes`` (temporary plus
+output buffers of the compiled executable): the point of flash attention is
+never to hold ``T x S`` scores.
+
+Passes: ``fwd`` and ``fwd+bwd`` (:data:`benchmarks.harness.PASSES`). There is
+no backward-only pass: a case's inputs are fresh arrays shared by every
+implementation, while a backward alone would start from each
+implementation's own residuals; its time is about fwd+bwd minus fwd.
+
+Shapes ``(B, T, S, N, K, H)`` (batch, queries, keys, query heads, key/value
+heads, head dim):
+
+* GPUs: FlashAttention-2's benchmark grid, 16k tokens per batch
+  (``B * T = 16384``) at T = S = 512, 2k, 4k, 8k and 16k, a 2048-wide model
+  (``N * H = 2048``: head dim 64 with 32 heads, 128 with 16), causal and not,
+  bfloat16; plus grouped-query attention 8:1 (32 query heads sharing 4
+  key/value heads) at 4k, causal.
+* CPUs run our kernels through the Pallas interpreter: tiny sizes, one
+  causal float32 case and one grouped-query bfloat16 case whose 200 rows fill
+  no block exactly.
+
+:func:`memory_report` (``python -m benchmarks.attention_memory``) compares
+the compiled memory of a training step's attention, ours against the XLA
+baseline, without running it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import ops
+from benchmarks import harness
+
+OP = "dot_product_attention"
+
+# Rows of queries per chunk of the float32 reference (see float32_reference).
+REFERENCE_CHUNK = 1024
+
+
+class Shape(NamedTuple):
+    """One attention problem: ``query [B, T, N, H]``, ``key / value [B, S, K, H]``."""
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    dtype: str
+
+    @property
+    def variant(self) -> str:
+        """``causal`` or ``full``, with ``+gqaG`` when G query heads share a key/value head."""
+        mask = "causal" if self.causal else "full"
+        group = self.heads // self.kv_heads
+        return mask if group == 1 else f"{mask}+gqa{group}"
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return (self.batch, self.q_len, self.kv_len, self.heads, self.kv_heads, self.head_dim)
+
+
+def _model_shape(seq_len: int, head_dim: int, causal: bool, *, tokens: int = 16384,
+                 width: int = 2048, kv_group: int = 1, dtype: str = "bfloat16") -> Shape:
+    """``tokens`` per batch at ``seq_len``, ``width // head_dim`` query heads."""
+    heads = width // head_dim
+    return Shape(tokens // seq_len, seq_len, seq_len, heads, heads // kv_group, head_dim, causal,
+                 dtype)
+
+
+ACCELERATOR_SHAPES = tuple(
+    _model_shape(seq_len, head_dim, causal)
+    for head_dim in (64, 128)
+    for seq_len in (512, 2048, 4096, 8192, 16384)
+    for causal in (False, True)
+) + (_model_shape(4096, 64, True, kv_group=8),)
+CPU_SHAPES = (
+    Shape(1, 128, 128, 2, 2, 32, True, "float32"),
+    Shape(1, 200, 200, 4, 2, 32, False, "bfloat16"),
+)
+QUICK_SHAPES = {"cpu": (Shape(1, 128, 128, 2, 2, 32, True, "float32"),),
+                "accelerator": (_model_shape(2048, 128, True, tokens=4096),)}
+
+
+def shapes(platform: str, quick: bool = False) -> tuple[Shape, ...]:
+    """The attention problems benchmarked on ``platform``."""
+    return harness.pick_shapes(platform, quick, cpu=CPU_SHAPES, accelerator=ACCELERATOR_SHAPES,
+                               quick_shapes=QUICK_SHAPES)
+
+
+def extra_implementations(platform: str) -> tuple[str, ...]:
+    """Other attention kernels timed beside ours: jax.nn's cuDNN path on GPUs."""
+    return ("cudnn",) if platform in ("gpu", "cuda") else ()
+
+
+def cases(platform: str, quick: bool = False) -> list[harness.Case]:
+    """Every attention case for ``platform``: shapes x passes.
+
+    ``quick`` keeps one small shape (still both passes), for smoke tests.
+    """
+    ours = harness.kernel_implementations(platform)
+    extra = extra_implementations(platform)
+    return [make_case(shape, pass_name, ours, extra)
+            for shape in shapes(platform, quick)
+            for pass_name in harness.PASSES]
+
+
+def flops(shape: Shape, pass_name: str) -> float:
+    """FlashAttention-2's count: ``4*B*N*T*S*H`` forward, 3.5x that for fwd+bwd, half if causal."""
+    b, t, s, n, _, h = shape.dims
+    forward = 4.0 * b * n * t * s * h * (0.5 if shape.causal else 1.0)
+    return forward * (3.5 if pass_name == "fwd+bwd" else 1.0)
+
+
+def make_case(shape: Shape, pass_name: str, implementations: tuple[str, ...],
+              extra: tuple[str, ...] = ()) -> harness.Case:
+    """One case: our ``implementations`` and jax.nn's ``extra`` ones vs the XLA baseline."""
+    fns = {harness.BASELINE: functools.partial(jax_nn_attention, causal=shape.causal,
+                                               implementation="xla")}
+    for name in extra:
+        fns[name] = functools.partial(jax_nn_attention, causal=shape.causal, implementation=name)
+    for name in implementations:
+        fns[name] = functools.partial(ours_attention, causal=shape.causal, implementation=name)
+    reference = functools.partial(float32_reference, causal=shape.causal)
+    fwd_bwd = pass_name == "fwd+bwd"
+    if fwd_bwd:
+        fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
+        reference = harness.forward_and_backward(reference)
+    return harness.Case(
+        op=OP, variant=shape.variant, shape=shape.dims, dtype=shape.dtype, pass_name=pass_name,
+        flops=flops(shape, pass_name),
+        make_inputs=functools.partial(_make_inputs, shape=shape, with_cotangent=fwd_bwd),
+        implementations=fns, reference=reference, ceiling="matmul", report_memory=True)
+
+
+def _make_inputs(key, *, shape: Shape, with_cotangent: bool):
+    """``(query, key, value[, cotangent])``, standard normal: with the default
+    ``1/sqrt(H)`` scale the logits have unit spread, as in a trained model."""
+    b, t, s, n, k, h = shape.dims
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    inputs = [harness.random_normal(kq, (b, t, n, h), shape.dtype),
+              harness.random_normal(kk, (b, s, k, h), shape.dtype),
+              harness.random_normal(kv, (b, s, k, h), shape.dtype)]
+    if with_cotangent:
+        inputs.append(harness.random_normal(kc, (b, t, n, h), shape.dtype))
+    return tuple(inputs)
+
+
+def jax_nn_attention(q, k, v, *, causal: bool, implementation: str):
+    """What a user writes: ``jax.nn.dot_product_attention`` in the inputs' dtype."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+
+def ours_attention(q, k, v, *, causal: bool, implementation: str):
+    return ops.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+
+def float32_reference(q, k, v, *, causal: bool, chunk: int = REFERENCE_CHUNK):
+    """Exact attention in float32: ``softmax(q k^T / sqrt(H)) v`` per head, float32 output.
+
+    Queries are processed ``chunk`` rows at a time (all at once when ``chunk``
+    does not divide T), each chunk under ``jax.checkpoint``, so that the
+    forward and the backward both hold one ``[B, N, chunk, S]`` block of
+    logits, never all ``T x S``. Causal masking is top-left aligned (query
+    ``i`` sees keys ``j <= i``), as jax.nn's.
+    """
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    group = n // kv_heads
+    rows = chunk if t % chunk == 0 else t
+    f32 = jnp.float32
+    k, v = k.astype(f32), v.astype(f32)
+    # [chunks, B, rows, K, G, H]: query head kv_head * G + g reads key/value head kv_head.
+    q_chunks = jnp.moveaxis(q.astype(f32).reshape(b, t // rows, rows, kv_heads, group, h), 1, 0)
+
+    @jax.checkpoint
+    def chunk_attention(first_row, q_chunk):
+        logits = jnp.einsum("btkgh,bskh->bkgts", q_chunk, k, precision=lax.Precision.HIGHEST)
+        logits = logits * (h ** -0.5)
+        if causal:
+            q_pos = first_row + jnp.arange(rows)[:, None]
+            logits = jnp.where(jnp.arange(s)[None, :] <= q_pos, logits, -jnp.inf)
+        probs = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=lax.Precision.HIGHEST)
+
+    first_rows = jnp.arange(0, t, rows)
+    out = lax.map(lambda args: chunk_attention(*args), (first_rows, q_chunks))
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, n, h)
+
+
+# --------------------------------------------------------------------------
+# Memory of a training step, compiled but not run
+# --------------------------------------------------------------------------
+
+# (B, T = S, N = K, H) and dtype of memory_report's default problem.
+MEMORY_SHAPE = (1, 2048, 4, 64)
+MEMORY_DTYPE = "float32"
+
+
+def memory_report(seq_len: int = MEMORY_SHAPE[1], *, batch: int = MEMORY_SHAPE[0],
+                  heads: int = MEMORY_SHAPE[2], head_dim: int = MEMORY_SHAPE[3],
+                  dtype: str = MEMORY_DTYPE, causal: bool = False,
+                  implementation: str = "interpret", platform: str = "cpu") -> dict[str, Any]:
+    """Compiled memory of attention's forward + backward, ours against the XLA baseline.
+
+    For each of ``jax.nn.dot_product_attention(implementation="xla")`` and
+    ``ops.dot_product_attention(implementation=implementation)`` the gradient
+    of the sum of the outputs with respect to q, k and v (q, k, v of shape
+    ``[batch, seq_len, heads, head_dim]``) is jitted, lowered and compiled for
+    the first ``platform`` device, and XLA's ``memory_analysis()`` read off.
+    Nothing runs, so sizes that would be slow to execute (the interpreter on
+    a CPU) cost only their compile time.
+
+    Returns:
+      ``{"config": ..., "implementations": {name: {"temp_bytes",
+      "argument_bytes", "output_bytes", "peak_bytes"}}, "ratios": {...}}``
+      where ``peak_bytes`` is temp plus output bytes (the memory beyond the
+      arguments, as :func:`benchmarks.harness.compiled_peak_bytes`) and the
+      ratios are the baseline's bytes over ours (how many times less we need).
+    """
+    device = jax.devices(platform)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    arg = jax.ShapeDtypeStruct((batch, seq_len, heads, head_dim), jnp.dtype(dtype),
+                               sharding=sharding)
+    fns = {
+        harness.BASELINE: functools.partial(jax_nn_attention, causal=causal, implementation="xla"),
+        implementation: functools.partial(ours_attention, causal=causal,
+                                          implementation=implementation),
+    }
+    results = {}
+    for name, fn in fns.items():
+        def loss(q, k, v, fn=fn):
+            return jnp.sum(fn(q, k, v).astype(jnp.float32))
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(arg, arg, arg).compile()
+        stats = compiled.memory_analysis()
+        temp, args_, out = (int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes),
+                            int(stats.output_size_in_bytes))
+        results[name] = {"temp_bytes": temp, "argument_bytes": args_, "output_bytes": out,
+                         "peak_bytes": temp + out}
+    base, ours = results[harness.BASELINE], results[implementation]
+    ratios = {field: (base[field] / ours[field] if ours[field] else None)
+              for field in ("temp_bytes", "peak_bytes")}
+    config = {"batch": batch, "q_len": seq_len, "kv_len": seq_len, "heads": heads,
+              "kv_heads": heads, "head_dim": head_dim, "dtype": jnp.dtype(dtype).name,
+              "causal": causal, "pass": "fwd+bwd (grad of sum of outputs w.r.t. q, k, v)",
+              "platform": device.platform, "device_kind": device.device_kind}
+    return {"config": config, "implementations": results, "ratios": ratios}

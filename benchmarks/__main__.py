@@ -40,7 +40,7 @@ RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 _SETTINGS = {"cpu": (2, 20, 2.0), "accelerator": (5, 50, 10.0), "quick": (1, 5, 1.0)}
 
 COLUMNS = ("case", "shape", "dtype", "pass", "implementation", "median ms",
-           "TFLOP/s", "speed-up vs XLA", "% of ceiling", "max rel err")
+           "TFLOP/s", "speed-up vs XLA", "% of ceiling", "max rel err", "peak MiB")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,10 +93,12 @@ def format_row(row: dict) -> list[str]:
     impl = row["implementation"] + (" FAILED" if row.get("error") else "")
     frac = row.get("fraction_of_ceiling")
     percent = None if frac is None else 100 * frac
+    peak = row.get("peak_bytes")  # only in the rows of cases with report_memory
+    peak_mib = None if peak is None else peak / 2**20
     return [row["op"] + "/" + row["variant"], "x".join(map(str, row["shape"])), row["dtype"],
             row["pass"], impl, _num(row.get("median_ms"), ".3f"), _num(row.get("tflops"), ".4g"),
             _num(row.get("speedup_vs_xla"), ".3g"), _num(percent, ".3g"),
-            _num(row.get("max_rel_error"), ".2e")]
+            _num(row.get("max_rel_error"), ".2e"), _num(peak_mib, ".4g")]
 
 
 def _failures(rows) -> list[str]:
@@ -132,6 +134,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         "- Matmul shapes are M x K x N; TFLOP/s counts 2*M*N*K per product, 3 products for "
         "fwd+bwd. % of ceiling: of the measured ceiling the op is bound by (the matmul rate "
         "for matmuls). Max rel err: max|out - ref| / max|ref| against a float32 reference.",
+        "- Attention shapes are B x T x S x N x K x H; TFLOP/s counts 4*B*N*T*S*H per forward "
+        "(half if causal) and 3.5 times that for fwd+bwd (FlashAttention-2's convention). "
+        "Peak MiB: the compiled executable's temporary plus output buffers, for the ops where "
+        "memory is the point.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" for _ in COLUMNS) + "|",

@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_session.sh            # pytest -m gpu, then python -m benchmarks
 #   QUICK=1 bash benchmarks/gpu_session.sh    # the same with one tiny case per op
+#   FILTER=dot_product_attention bash benchmarks/gpu_session.sh   # only the matching cases
 #
 # Environment: PYTHON (default python3), OUT (default benchmarks/results/latest),
 # COMMIT (recorded in env.txt; the device's copy of the tree has no .git),
@@ -41,6 +42,7 @@ tests_status=${PIPESTATUS[0]}
 
 bench_args=(--out "$out/bench")
 if [[ -n "${QUICK:-}" ]]; then bench_args+=(--quick); fi
+if [[ -n "${FILTER:-}" ]]; then bench_args+=(--filter "$FILTER"); fi
 "$py" -m benchmarks "${bench_args[@]}" 2>&1 | tee "$out/benchmarks.txt" | tail -60
 bench_status=${PIPESTATUS[0]}
 

@@ -6,15 +6,25 @@
 * :class:`layers.LayerNorm`, :class:`layers.RMSNorm` -- subclasses of
   ``flax.nnx.LayerNorm`` / ``RMSNorm`` over ``ops.layer_norm`` / ``ops.rms_norm``,
   with Linen twins ``layers.linen.LayerNorm`` / ``RMSNorm``.
+* :func:`layers.dot_product_attention` -- an ``attention_fn`` for the stock
+  ``flax.nnx.MultiHeadAttention`` / ``flax.linen.MultiHeadDotProductAttention``
+  that runs ``ops.dot_product_attention`` (flash attention), falling back to
+  Flax's own function (warned once) for what the kernel cannot express.
+* :class:`layers.MultiHeadAttention` -- a subclass of
+  ``flax.nnx.MultiHeadAttention`` whose default ``attention_fn`` is that
+  function, with Linen twins ``layers.linen.MultiHeadDotProductAttention``,
+  ``MultiHeadAttention`` and ``SelfAttention``.
 
-Both keep their Flax parent's constructor arguments, defaults, parameter
+All keep their Flax parent's constructor arguments, defaults, parameter
 names, shapes, initializers and metadata, so state and checkpoints made by
-the Flax layer load unchanged; they add keyword ``activation`` (None, a name
-from ``ops.ACTIVATIONS`` or a callable) and ``implementation`` (None or one of
-``ops.IMPLEMENTATIONS``), both validated at construction.
+the Flax layer load unchanged; they add keyword ``implementation`` (None or
+one of ``ops.IMPLEMENTATIONS``), validated at construction, and the Dense
+layers keyword ``activation`` (None, a name from ``ops.ACTIVATIONS`` or a
+callable).
 """
 from layers import linen
+from layers.attention import MultiHeadAttention, dot_product_attention
 from layers.dense import Dense
 from layers.norms import LayerNorm, RMSNorm
 
-__all__ = ["Dense", "LayerNorm", "RMSNorm", "linen"]
+__all__ = ["Dense", "LayerNorm", "MultiHeadAttention", "RMSNorm", "dot_product_attention", "linen"]

@@ -1,6 +1,12 @@
-"""``layers.linen.Dense``: a drop-in for ``flax.linen.Dense`` that runs ``ops.fused_matmul``.
+"""Linen drop-ins: ``layers.linen.Dense`` (here), ``LayerNorm`` / ``RMSNorm`` and attention.
 
-A subclass of :class:`flax.linen.Dense` with two more dataclass fields,
+``layers.linen.Dense`` is a drop-in for ``flax.linen.Dense`` that runs
+``ops.fused_matmul``. ``LayerNorm`` / ``RMSNorm`` come from
+:mod:`layers.linen_norms`; ``MultiHeadDotProductAttention``,
+``MultiHeadAttention`` and ``SelfAttention`` (flash attention through
+:func:`layers.dot_product_attention`) from :mod:`layers.linen_attention`.
+
+``Dense`` is a subclass of :class:`flax.linen.Dense` with two more dataclass fields,
 ``activation`` and ``implementation`` (both default None). Parameters are
 declared under the same names (``kernel`` ``[in, features]``, ``bias``
 ``[features]``) with the module's own ``kernel_init`` / ``bias_init`` and
@@ -96,5 +102,8 @@ class Dense(nn.Dense):
 
 
 from layers.linen_norms import LayerNorm, RMSNorm  # noqa: E402 - the Linen twins of layers.norms
+from layers.linen_attention import (  # noqa: E402 - the Linen twins of layers.attention
+    MultiHeadAttention, MultiHeadDotProductAttention, SelfAttention)
 
-__all__ = ["Dense", "LayerNorm", "RMSNorm"]
+__all__ = ["Dense", "LayerNorm", "MultiHeadAttention", "MultiHeadDotProductAttention", "RMSNorm",
+           "SelfAttention"]

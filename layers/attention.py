@@ -1,0 +1,348 @@
+"""``layers.dot_product_attention`` and ``layers.MultiHeadAttention``: flash attention for Flax.
+
+:func:`dot_product_attention` takes every keyword that ``flax.nnx.MultiHeadAttention``
+and ``flax.linen.MultiHeadDotProductAttention`` pass to their ``attention_fn``
+and computes the attention with ``ops.dot_product_attention`` (FlashAttention-2
+kernels: the ``T x S`` probabilities are never stored). What the kernel cannot
+express runs Flax's own ``dot_product_attention`` instead, after a one-time
+warning naming the reason.
+
+:class:`MultiHeadAttention` is a subclass of ``flax.nnx.MultiHeadAttention``
+whose default ``attention_fn`` is that function: projections, ``normalize_qk``,
+the decode cache, dropout-rng handling and the parameter tree are all
+nnx.MultiHeadAttention's own code, so state made by the stock module loads
+unchanged. The Linen twins are in :mod:`layers.linen_attention`.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import warnings
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
+from jax import lax
+
+from layers.dense import _FUSED_DTYPES, _as_precision, _check_implementation
+from ops.attention import dot_product_attention as _flash_attention
+
+__all__ = ["AttentionFallbackWarning", "MultiHeadAttention", "dot_product_attention"]
+
+
+class AttentionFallbackWarning(UserWarning):
+    """``layers.dot_product_attention`` ran Flax's attention instead of the flash kernel."""
+
+
+# Reasons already warned about: each fallback reason warns once per process.
+_WARNED: set[str] = set()
+
+
+def _warn_once(reason: str, message: str) -> None:
+    if reason in _WARNED:
+        return
+    _WARNED.add(reason)
+    warnings.warn(f"layers.dot_product_attention: {message}; running Flax's "
+                  "dot_product_attention instead (this warning is shown once).",
+                  AttentionFallbackWarning, stacklevel=3)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                          precision=None, module=None, promote_dtype=None, is_causal=False, *,
+                          force_fp32_for_softmax=None, einsum_dot_general=None,
+                          qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
+                          implementation: str | None = None, block_sizes=None):
+    """Flax's ``dot_product_attention`` by flash-attention kernels (``ops.dot_product_attention``).
+
+    A drop-in for the ``attention_fn`` of :class:`flax.nnx.MultiHeadAttention`
+    and :class:`flax.linen.MultiHeadDotProductAttention` (and for direct calls
+    of ``flax.nnx.dot_product_attention`` / ``flax.linen.dot_product_attention``)::
+
+      nnx.MultiHeadAttention(..., attention_fn=layers.dot_product_attention)
+      nn.MultiHeadDotProductAttention(..., attention_fn=functools.partial(
+          layers.dot_product_attention, implementation="triton"))
+
+    Args:
+      query: ``[batch..., T, N, H]`` (any number of batch dims, also none).
+      key, value: ``[batch..., S, K, H]`` with the same batch dims; ``N % K == 0``
+        (grouped-query attention, as nnx's ``num_kv_heads``).
+      bias: optional, broadcastable to ``[batch..., N, T, S]``; added to the
+        logits (in float32; Flax adds it in the compute dtype).
+      mask: optional, broadcastable to ``[batch..., N, T, S]``; nonzero / True
+        attends (Linen's float masks from ``make_attention_mask`` work as is).
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic: as Flax;
+        see "Dropout" below.
+      dtype: the compute dtype (None: the promoted type of query, key and
+        value), applied as Flax does; the output has it.
+      precision: None, ``DEFAULT`` or ``HIGHEST`` (alone or as a pair) run the
+        kernel, which multiplies float32 at full precision; anything else
+        falls back to Flax.
+      module: when given (``sow_weights=True``), Flax's function runs so that
+        it can sow the attention probabilities into ``module`` (the kernel
+        never forms them).
+      promote_dtype: nnx's promotion hook, ``promote_dtype((q, k, v), dtype=...)``
+        (None: ``flax.nnx``'s default).
+      is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned when
+        ``T != S``, as Flax).
+      force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
+        attn_weights_value_einsum: Linen's keywords. The softmax always runs
+        in float32 here; with ``force_fp32_for_softmax=True`` and a 16-bit
+        compute dtype the output is float32, as Linen returns it. The einsum
+        hooks (quantized einsums, e.g. AQT) fall back to Linen's function.
+      implementation: keyword-only; None (the platform's default) or a name
+        from ``ops.IMPLEMENTATIONS``, passed to ``ops.dot_product_attention``.
+      block_sizes: keyword-only; passed to ``ops.dot_product_attention``.
+
+    Returns:
+      ``[batch..., T, N, H]`` in the compute dtype.
+
+    Fully masked query rows: a query that sees no key (every entry of its
+    mask row False) gets output 0 here, with zero gradients; Flax masks with a
+    large negative logit and returns the mean of all values for such a row.
+    Padding *queries* under a padding mask are such rows. Rows with at least
+    one visible key agree with Flax up to float rounding.
+
+    Dropout (``dropout_rate > 0`` and ``deterministic=False``): applied inside
+    the kernel, each probability dropped with probability ``dropout_rate`` and
+    the survivors scaled by ``1 / (1 - dropout_rate)``, exactly as Flax in
+    distribution, but the keep/drop bits come from the kernel's counter hash
+    seeded by ``dropout_rng`` (``ops.attention.dropout``), not from
+    ``jax.random.bernoulli``: for the same ``dropout_rng`` the dropped entries
+    differ from Flax's. The bits are also drawn independently for each batch
+    element and head, whatever ``broadcast_dropout`` says (Flax's default
+    ``broadcast_dropout=True`` reuses one ``[T, S]`` mask for all of them).
+    Forward and backward passes draw the same bits. ``dropout_rng`` is
+    required then (ValueError otherwise).
+
+    Fallback to Flax (warned once per reason with an
+    :class:`AttentionFallbackWarning`): ``module`` given (probabilities
+    requested), a ``precision`` other than None/DEFAULT/HIGHEST, Linen's einsum
+    hooks, a compute dtype other than float32/bfloat16/float16 (float64,
+    complex), a value head dim different from the query's, a traced
+    ``deterministic`` or ``dropout_rate``. The fallback is
+    ``flax.linen.dot_product_attention`` when Linen called (``module`` is a
+    Linen module, or any Linen-only keyword above is given: Linen's
+    MultiHeadDotProductAttention always passes ``force_fp32_for_softmax``),
+    else ``flax.nnx.dot_product_attention``; ``is_causal`` and grouped heads
+    are expressed for Linen's function as a mask and repeated heads.
+
+    Raises:
+      ValueError: query, key and value of different ranks or batch dims,
+        dropout without ``dropout_rng``, and ``ops.dot_product_attention``'s
+        shape and argument errors (ValueError / TypeError naming the argument).
+    """
+    given = (query, key, value)  # unpromoted, for nnx's function (it promotes them itself)
+    linen = (isinstance(module, nn.Module) or force_fp32_for_softmax is not None
+             or einsum_dot_general is not None or qk_attn_weights_einsum is not None
+             or attn_weights_value_einsum is not None)
+    if promote_dtype is not None:
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    else:
+        query, key, value = nnx_dtypes.promote_dtype((query, key, value), dtype=dtype)
+    flax_args = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+                     dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                     deterministic=deterministic, dtype=dtype, precision=precision,
+                     module=module, is_causal=is_causal)
+    reason = _fallback_reason(query, key, value, module, precision, deterministic, dropout_rate,
+                              einsum_dot_general, qk_attn_weights_einsum,
+                              attn_weights_value_einsum)
+    if reason is not None:
+        _warn_once(*reason)
+        if linen:
+            return _linen_attention(query, key, value, **flax_args,
+                                    force_fp32_for_softmax=bool(force_fp32_for_softmax),
+                                    einsum_dot_general=einsum_dot_general,
+                                    qk_attn_weights_einsum=qk_attn_weights_einsum,
+                                    attn_weights_value_einsum=attn_weights_value_einsum)
+        return nnx.dot_product_attention(*given, **flax_args,
+                                         promote_dtype=promote_dtype or nnx_dtypes.promote_dtype)
+
+    if query.ndim != key.ndim or query.ndim != value.ndim or query.ndim < 3:
+        raise ValueError("layers.dot_product_attention: query, key and value must be "
+                         "[batch..., length, heads, head_dim] of one rank, got shapes "
+                         f"{query.shape}, {key.shape}, {value.shape}.")
+    batch = query.shape[:-3]
+    if key.shape[:-3] != batch or value.shape[:-3] != batch:
+        raise ValueError("layers.dot_product_attention: query, key and value must have the same "
+                         f"batch dims, got shapes {query.shape}, {key.shape}, {value.shape}.")
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            mask = mask.astype(jnp.bool_)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            bias = bias.astype(jnp.float32)
+    dropping = not deterministic and dropout_rate > 0
+    if dropping and dropout_rng is None:
+        raise ValueError("layers.dot_product_attention: dropout_rate="
+                         f"{dropout_rate} with deterministic=False needs a dropout_rng.")
+    if len(batch) > 1:  # ops takes one batch dim: flatten them, and restore below
+        flat = (math.prod(batch),)
+        query, key, value = (jnp.reshape(x, flat + x.shape[-3:]) for x in (query, key, value))
+        mask, bias = (_flatten_pair(x, batch) for x in (mask, bias))
+    out = _flash_attention(query, key, value, bias, mask, is_causal=bool(is_causal),
+                           dropout_rate=float(dropout_rate) if dropping else 0.0,
+                           dropout_rng=dropout_rng if dropping else None,
+                           implementation=implementation, block_sizes=block_sizes)
+    if len(batch) > 1:
+        out = jnp.reshape(out, batch + out.shape[1:])
+    if force_fp32_for_softmax and out.dtype != jnp.float32:
+        out = out.astype(jnp.promote_types(out.dtype, jnp.float32))  # Linen's output dtype
+    return out
+
+
+def _precision_ok(precision) -> bool:
+    """None, DEFAULT or HIGHEST (alone or a pair): the kernel's full float32 precision serves."""
+    ok = (lax.Precision.DEFAULT, lax.Precision.HIGHEST)
+    if precision is None:
+        return True
+    if isinstance(precision, (tuple, list)):
+        return len(precision) == 2 and all(_as_precision(p) in ok for p in precision)
+    return _as_precision(precision) in ok
+
+
+def _fallback_reason(query, key, value, module, precision, deterministic, dropout_rate,
+                     einsum_dot_general, qk_einsum, value_einsum):
+    """None when the kernel can run, else (reason key, message) for the one-time warning."""
+    if module is not None:
+        return ("module", "the attention probabilities were requested (module given, e.g. "
+                          "sow_weights=True) and the flash kernel never forms them")
+    if einsum_dot_general is not None or qk_einsum is not None or value_einsum is not None:
+        return ("einsum", "a custom einsum / einsum_dot_general (e.g. a quantized einsum) "
+                          "cannot run inside the kernel")
+    if not _precision_ok(precision):
+        return ("precision", f"precision={precision!r} is not one the kernel computes (it "
+                             "multiplies float32 at full precision: None, DEFAULT or HIGHEST)")
+    if jnp.dtype(query.dtype) not in _FUSED_DTYPES:
+        return ("dtype", f"compute dtype {jnp.dtype(query.dtype).name} is not float32, "
+                         "bfloat16 or float16")
+    if value.shape[-1:] != query.shape[-1:] or key.shape[-1:] != query.shape[-1:]:
+        return ("head_dim", f"query/key/value head dims differ ({query.shape[-1:]}, "
+                            f"{key.shape[-1:]}, {value.shape[-1:]})")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        return ("traced", "deterministic is not a Python bool (traced?)")
+    if not deterministic and (isinstance(dropout_rate, bool)
+                              or not isinstance(dropout_rate, numbers.Real)):
+        return ("traced", "dropout_rate is not a Python number (traced?)")
+    return None
+
+
+def _flatten_pair(x, batch):
+    """A mask / bias broadcastable to ``[*batch, N, T, S]`` as ``[B or 1, N, T, S]``."""
+    if x is None or x.ndim <= 3:
+        return x
+    if x.ndim > len(batch) + 3:
+        raise ValueError(f"layers.dot_product_attention: a mask/bias of shape {x.shape} does not "
+                         f"broadcast to [*batch, N, T, S] with batch dims {batch}.")
+    x = jnp.reshape(x, (1,) * (len(batch) + 3 - x.ndim) + x.shape)
+    lead, tail = x.shape[:len(batch)], x.shape[len(batch):]
+    if all(d == 1 for d in lead):
+        return jnp.reshape(x, (1,) + tail)
+    return jnp.reshape(jnp.broadcast_to(x, batch + tail), (math.prod(batch),) + tail)
+
+
+def _linen_attention(query, key, value, *, mask, is_causal, **kwargs):
+    """``flax.linen.dot_product_attention``, with is_causal as a mask and GQA as repeated heads."""
+    if is_causal:
+        T, S = query.shape[-3], key.shape[-3]
+        causal = jnp.tril(jnp.ones((T, S), jnp.bool_))
+        mask = causal if mask is None else jnp.logical_and(jnp.asarray(mask).astype(bool), causal)
+    if key.shape[-2] != query.shape[-2] and key.shape[-2] and not query.shape[-2] % key.shape[-2]:
+        groups = query.shape[-2] // key.shape[-2]
+        key, value = (jnp.repeat(x, groups, axis=-2) for x in (key, value))
+    return nn.dot_product_attention(query, key, value, mask=mask, **kwargs)
+
+
+class _BoundAttention:
+    """:func:`dot_product_attention` with ``implementation`` bound: the layers' default ``attention_fn``.
+
+    Compared and hashed by value (module graphs and Linen fields stay equal
+    across instances), and it shows :func:`dot_product_attention`'s signature
+    so that Linen's keyword filtering passes it every keyword it knows.
+    """
+
+    def __init__(self, implementation: str | None):
+        self.implementation = implementation
+        self.__signature__ = _BOUND_SIGNATURE
+
+    def __call__(self, *args, **kwargs):
+        return dot_product_attention(*args, implementation=self.implementation, **kwargs)
+
+    def __eq__(self, other):
+        return type(other) is _BoundAttention and other.implementation == self.implementation
+
+    def __hash__(self):
+        return hash((_BoundAttention, self.implementation))
+
+    def __repr__(self):
+        return f"layers.dot_product_attention[implementation={self.implementation!r}]"
+
+
+_BOUND_SIGNATURE = inspect.signature(dot_product_attention).replace(parameters=[
+    p for p in inspect.signature(dot_product_attention).parameters.values()
+    if p.name != "implementation"])
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention):
+    """Multi-head attention by flash-attention kernels: a drop-in for :class:`flax.nnx.MultiHeadAttention`.
+
+    Every constructor argument and default (``num_heads``, ``in_features``,
+    ``qkv_features``, ``out_features``, ``num_kv_heads``, ``in_kv_features``,
+    ``dtype``, ``param_dtype``, ``broadcast_dropout``, ``dropout_rate``,
+    ``deterministic``, ``precision``, initializers, ``use_bias``, ``decode``,
+    ``normalize_qk``, promote/dot_general hooks, ``rngs``, ``keep_rngs``,
+    metadata), the ``__call__`` signature (``inputs_q, inputs_k=None,
+    inputs_v=None, *, mask, deterministic, rngs, sow_weights, decode,
+    is_causal, out_sharding, qkv_sharding``), ``init_cache`` / ``set_view``
+    and the parameter and cache tree are nnx.MultiHeadAttention's own: the
+    class only changes the default ``attention_fn`` to
+    :func:`dot_product_attention` with this layer's ``implementation`` bound.
+    So ``MultiHeadAttention(..., rngs=nnx.Rngs(s))`` holds the same state as
+    the stock layer built with the same arguments, either's state (or
+    checkpoint) loads into the other, and outputs and gradients agree up to
+    float rounding, except where :func:`dot_product_attention` documents a
+    difference: fully masked query rows give 0 (Flax: the mean of the
+    values), and dropout draws different (per batch element and head) bits.
+    ``sow_weights=True`` runs Flax's attention (warned once), since the
+    kernel never forms the probabilities.
+
+    Args:
+      implementation: keyword-only. None (the platform's default: "xla" on
+        CPU, "triton" on GPU, resolved at call time) or a name from
+        ``ops.IMPLEMENTATIONS``, validated at construction (ValueError naming
+        the argument). Used by the default ``attention_fn`` only: an explicit
+        ``attention_fn`` is used as given.
+      everything else: exactly as :class:`flax.nnx.MultiHeadAttention`.
+    """
+
+    def __init__(self, *args, implementation: str | None = None, **kwargs):
+        _check_implementation(implementation, "layers.MultiHeadAttention")
+        if "attention_fn" not in kwargs:
+            kwargs["attention_fn"] = _BoundAttention(implementation)
+        super().__init__(*args, **kwargs)
+        self.implementation = implementation
+
+
+def _signature_with_implementation(parent):
+    """``parent.__init__``'s signature plus ``implementation=None``, our attention_fn as default."""
+    base = inspect.signature(parent.__init__)
+    params = []
+    for p in base.parameters.values():
+        if p.name == "attention_fn":
+            p = p.replace(default=dot_product_attention)
+        params.append(p)
+    extra = inspect.Parameter("implementation", inspect.Parameter.KEYWORD_ONLY, default=None)
+    first_kw = next((i for i, p in enumerate(params) if p.kind == p.KEYWORD_ONLY), len(params))
+    return base.replace(parameters=params[:first_kw] + [extra] + params[first_kw:])
+
+
+try:
+    MultiHeadAttention.__init__.__signature__ = _signature_with_implementation(
+        nnx.MultiHeadAttention)
+except (TypeError, ValueError):  # an unexpected Flax signature: keep the plain one
+    pass

@@ -40,20 +40,33 @@ class BlockSizes:
 def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> BlockSizes:
     """The heuristic (untuned until a GPU run): tiles that fit each backend's memories.
 
-    * triton / pallas_triton: 128-row query tiles and 64-row key tiles for
-      16-bit inputs (32 for float32, whose tiles take twice the shared memory),
-      halved for head dims above 128, as FlashAttention-2's Triton kernels on
-      sm_80/sm_90; never more than the (power-of-two rounded) sequence.
+    * triton / pallas_triton: forward and dQ tiles of 128 query x 64 key
+      rows for 16-bit inputs, halved for head dims above 128 (as
+      FlashAttention-2's Triton kernels on sm_80/sm_90); the dK/dV kernel,
+      which holds two ``[block_k, H]`` float32 accumulators, takes 32 x 128
+      (32 x 64 above 128: ``wgmma`` needs 64 rows); never more than the
+      (power-of-two rounded) sequence. 16-bit inputs at every head dim 32..256 compile for
+      sm_90 without register spills (tests/test_attention_static.py). float32
+      inputs multiply at IEEE precision on FMA units, not tensor cores, which
+      needs far more registers: 16 x 16 tiles, and the dK/dV kernel still
+      spills a few hundred bytes at some head dims (float32 attention is a
+      correctness path on GPUs, not a fast one).
     * mosaic_tpu: 128 x 128 (the MXU and lane width), or the whole sequence
       when shorter.
     * interpret: 64 x 64, or the whole (rounded) sequence when shorter.
     """
     wide = np.dtype(dtype).itemsize >= 4
     if backend in pl.TRITON_BACKENDS:
-        bq, bk = (128, 32 if wide else 64) if head_dim <= 128 else (64, 32)
-        bq = min(bq, max(16, pl.next_power_of_2(T)))
-        bk = min(bk, max(16, pl.next_power_of_2(S)))
-        return BlockSizes(bq, bk, block_q_dkv=min(bk, bq), block_k_dkv=bk)
+        padded_h = pl.next_power_of_2(head_dim)
+        if wide:  # float32 products run on FMA units (IEEE precision): the smallest tiles
+            bq, bk, bq_dkv, bk_dkv = 16, 16, 16, 16
+        elif padded_h <= 128:
+            bq, bk, bq_dkv, bk_dkv = 128, 64, 32, 128
+        else:
+            bq, bk, bq_dkv, bk_dkv = 64, 32, 32, 64
+        fit_t = lambda b: min(b, max(16, pl.next_power_of_2(T)))
+        fit_s = lambda b: min(b, max(16, pl.next_power_of_2(S)))
+        return BlockSizes(fit_t(bq), fit_s(bk), block_q_dkv=fit_t(bq_dkv), block_k_dkv=fit_s(bk_dkv))
     if backend == "mosaic_tpu":
         return BlockSizes(T if T <= 128 else 128, S if S <= 128 else 128)
     return BlockSizes(min(64, pl.next_power_of_2(T)), min(64, pl.next_power_of_2(S)))

@@ -110,6 +110,17 @@ def _dot(a, b, ca: int, cb: int):
                            preferred_element_type=jnp.float32)
 
 
+def _div(a, b):
+    """``a // b`` for non-negative ints as one truncating division (jnp's floor
+    division adds sign fix-ups, which Mosaic TPU cannot lower off a TPU)."""
+    return lax.div(a, jnp.int32(b)) if isinstance(b, int) else lax.div(a, b)
+
+
+def _rem(a, b):
+    """``a % b`` for non-negative ints (see :func:`_div`)."""
+    return lax.rem(a, jnp.int32(b)) if isinstance(b, int) else lax.rem(a, b)
+
+
 def _positions(first, block: int, shape, axis: int):
     return first * block + lax.broadcasted_iota(jnp.int32, shape, axis)
 
@@ -288,9 +299,13 @@ def scalar_table(seed, ranges):
     return jnp.pad(flat, (0, size - flat.shape[0]))
 
 
-def _params(cfg: Config, semantics):
+def _params(cfg: Config, semantics, accumulator_rows: int, threshold: int = 128 * 128):
+    """Compiler params; Triton gets 8 warps once the float32 accumulator tiles
+    (``accumulator_rows x H``, H padded to a power of two) reach ``threshold``
+    elements, 4 below: the split that compiles for sm_90 without spills."""
     if cfg.backend in pl.TRITON_BACKENDS:
-        warps = cfg.num_warps or (8 if cfg.block_q * cfg.head_dim >= 128 * 128 else 4)
+        tile = accumulator_rows * pl.next_power_of_2(cfg.head_dim)
+        warps = cfg.num_warps or (8 if tile >= threshold else 4)
         stages = cfg.num_stages or 2
         if cfg.backend == "pallas_triton":
             return pl.triton.CompilerParams(num_warps=warps, num_stages=stages)
@@ -411,12 +426,12 @@ def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table):
     grid_walk = cfg.strategy == "grid"
     if grid_walk:
         grid = (cfg.batch, cfg.heads, nq, nk)
-        kv_block, kv_pick = bk, (lambda b, n, i, j: (b, j, n // g))
+        kv_block, kv_pick = bk, (lambda b, n, i, j: (b, j, _div(n, g)))
         pair = lambda b, n, i, j: (b, i, j, n)
         seg_k = pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))
     else:
         grid = (cfg.batch, cfg.heads, nq)
-        kv_block, kv_pick = padded_length(S, bk, cfg.backend), (lambda b, n, i: (b, 0, n // g))
+        kv_block, kv_pick = padded_length(S, bk, cfg.backend), (lambda b, n, i: (b, 0, _div(n, g)))
         pair = lambda b, n, i: (b, i, 0, n)
         seg_k = pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0))
     q_pick = lambda b, n, i, *_: (b, i, n)
@@ -441,7 +456,7 @@ def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table):
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg), out_shape=out_shape, grid=grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
-        compiler_params=_params(cfg, semantics), backend=cfg.backend,
+        compiler_params=_params(cfg, semantics, bq), backend=cfg.backend,
         name="flash_attention_fwd")(
             _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v),
             *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table)
@@ -523,12 +538,12 @@ def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, tab
     grid_walk = cfg.strategy == "grid"
     if grid_walk:
         grid = (cfg.batch, cfg.heads, nq, nk)
-        kv_block, kv_pick = bk, (lambda b, n, i, j: (b, j, n // g))
+        kv_block, kv_pick = bk, (lambda b, n, i, j: (b, j, _div(n, g)))
         pair = lambda b, n, i, j: (b, i, j, n)
         seg_k = pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))
     else:
         grid = (cfg.batch, cfg.heads, nq)
-        kv_block, kv_pick = padded_length(S, bk, cfg.backend), (lambda b, n, i: (b, 0, n // g))
+        kv_block, kv_pick = padded_length(S, bk, cfg.backend), (lambda b, n, i: (b, 0, _div(n, g)))
         pair = lambda b, n, i: (b, i, 0, n)
         seg_k = pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0))
     q_pick = lambda b, n, i, *_: (b, i, n)
@@ -564,7 +579,7 @@ def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, tab
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=scratch, input_output_aliases=aliases,
-        compiler_params=_params(cfg, semantics), backend=cfg.backend,
+        compiler_params=_params(cfg, semantics, bq), backend=cfg.backend,
         name="flash_attention_dq")(*operands)
     dq = _from_layout(cfg, outs[0])
     return dq, (outs[1] if want_dbias else None)
@@ -637,13 +652,13 @@ def _dkdv_kernel(*refs, cfg: Config):
         count = hi - lo
 
         def flat_step(t, carry):  # t walks (query head of the group, visible query block)
-            return step(t // count, lo + t % count, carry)
+            return step(_div(t, count), lo + _rem(t, count), carry)
 
         finish(*lax.fori_loop(0, g * count, flat_step, (zeros, zeros)))
         return
     dk_acc, dv_acc = scratch
     t = pl.program_id(3)
-    gi, i = t // nq, t % nq
+    gi, i = _div(t, nq), _rem(t, nq)
 
     @pl.when(t == 0)
     def _init():
@@ -677,9 +692,9 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
     if grid_walk:
         grid = (cfg.batch, cfg.kv_heads, nk, g * nq)
         q_block, all_heads = bq, False
-        q_pick = lambda b, kh, j, t: (b, t % nq, kh * g + t // nq)
-        pair = lambda b, kh, j, t: (b, t % nq, j, kh * g + t // nq)
-        seg_q = pl.BlockSpec((None, bq, 1), lambda b, kh, j, t: (b, t % nq, 0))
+        q_pick = lambda b, kh, j, t: (b, _rem(t, nq), kh * g + _div(t, nq))
+        pair = lambda b, kh, j, t: (b, _rem(t, nq), j, kh * g + _div(t, nq))
+        seg_q = pl.BlockSpec((None, bq, 1), lambda b, kh, j, t: (b, _rem(t, nq), 0))
     else:
         grid = (cfg.batch, cfg.kv_heads, nk)
         q_block, all_heads = padded_length(T, bq, cfg.backend), True
@@ -711,7 +726,7 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg), out_shape=out_shape, grid=grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
-        compiler_params=_params(cfg, semantics), backend=cfg.backend,
+        compiler_params=_params(cfg, semantics, bk, threshold=64 * 128), backend=cfg.backend,
         name="flash_attention_dkdv")(
             _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v), _to_layout(cfg, do),
             lse, delta, *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table)

@@ -52,8 +52,9 @@ def compile(f, *args, target: str = "sm_90", **kwargs) -> list[dict]:  # noqa: A
 
     Works without a GPU (Triton ships its own ptxas). Returns one report per
     kernel: ``name``, ``target``, ``num_warps``, ``num_stages``,
-    ``shared_memory_bytes`` and ``registers`` (None when the compiler's
-    metadata does not carry it offline).
+    ``shared_memory_bytes``, ``registers`` (per thread) and
+    ``spill_bytes`` (spill stores plus loads), the last two read from
+    ``ptxas -v`` on the generated PTX, and ``asm`` (every stage's text).
 
     Raises:
       ValueError: a target other than ``"sm_XY"``.
@@ -80,7 +81,31 @@ def compile(f, *args, target: str = "sm_90", **kwargs) -> list[dict]:  # noqa: A
             target=GPUTarget("cuda", capability, 32),
             options=dict(num_warps=r["num_warps"], num_stages=r["num_stages"]))
         metadata = compiled.metadata
+        usage = _ptxas_usage(compiled.asm["ptx"], capability)
         reports.append(dict(name=r["name"], target=target, num_warps=metadata.num_warps,
                             num_stages=metadata.num_stages, shared_memory_bytes=metadata.shared,
-                            registers=getattr(compiled, "n_regs", None), asm=compiled.asm))
+                            registers=usage["registers"], spill_bytes=usage["spill_bytes"],
+                            asm=compiled.asm))
     return reports
+
+
+def _ptxas_usage(ptx: str, capability: int) -> dict:
+    """Registers per thread and spill bytes of a PTX module, from Triton's own ``ptxas -v``."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as fh:
+            fh.write(ptx)
+        log = subprocess.run([ptxas, "--gpu-name", arch, "-v", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    return dict(registers=int(registers.group(1)) if registers else None, spill_bytes=sum(spills))

@@ -1,0 +1,405 @@
+"""ops.dot_product_attention: every option against the float32 XLA reference.
+
+Rungs 2-4 of the ladder: the interpret backend (every option, forward and
+gradients), our Triton lowering through Triton's interpreter (every option at
+least once), and lowering for ``tpu`` / ``cuda``. Shapes never divide the
+blocks (T = 37, S = 45 against 16-row tiles). The reference is jax.nn's XLA
+path computed in float32 with the fully-masked-row convention of the op
+(output 0, logsumexp -inf); where no row is fully masked, jax.nn itself is
+the reference.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import ops
+from ops.attention import BlockSizes, attention_reference
+from ops.attention import dropout as dropout_lib
+from ops.attention.masking import MaskSpec, block_ranges, block_visibility
+from tests.tolerances import BACKWARD, FORWARD, assert_close
+
+B, T, S, N, K, H = 2, 37, 45, 4, 2, 32
+BLOCKS = {"interpret": (16, 16), "triton": (16, 32)}
+
+
+def _inputs(seed=0, b=B, t=T, s=S, n=N, k=K, h=H, dtype=jnp.float32):
+    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (b, t, n, h), jnp.float32).astype(dtype)
+    key = jax.random.normal(kk, (b, s, k, h), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, s, k, h), jnp.float32).astype(dtype)
+    do = jax.random.normal(kc, (b, t, n, h), jnp.float32).astype(dtype)
+    return q, key, v, do
+
+
+def _segments(b, length, sizes):
+    ids = np.concatenate([np.full(n, i, np.int32) for i, n in enumerate(sizes)])[:length]
+    return jnp.asarray(np.broadcast_to(ids, (b, length)).copy())
+
+
+def _options(name):
+    """Keyword arguments of one named option set (B, T, S of the module)."""
+    rng = jax.random.key(7)
+    return {
+        "plain": {},
+        "causal": dict(is_causal=True),
+        "window": dict(local_window_size=(5, 3)),
+        "window_causal": dict(local_window_size=4, is_causal=True),
+        "lengths": dict(query_seq_lengths=jnp.array([37, 20], jnp.int32),
+                        key_value_seq_lengths=jnp.array([9, 45], jnp.int32)),
+        "segments": dict(query_segment_ids=_segments(B, T, [10, 20, 7]),
+                         key_value_segment_ids=_segments(B, S, [12, 18, 15]), is_causal=True),
+        "soft_cap": dict(logits_soft_cap=2.0),
+        "mask": dict(mask=jax.random.bernoulli(rng, 0.7, (B, 1, T, S))),
+        "bias": dict(bias=jax.random.normal(rng, (1, N, T, S))),
+        "bias_rows": dict(bias=jax.random.normal(rng, (B, 1, 1, S))),
+        "dropout": dict(dropout_rate=0.3, dropout_rng=jax.random.key(3)),
+        "scale": dict(scale=0.3),
+    }[name]
+
+
+OPTIONS = ["plain", "causal", "window", "window_causal", "lengths", "segments", "soft_cap",
+           "mask", "bias", "bias_rows", "dropout", "scale"]
+
+
+def _attend(impl, q, k, v, bias=None, **kw):
+    blocks = BLOCKS.get(impl)
+    return ops.dot_product_attention(q, k, v, bias, implementation=impl, block_sizes=blocks, **kw)
+
+
+def _loss(impl, kw, do):
+    def f(q, k, v, bias=None):
+        out = _attend(impl, q, k, v, bias, **kw)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+    return f
+
+
+def _check_grads(impl, kw, q, k, v, do, tol):
+    bias = kw.pop("bias", None)
+    args = (q, k, v) if bias is None else (q, k, v, bias)
+    argnums = tuple(range(len(args)))
+    ours = jax.grad(_loss(impl, kw, do), argnums)(*args)
+    up = [a.astype(jnp.float32) for a in args]
+    ref = jax.grad(_loss("xla", kw, do), argnums)(*up)
+    for name, a, r in zip("qkvb", ours, ref):
+        assert a.dtype == args["qkvb".index(name)].dtype
+        assert_close(a, r, tol, f"d{name}")
+
+
+# --------------------------------------------------------------------------
+# interpret: every option, forward and gradients
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_interpret_forward_matches_reference(option):
+    q, k, v, _ = _inputs()
+    kw = _options(option)
+    out, lse = _attend("interpret", q, k, v, return_residual=True, **kw)
+    ref, ref_lse = _attend("xla", q, k, v, return_residual=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (B, T, N) and lse.dtype == jnp.float32
+    assert_close(out, ref, FORWARD[jnp.float32], "out")
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    assert np.allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_interpret_gradients_match_reference(option):
+    q, k, v, do = _inputs(1)
+    _check_grads("interpret", _options(option), q, k, v, do, BACKWARD[jnp.float32])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_interpret_16bit(dtype):
+    q, k, v, do = _inputs(2, dtype=dtype)
+    kw = dict(is_causal=True, bias=jax.random.normal(jax.random.key(5), (B, N, T, S)).astype(dtype))
+    ref = _attend("xla", *(x.astype(jnp.float32) for x in (q, k, v)),
+                  bias=kw["bias"].astype(jnp.float32), is_causal=True)
+    out = _attend("interpret", q, k, v, **kw)
+    assert out.dtype == dtype
+    assert_close(out, ref, FORWARD[dtype], "out")
+    _check_grads("interpret", dict(kw), q, k, v, do, BACKWARD[dtype])
+
+
+# --------------------------------------------------------------------------
+# jax.nn is the reference wherever no query row is fully masked
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    {}, dict(is_causal=True), dict(local_window_size=(6, 2)),
+    dict(query_seq_lengths=jnp.array([30, 37], jnp.int32),
+         key_value_seq_lengths=jnp.array([20, 45], jnp.int32)),
+], ids=["plain", "causal", "window", "lengths"])
+def test_matches_jax_nn(kw):
+    q, k, v, _ = _inputs(3)
+    bias = jax.random.normal(jax.random.key(1), (B, 1, T, S))
+    expected = jax.nn.dot_product_attention(q, k, v, bias, implementation="xla", **kw)
+    for impl in ("xla", "interpret"):
+        assert_close(_attend(impl, q, k, v, bias, **kw), expected, FORWARD[jnp.float32], impl)
+
+
+def test_unbatched_tnh_layout_and_one_token_decode():
+    q, k, v, _ = _inputs(4, b=1, t=1, s=45)
+    lengths = jnp.array([30], jnp.int32)
+    expected = jax.nn.dot_product_attention(q[0], k[0], v[0], key_value_seq_lengths=lengths)
+    out = _attend("interpret", q[0], k[0], v[0], key_value_seq_lengths=lengths)
+    assert out.shape == (1, N, H)
+    assert_close(out, expected, FORWARD[jnp.float32], "TNH")
+
+
+def test_fully_masked_rows_give_zero_output_and_gradients():
+    q, k, v, do = _inputs(5)
+    kw = dict(key_value_seq_lengths=jnp.array([0, 45], jnp.int32))
+    out, lse = _attend("interpret", q, k, v, return_residual=True, **kw)
+    assert np.all(np.asarray(out[0]) == 0) and np.all(np.isneginf(np.asarray(lse[0])))
+    assert np.all(np.isfinite(np.asarray(lse[1])))
+    grads = jax.grad(_loss("interpret", kw, do), (0, 1, 2))(q, k, v)
+    for g in grads:
+        assert np.all(np.isfinite(np.asarray(g)))
+    assert np.all(np.asarray(grads[0][0]) == 0)  # dq of batch 0: no key was seen
+
+
+# --------------------------------------------------------------------------
+# Dropout: one hash for every backend and the reference
+# --------------------------------------------------------------------------
+
+def test_dropout_keeps_the_expected_fraction_and_depends_on_the_key():
+    seed = dropout_lib.seed_from_rng(jax.random.key(0))
+    keep = dropout_lib.keep_mask(seed, jnp.arange(8)[:, None, None], jnp.arange(256)[:, None],
+                                 jnp.arange(256)[None, :], 0.3)
+    assert abs(float(keep.mean()) - 0.7) < 0.005
+    # neighbouring rows / columns / heads are not copies of each other
+    assert float(jnp.mean(keep[:, 1:] == keep[:, :-1])) < 0.65
+    assert float(jnp.mean(keep[1:] == keep[:-1])) < 0.65
+    other = dropout_lib.seed_from_rng(jax.random.key(1))
+    assert int(other) != int(seed)
+    q, k, v, _ = _inputs(6)
+    a = _attend("interpret", q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(0))
+    b = _attend("interpret", q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(1))
+    assert float(jnp.abs(a - b).max()) > 0.1
+
+
+def test_dropout_mask_is_bit_identical_across_backends():
+    """With v = identity columns the output exposes every probability: dropped entries are exact 0."""
+    b, t, s, n = 1, 20, 40, 2
+    q = jax.random.normal(jax.random.key(0), (b, t, n, 32))
+    k = jax.random.normal(jax.random.key(1), (b, s, n, 32))
+    v = jnp.broadcast_to(jnp.eye(s, 32)[None, :, None, :], (b, s, n, 32))
+    kw = dict(dropout_rate=0.5, dropout_rng=jax.random.key(9))
+    outs = {impl: np.asarray(ops.dot_product_attention(
+        q, k, v, implementation=impl, block_sizes=(16, 16), **kw)) for impl in ("xla", "interpret", "triton")}
+    dropped = outs["xla"][..., :32] == 0
+    assert 0.3 < dropped.mean() < 0.7
+    for impl in ("interpret", "triton"):
+        assert np.array_equal(outs[impl][..., :32] == 0, dropped), impl
+
+
+# --------------------------------------------------------------------------
+# Block skipping: blocks that cannot contribute are never read
+# --------------------------------------------------------------------------
+
+def _poison(x, rows):
+    """NaN in the given sequence rows of a [B, L, heads, H] array."""
+    return x.at[:, rows].set(jnp.nan)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "triton"])
+@pytest.mark.parametrize("case", ["lengths", "causal", "window", "segments"])
+def test_skipped_blocks_are_never_read(impl, case):
+    """Keys in blocks no query can see hold NaN: a kernel that reads them (even
+    masked, since 0 * NaN = NaN in p @ v) returns NaN. Removing the skipping
+    makes every case here fail (checked once by hand)."""
+    t, s, blk = 32, 96, 16
+    q, k, v, do = _inputs(8, t=t, s=s)
+    kw = {"lengths": dict(key_value_seq_lengths=jnp.array([40, 40], jnp.int32)),
+          "causal": dict(is_causal=True),
+          "window": dict(local_window_size=(0, 10)),
+          "segments": dict(query_segment_ids=_segments(B, t, [t]),
+                           key_value_segment_ids=_segments(B, s, [48, 48]))}[case]
+    dead = slice(48, s)  # blocks 3..5 of 16 keys: beyond every query's reach
+    k, v = _poison(k, dead), _poison(v, dead)
+    blocks = (blk, blk) if impl == "interpret" else BlockSizes(16, 16)
+    f = lambda q, k, v: ops.dot_product_attention(q, k, v, implementation=impl, block_sizes=blocks, **kw)
+    out = f(q, k, v)
+    assert np.all(np.isfinite(np.asarray(out)))
+    ref = ops.dot_product_attention(q, k[:, :48], v[:, :48], implementation="xla",
+                                    **{a: (b[:, :48] if a == "key_value_segment_ids" else b)
+                                       for a, b in kw.items()})
+    assert_close(out, ref, FORWARD[jnp.float32], case)
+    dq, dk, dv = jax.grad(lambda *a: jnp.sum(f(*a) * do), (0, 1, 2))(q, k, v)
+    for g in (dq, dk[:, :48], dv[:, :48]):
+        assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_causal_visits_about_half_the_blocks():
+    spec = MaskSpec(T=1024, S=1024, causal=True)
+    ranges = np.asarray(block_ranges(block_visibility(spec, 64, 64), 1))[:2 * 16].reshape(16, 2)
+    visited = int(np.sum(ranges[:, 1] - ranges[:, 0]))
+    assert visited == 16 * 17 // 2  # the lower triangle of the 16 x 16 block grid
+    window = MaskSpec(T=1024, S=1024, left=64, right=0)
+    ranges = np.asarray(block_ranges(block_visibility(window, 64, 64), 1))[:32].reshape(16, 2)
+    assert np.all(ranges[1:, 1] - ranges[1:, 0] == 2)  # a band of two blocks
+
+
+# --------------------------------------------------------------------------
+# Our Triton lowering (Triton's interpreter): every option at least once
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [
+    ("causal", "lengths"), ("window", "soft_cap", "scale"), ("segments",), ("mask", "bias"),
+    ("dropout", "bias_rows"),
+])
+def test_triton_forward_and_gradients(options):
+    q, k, v, do = _inputs(9)
+    kw = {}
+    for o in options:
+        kw.update(_options(o))
+    out, lse = _attend("triton", q, k, v, return_residual=True, **kw)
+    ref, ref_lse = _attend("xla", q, k, v, return_residual=True, **kw)
+    assert_close(out, ref, FORWARD[jnp.float32], "out")
+    finite = np.isfinite(ref_lse)
+    assert np.allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=1e-5)
+    _check_grads("triton", kw, q, k, v, do, BACKWARD[jnp.float32])
+
+
+@pytest.mark.parametrize("h", [80, 96])
+def test_triton_head_dims_that_are_not_powers_of_two(h):
+    q, k, v, do = _inputs(10, t=20, s=33, n=2, k=1, h=h, dtype=jnp.bfloat16)
+    ref = _attend("xla", *(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+    assert_close(_attend("triton", q, k, v, is_causal=True), ref, FORWARD[jnp.bfloat16], "out")
+    _check_grads("triton", dict(is_causal=True), q, k, v, do, BACKWARD[jnp.bfloat16])
+
+
+# --------------------------------------------------------------------------
+# jit / vmap
+# --------------------------------------------------------------------------
+
+def test_jit_and_vmap():
+    q, k, v, _ = _inputs(11)
+    f = jax.jit(lambda q, k, v: _attend("interpret", q, k, v, is_causal=True))
+    stacked = [jnp.stack([x, x * 0.5]) for x in (q, k, v)]
+    out = jax.vmap(f)(*stacked)
+    for i in range(2):
+        ref = _attend("xla", *(x[i] for x in stacked), is_causal=True)
+        assert_close(out[i], ref, FORWARD[jnp.float32], f"vmap {i}")
+
+
+# --------------------------------------------------------------------------
+# Property test: shapes, head dims, GQA ratios, masks and dtypes
+# --------------------------------------------------------------------------
+
+@settings(max_examples=6, deadline=None)
+@given(t=st.integers(1, 40), s=st.integers(1, 40), kv_heads=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 3]), h=st.sampled_from([16, 32, 40]),
+       causal=st.booleans(), window=st.sampled_from([None, 3, (0, 5)]),
+       dtype=st.sampled_from(["float32", "bfloat16"]), bq=st.sampled_from([8, 16]),
+       bk=st.sampled_from([8, 16]))
+def test_property_interpret(t, s, kv_heads, group, h, causal, window, dtype, bq, bk):
+    dtype = jnp.dtype(dtype)
+    q, k, v, do = _inputs(12, b=1, t=t, s=s, n=kv_heads * group, k=kv_heads, h=h, dtype=dtype)
+    kw = dict(is_causal=causal, local_window_size=window)
+    f = lambda impl: (lambda q, k, v: jnp.sum(ops.dot_product_attention(
+        q, k, v, implementation=impl, block_sizes=(bq, bk), **kw).astype(jnp.float32)
+        * do.astype(jnp.float32)))
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    out = ops.dot_product_attention(q, k, v, implementation="interpret", block_sizes=(bq, bk), **kw)
+    ref = ops.dot_product_attention(*up, implementation="xla", **kw)
+    assert_close(out, ref, FORWARD[dtype.type], "out")
+    grads = jax.grad(f("interpret"), (0, 1, 2))(q, k, v)
+    refs = jax.grad(f("xla"), (0, 1, 2))(*up)
+    for g, r in zip(grads, refs):
+        assert_close(g, r, BACKWARD[dtype.type], "grad")
+
+
+# --------------------------------------------------------------------------
+# Bad input: a clear error naming the argument, before anything is traced
+# --------------------------------------------------------------------------
+
+def _bad_cases():
+    q, k, v, _ = _inputs()
+    i32 = lambda *s: jnp.zeros(s, jnp.int32)
+    return [
+        ((q[0, 0], k, v), {}, ValueError, "rank"),
+        ((q, k, v[:, :3]), {}, ValueError, "same shape"),
+        ((q, k[:1], v[:1]), {}, ValueError, "batch"),
+        ((q[..., :16], k, v), {}, ValueError, "head dims"),
+        ((q[:, :, :3], k, v), {}, ValueError, "multiple"),
+        ((q, k.astype(jnp.bfloat16), v), {}, TypeError, "key"),
+        ((q.astype(jnp.int32), k, v), {}, TypeError, "query"),
+        ((q, k, v), dict(mask=jnp.ones((B, 1, T, S), jnp.float32)), TypeError, "mask"),
+        ((q, k, v), dict(mask=jnp.ones((B, 3, T, S), bool)), ValueError, "mask"),
+        ((q, k, v), dict(bias=jnp.ones((T, S + 1))), ValueError, "bias"),
+        ((q, k, v), dict(bias=jnp.ones((1, 1, 1, 1, S))), ValueError, "bias"),
+        ((q, k, v), dict(query_seq_lengths=i32(B + 1)), ValueError, "query_seq_lengths"),
+        ((q, k, v), dict(key_value_seq_lengths=jnp.zeros(B, jnp.float32)), TypeError,
+         "key_value_seq_lengths"),
+        ((q, k, v), dict(local_window_size=-1), ValueError, "local_window_size"),
+        ((q, k, v), dict(local_window_size=(1, 2, 3)), TypeError, "local_window_size"),
+        ((q, k, v), dict(query_segment_ids=i32(B, T)), ValueError, "together"),
+        ((q, k, v), dict(query_segment_ids=i32(B, T), key_value_segment_ids=i32(B, T)),
+         ValueError, "key_value_segment_ids"),
+        ((q, k, v), dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+        ((q, k, v), dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, "dropout_rate"),
+        ((q, k, v), dict(dropout_rate=0.1), ValueError, "dropout_rng"),
+        ((q, k, v), dict(dropout_rate=0.1, dropout_rng=jnp.zeros(2, jnp.float32)), TypeError,
+         "dropout_rng"),
+        ((q, k, v), dict(implementation="cuda"), ValueError, "implementation"),
+        ((q, k, v), dict(implementation="interpret", block_sizes=(16,)), ValueError, "block_sizes"),
+        ((q, k, v), dict(implementation="interpret", block_sizes=(0, 16)), ValueError, "block"),
+        ((q, k, v), dict(implementation="pallas_triton", block_sizes=(24, 16)), ValueError, "powers"),
+        ((q, k, v), dict(implementation="mosaic_tpu", block_sizes=(16, 64)), ValueError, "128"),
+        ((q, k, v), dict(scale="1"), TypeError, "scale"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_cases())))
+def test_bad_input_is_rejected_before_tracing(index):
+    args, kw, error, words = _bad_cases()[index]
+    with pytest.raises(error, match=words):
+        ops.dot_product_attention(*args, **kw)
+
+
+def test_mosaic_gpu_is_not_implemented():
+    q, k, v, _ = _inputs()
+    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+        ops.dot_product_attention(q, k, v, implementation="mosaic_gpu")
+
+
+# --------------------------------------------------------------------------
+# Lowering for TPU and CUDA from this host (rung 4)
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl,platform,marker", [("mosaic_tpu", "tpu", "tpu_custom_call"),
+                                                  ("pallas_triton", "cuda", "__gpu$xla.gpu.triton")])
+@pytest.mark.parametrize("options", [("causal", "lengths"), ("segments", "soft_cap", "dropout"),
+                                     ("window", "mask", "bias")])
+def test_lowers_forward_and_backward(impl, platform, marker, options):
+    b, t, s = 2, 200, 300
+    kw = dict(implementation=impl)
+    for o in options:
+        kw.update({"causal": dict(is_causal=True),
+                   "lengths": dict(key_value_seq_lengths=jnp.array([7, 300], jnp.int32)),
+                   "segments": dict(query_segment_ids=_segments(b, t, [100, 100]),
+                                    key_value_segment_ids=_segments(b, s, [150, 150])),
+                   "soft_cap": dict(logits_soft_cap=30.0),
+                   "dropout": dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+                   "window": dict(local_window_size=(64, 0)),
+                   "mask": dict(mask=jnp.ones((b, 1, t, s), bool)),
+                   "bias": {}}[o])
+    with_bias = "bias" in options
+
+    def loss(q, k, v, bias):
+        out = ops.dot_product_attention(q, k, v, bias if with_bias else None, **kw)
+        return jnp.sum(out.astype(jnp.float32))
+
+    grads = lambda *a: jax.grad(loss, (0, 1, 2, 3))(*a)
+    args = [jax.ShapeDtypeStruct((b, t, 4, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s, 2, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s, 2, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 4, t, s), jnp.float32)]
+    text = jax.jit(grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count(marker) == 3  # forward, dQ, dK/dV

@@ -23,12 +23,14 @@ What it does:
 
    * stock: ``nnx.LayerNorm``; MLP ``nnx.Linear -> jax.nn.gelu -> nnx.Linear``;
      loss ``optax.softmax_cross_entropy_with_integer_labels``;
-   * ops:   ``layers.LayerNorm`` (``ops.layer_norm``); MLP
+   * ops:   ``layers.LayerNorm`` (``ops.layer_norm``); attention
+     ``layers.MultiHeadAttention`` (``ops.dot_product_attention``, flash
+     attention, with ``is_causal=True`` so masked blocks are skipped); MLP
      ``layers.Dense(activation="gelu") -> layers.Dense``, with the gelu fused
      into the first matmul's epilogue; loss ``ops.cross_entropy``.
 
-3. Training. ``layers.Dense`` is a drop-in for ``nnx.Linear`` (same parameter
-   names and shapes), so the ops model is built abstractly and loaded with the
+3. Training. ``layers.Dense`` and ``layers.MultiHeadAttention`` are drop-ins for
+   ``nnx.Linear`` and ``nnx.MultiHeadAttention`` (same parameter names and shapes), so the ops model is built abstractly and loaded with the
    stock model's state: both runs start from the very same parameters (this
    is asserted), see the same batches and use the same AdamW optimizer.
 
@@ -182,13 +184,19 @@ class Block(nnx.Module):
                  rngs: nnx.Rngs):
         self.ln_attn = _layer_norm(cfg.width, fused=fused, implementation=implementation, rngs=rngs)
         # keep_rngs=False: no dropout, so the state is parameters only.
-        self.attn = nnx.MultiHeadAttention(cfg.heads, cfg.width, decode=False,
-                                           keep_rngs=False, rngs=rngs)
+        if fused:  # flash attention; causality as is_causal, so masked blocks are skipped
+            self.attn = layers.MultiHeadAttention(cfg.heads, cfg.width, decode=False, keep_rngs=False,
+                                                  implementation=implementation, rngs=rngs)
+        else:
+            self.attn = nnx.MultiHeadAttention(cfg.heads, cfg.width, decode=False,
+                                               keep_rngs=False, rngs=rngs)
+        self.fused = fused
         self.ln_mlp = _layer_norm(cfg.width, fused=fused, implementation=implementation, rngs=rngs)
         self.mlp = MLP(cfg.width, fused=fused, implementation=implementation, rngs=rngs)
 
     def __call__(self, x, mask):
-        x = x + self.attn(self.ln_attn(x), mask=mask)
+        h = self.ln_attn(x)
+        x = x + (self.attn(h, is_causal=True) if self.fused else self.attn(h, mask=mask))
         return x + self.mlp(self.ln_mlp(x))
 
 

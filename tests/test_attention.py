@@ -292,13 +292,27 @@ def test_jit_and_vmap():
 # Property test: shapes, head dims, GQA ratios, masks and dtypes
 # --------------------------------------------------------------------------
 
-@settings(max_examples=6, deadline=None)
-@given(t=st.integers(1, 40), s=st.integers(1, 40), kv_heads=st.sampled_from([1, 2]),
-       group=st.sampled_from([1, 2, 3]), h=st.sampled_from([16, 32, 40]),
-       causal=st.booleans(), window=st.sampled_from([None, 3, (0, 5)]),
-       dtype=st.sampled_from(["float32", "bfloat16"]), bq=st.sampled_from([8, 16]),
-       bk=st.sampled_from([8, 16]))
+_PROPERTY = dict(t=st.integers(1, 40), s=st.integers(1, 40), kv_heads=st.sampled_from([1, 2]),
+                 group=st.sampled_from([1, 2, 3]), h=st.sampled_from([16, 32, 40]),
+                 causal=st.booleans(), window=st.sampled_from([None, 3, (0, 5)]),
+                 dtype=st.sampled_from(["float32", "bfloat16"]), bq=st.sampled_from([8, 16]),
+                 bk=st.sampled_from([8, 16]))
+
+
+@settings(max_examples=3, deadline=None)
+@given(**_PROPERTY)
 def test_property_interpret(t, s, kv_heads, group, h, causal, window, dtype, bq, bk):
+    _property_case(t, s, kv_heads, group, h, causal, window, dtype, bq, bk)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(**_PROPERTY)
+def test_property_interpret_sweep(t, s, kv_heads, group, h, causal, window, dtype, bq, bk):
+    _property_case(t, s, kv_heads, group, h, causal, window, dtype, bq, bk)
+
+
+def _property_case(t, s, kv_heads, group, h, causal, window, dtype, bq, bk):
     dtype = jnp.dtype(dtype)
     q, k, v, do = _inputs(12, b=1, t=t, s=s, n=kv_heads * group, k=kv_heads, h=h, dtype=dtype)
     kw = dict(is_causal=causal, local_window_size=window)

@@ -95,3 +95,42 @@ def test_triton_pads_non_power_of_two_blocks_and_keeps_scratch_in_memory_when_sl
                          backend="triton")(x)
     want = jax.nn.softmax(jnp.roll(x, 48, axis=1), axis=1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+ATTENTION_OPTIONS = {
+    "causal_gqa": lambda b, t, s: dict(is_causal=True),
+    "lengths_window_softcap": lambda b, t, s: dict(
+        key_value_seq_lengths=jnp.array([s // 3, s], jnp.int32)[:b], local_window_size=(200, 17),
+        logits_soft_cap=20.0),
+    "bias_mask_dropout": lambda b, t, s: dict(
+        bias=jax.random.normal(KEYS[0], (1, 8, t, s)), mask=jax.random.bernoulli(KEYS[1], 0.8, (b, 1, t, s)),
+        dropout_rate=0.2, dropout_rng=jax.random.key(4)),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("option", sorted(ATTENTION_OPTIONS))
+def test_dot_product_attention(impl, dtype, head_dim, option):
+    """Forward and q/k/v (and bias) gradients against the float32 reference, T and S not block multiples."""
+    b, t, s = 2, 1000, 1537
+    kw = ATTENTION_OPTIONS[option](b, t, s)
+    bias = kw.pop("bias", None)
+    q = jax.random.normal(KEYS[2], (b, t, 8, head_dim), dtype)
+    k = jax.random.normal(KEYS[3], (b, s, 2, head_dim), dtype)
+    v = jax.random.normal(KEYS[4], (b, s, 2, head_dim), dtype)
+    cot = jax.random.normal(KEYS[5], (b, t, 8, head_dim))
+    args = (q, k, v) if bias is None else (q, k, v, bias)
+
+    def loss(impl, *a):
+        out = ops.dot_product_attention(*a[:3], *a[3:], implementation=impl, **kw)
+        return jnp.sum(out.astype(jnp.float32) * cot)
+
+    out = ops.dot_product_attention(*args, implementation=impl, **kw)
+    assert_close(out, ops.dot_product_attention(*up(*args), implementation="xla", **kw), FORWARD[dtype])
+    argnums = tuple(range(1, len(args) + 1))
+    grads = jax.grad(loss, argnums)(impl, *args)
+    want = jax.grad(loss, argnums)("xla", *up(*args))
+    for g, e in zip(grads, want):
+        assert_close(g, e, BACKWARD[dtype])

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ops
-from ops.attention import BlockSizes, attention_reference
+from ops.attention import BlockSizes
 from ops.attention import dropout as dropout_lib
 from ops.attention.masking import MaskSpec, block_ranges, block_visibility
 from tests.tolerances import BACKWARD, FORWARD, assert_close

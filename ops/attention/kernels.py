@@ -47,7 +47,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import pallas_core as pl
@@ -343,6 +342,40 @@ def _split(refs, *flags):
     return [refs.pop(0) if f else None for f in flags], refs
 
 
+@dataclasses.dataclass
+class _QueryProgram:
+    """What a program owning query block ``i`` of head ``n``, batch ``b`` reads once."""
+
+    i: jax.Array
+    head: jax.Array  # b * N + n
+    seed: jax.Array
+    lo: jax.Array  # the visible key/value blocks are [lo, hi)
+    hi: jax.Array
+    q_seg: jax.Array | None
+
+
+def _query_program(cfg: Config, table_ref, qs_ref) -> _QueryProgram:
+    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row = 1 + 2 * (b * pl.cdiv(cfg.spec.T, cfg.block_q) + i)
+    return _QueryProgram(i=i, head=b * cfg.heads + n, seed=table_ref[0], lo=table_ref[row],
+                         hi=table_ref[row + 1], q_seg=None if qs_ref is None else qs_ref[...])
+
+
+def _kv_tile(cfg: Config, prog: _QueryProgram, q, j, k_ref, v_ref, ks_ref, bias_ref, mask_ref):
+    """``(tile, v)`` for key/value block ``j``: the grid step's block, or a slice of the whole."""
+    bk, grid_walk = cfg.block_k, cfg.strategy == "grid"
+    k = k_ref[...] if grid_walk else _slice_rows(k_ref, j * bk, bk)
+    v = v_ref[...] if grid_walk else _slice_rows(v_ref, j * bk, bk)
+    k_seg = None
+    if ks_ref is not None:
+        k_seg = ks_ref[...] if grid_walk else _slice_rows(ks_ref, j * bk, bk, axis=1)
+    tile = Tile(q=q, k=_zero_rows_past(k, j, bk, cfg.spec.S), i=prog.i, j=j, head=prog.head,
+                q_seg=prog.q_seg, k_seg=k_seg,
+                bias=_pair_block(bias_ref, cfg.bias_full, False, j, bk, grid_walk),
+                mask=_pair_block(mask_ref, cfg.mask_full, False, j, bk, grid_walk))
+    return tile, _zero_rows_past(v, j, bk, cfg.spec.S)
+
+
 def _forward_kernel(*refs, cfg: Config):
     grid_walk = cfg.strategy == "grid"
     bq, bk = cfg.block_q, cfg.block_k
@@ -351,24 +384,12 @@ def _forward_kernel(*refs, cfg: Config):
     (bias_ref, mask_ref, qs_ref, ks_ref), rest = _split(rest, has_bias, has_mask,
                                                       cfg.spec.segments, cfg.spec.segments)
     table_ref, out_ref, lse_ref, *scratch = rest
-    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    nq = pl.cdiv(cfg.spec.T, bq)
-    seed = table_ref[0]
-    lo, hi = table_ref[1 + 2 * (b * nq + i)], table_ref[2 + 2 * (b * nq + i)]
-    q = q_ref[...]
-    q_seg = None if qs_ref is None else qs_ref[...]
-    head = b * cfg.heads + n
+    prog = _query_program(cfg, table_ref, qs_ref)
+    q, seed, lo, hi = q_ref[...], prog.seed, prog.lo, prog.hi
+    kv_refs = (k_ref, v_ref, ks_ref, bias_ref, mask_ref)
 
     def step(j, carry):
-        k = k_ref[...] if grid_walk else _slice_rows(k_ref, j * bk, bk)
-        v = v_ref[...] if grid_walk else _slice_rows(v_ref, j * bk, bk)
-        v = _zero_rows_past(v, j, bk, cfg.spec.S)
-        k_seg = None
-        if ks_ref is not None:
-            k_seg = ks_ref[...] if grid_walk else _slice_rows(ks_ref, j * bk, bk, axis=1)
-        tile = Tile(q=q, k=k, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg,
-                    bias=_pair_block(bias_ref, cfg.bias_full, False, j, bk, grid_walk),
-                    mask=_pair_block(mask_ref, cfg.mask_full, False, j, bk, grid_walk))
+        tile, v = _kv_tile(cfg, prog, q, j, *kv_refs)
         return forward_update(cfg, carry, tile, v, seed, bq, bk)
 
     def finish(m, l, acc):
@@ -417,46 +438,74 @@ def _from_layout(cfg: Config, x):
     return _to_layout(cfg, x)
 
 
+@dataclasses.dataclass(frozen=True)
+class _QueryBlockLayout:
+    """Grid and BlockSpecs of the kernels whose programs own a query block (forward, dQ).
+
+    Attributes:
+      grid: ``(B, N, nq)``, plus the key/value blocks ``nk`` on the grid strategy.
+      semantics: the grid's dimension semantics.
+      kv_block: rows of a key/value block (the whole padded length on the loop strategy).
+      q_pick, kv_pick, pair: index functions for :func:`_seq_spec` / :func:`_pair_spec`.
+    """
+
+    grid: tuple[int, ...]
+    semantics: tuple[str, ...]
+    kv_block: int
+    q_pick: object
+    kv_pick: object
+    pair: object
+    seg_k: pl.BlockSpec
+
+    def aux_specs(self, cfg: Config, has_bias: bool, has_mask: bool) -> list[pl.BlockSpec]:
+        """Specs of the optional operands (bias, mask, segment ids), in kernel order."""
+        bq, specs = cfg.block_q, []
+        if has_bias:
+            specs.append(_pair_spec(cfg.bias_full, bq, self.kv_block, self.pair))
+        if has_mask:
+            specs.append(_pair_spec(cfg.mask_full, bq, self.kv_block, self.pair))
+        if cfg.spec.segments:
+            specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, *_: (b, i, 0)), self.seg_k]
+        return specs
+
+
+def _query_block_layout(cfg: Config) -> _QueryBlockLayout:
+    bq, bk, g = cfg.block_q, cfg.block_k, cfg.group
+    nq, nk = pl.cdiv(cfg.spec.T, bq), pl.cdiv(cfg.spec.S, bk)
+    q_pick = lambda b, n, i, *_: (b, i, n)
+    if cfg.strategy == "grid":
+        return _QueryBlockLayout(
+            grid=(cfg.batch, cfg.heads, nq, nk), semantics=("parallel",) * 3 + ("arbitrary",),
+            kv_block=bk, q_pick=q_pick, kv_pick=lambda b, n, i, j: (b, j, _div(n, g)),
+            pair=lambda b, n, i, j: (b, i, j, n),
+            seg_k=pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j)))
+    kv_block = padded_length(cfg.spec.S, bk, cfg.backend)
+    return _QueryBlockLayout(
+        grid=(cfg.batch, cfg.heads, nq), semantics=("parallel",) * 3, kv_block=kv_block,
+        q_pick=q_pick, kv_pick=lambda b, n, i: (b, 0, _div(n, g)), pair=lambda b, n, i: (b, i, 0, n),
+        seg_k=pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0)))
+
+
 def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table):
     """``(out [B, T, N, H] in q's dtype, lse float32 [B, N, T, 1])``."""
-    T, S = cfg.spec.T, cfg.spec.S
-    bq, bk = cfg.block_q, cfg.block_k
-    nq, nk = pl.cdiv(T, bq), pl.cdiv(S, bk)
-    g = cfg.group
-    grid_walk = cfg.strategy == "grid"
-    if grid_walk:
-        grid = (cfg.batch, cfg.heads, nq, nk)
-        kv_block, kv_pick = bk, (lambda b, n, i, j: (b, j, _div(n, g)))
-        pair = lambda b, n, i, j: (b, i, j, n)
-        seg_k = pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))
-    else:
-        grid = (cfg.batch, cfg.heads, nq)
-        kv_block, kv_pick = padded_length(S, bk, cfg.backend), (lambda b, n, i: (b, 0, _div(n, g)))
-        pair = lambda b, n, i: (b, i, 0, n)
-        seg_k = pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0))
-    q_pick = lambda b, n, i, *_: (b, i, n)
-    in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, kv_block, kv_pick),
-                _seq_spec(cfg, kv_block, kv_pick)]
-    if bias is not None:
-        in_specs.append(_pair_spec(cfg.bias_full, bq, kv_block, pair))
-    if mask is not None:
-        in_specs.append(_pair_spec(cfg.mask_full, bq, kv_block, pair))
-    if cfg.spec.segments:
-        in_specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, *_: (b, i, 0)), seg_k]
+    T, bq = cfg.spec.T, cfg.block_q
+    lay = _query_block_layout(cfg)
+    grid_walk, q_pick = cfg.strategy == "grid", lay.q_pick
+    in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, lay.kv_block, lay.kv_pick),
+                _seq_spec(cfg, lay.kv_block, lay.kv_pick)]
+    in_specs += lay.aux_specs(cfg, bias is not None, mask is not None)
     in_specs.append(_table_spec(cfg))
     out_shape = [jax.ShapeDtypeStruct(_to_layout(cfg, q).shape, q.dtype),
                  jax.ShapeDtypeStruct((cfg.batch, cfg.heads, T, 1), jnp.float32)]
     out_specs = [_seq_spec(cfg, bq, q_pick), _stat_spec(cfg, bq, q_pick)]
     scratch = []
-    semantics = ("parallel",) * 3
     if grid_walk:
         scratch = [pl.tpu.VMEM((bq, 1), jnp.float32), pl.tpu.VMEM((bq, 1), jnp.float32),
                    pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)]
-        semantics += ("arbitrary",)
     out, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, cfg=cfg), out_shape=out_shape, grid=grid,
+        functools.partial(_forward_kernel, cfg=cfg), out_shape=out_shape, grid=lay.grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
-        compiler_params=_params(cfg, semantics, bq), backend=cfg.backend,
+        compiler_params=_params(cfg, lay.semantics, bq), backend=cfg.backend,
         name="flash_attention_fwd")(
             _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v),
             *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table)
@@ -476,32 +525,20 @@ def _dq_kernel(*refs, cfg: Config, want_dbias: bool):
                                                       cfg.spec.segments, cfg.spec.segments)
     table_ref, dq_ref, *rest = rest
     dbias_ref = rest.pop(0) if want_dbias else None
-    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    nq = pl.cdiv(cfg.spec.T, bq)
-    seed = table_ref[0]
-    lo, hi = table_ref[1 + 2 * (b * nq + i)], table_ref[2 + 2 * (b * nq + i)]
+    prog = _query_program(cfg, table_ref, qs_ref)
+    seed, lo, hi = prog.seed, prog.lo, prog.hi
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_seg = None if qs_ref is None else qs_ref[...]
-    head = b * cfg.heads + n
+    kv_refs = (k_ref, v_ref, ks_ref, bias_ref, mask_ref)
 
     def step(j, dq):
-        k = k_ref[...] if grid_walk else _slice_rows(k_ref, j * bk, bk)
-        v = v_ref[...] if grid_walk else _slice_rows(v_ref, j * bk, bk)
-        k = _zero_rows_past(k, j, bk, cfg.spec.S)
-        v = _zero_rows_past(v, j, bk, cfg.spec.S)
-        k_seg = None
-        if ks_ref is not None:
-            k_seg = ks_ref[...] if grid_walk else _slice_rows(ks_ref, j * bk, bk, axis=1)
-        tile = Tile(q=q, k=k, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg,
-                    bias=_pair_block(bias_ref, cfg.bias_full, False, j, bk, grid_walk),
-                    mask=_pair_block(mask_ref, cfg.mask_full, False, j, bk, grid_walk))
+        tile, v = _kv_tile(cfg, prog, q, j, *kv_refs)
         _, dscores, dbias = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk)
         if dbias_ref is not None:
             if grid_walk:
                 dbias_ref[...] = dbias
             else:
                 dbias_ref[:, pl.ds(j * bk, bk)] = dbias
-        return dq + _dot(dscores.astype(k.dtype), k, 1, 0)
+        return dq + _dot(dscores.astype(tile.k.dtype), tile.k, 1, 0)
 
     zeros = jnp.zeros((bq, cfg.head_dim), jnp.float32)
     if not grid_walk:
@@ -531,31 +568,13 @@ def _dq_kernel(*refs, cfg: Config, want_dbias: bool):
 
 def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table, want_dbias):
     """``dq [B, T, N, H]`` (q's dtype) and, with ``want_dbias``, float32 ``[B, N, T, S]``."""
-    T, S = cfg.spec.T, cfg.spec.S
-    bq, bk = cfg.block_q, cfg.block_k
-    nq, nk = pl.cdiv(T, bq), pl.cdiv(S, bk)
-    g = cfg.group
-    grid_walk = cfg.strategy == "grid"
-    if grid_walk:
-        grid = (cfg.batch, cfg.heads, nq, nk)
-        kv_block, kv_pick = bk, (lambda b, n, i, j: (b, j, _div(n, g)))
-        pair = lambda b, n, i, j: (b, i, j, n)
-        seg_k = pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))
-    else:
-        grid = (cfg.batch, cfg.heads, nq)
-        kv_block, kv_pick = padded_length(S, bk, cfg.backend), (lambda b, n, i: (b, 0, _div(n, g)))
-        pair = lambda b, n, i: (b, i, 0, n)
-        seg_k = pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0))
-    q_pick = lambda b, n, i, *_: (b, i, n)
-    in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, kv_block, kv_pick),
-                _seq_spec(cfg, kv_block, kv_pick), _seq_spec(cfg, bq, q_pick),
+    T, S, bq = cfg.spec.T, cfg.spec.S, cfg.block_q
+    lay = _query_block_layout(cfg)
+    grid_walk, q_pick, kv_block, pair = cfg.strategy == "grid", lay.q_pick, lay.kv_block, lay.pair
+    in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, kv_block, lay.kv_pick),
+                _seq_spec(cfg, kv_block, lay.kv_pick), _seq_spec(cfg, bq, q_pick),
                 _stat_spec(cfg, bq, q_pick), _stat_spec(cfg, bq, q_pick)]
-    if bias is not None:
-        in_specs.append(_pair_spec(cfg.bias_full, bq, kv_block, pair))
-    if mask is not None:
-        in_specs.append(_pair_spec(cfg.mask_full, bq, kv_block, pair))
-    if cfg.spec.segments:
-        in_specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, *_: (b, i, 0)), seg_k]
+    in_specs += lay.aux_specs(cfg, bias is not None, mask is not None)
     in_specs.append(_table_spec(cfg))
     out_shape = [jax.ShapeDtypeStruct(_to_layout(cfg, q).shape, q.dtype)]
     out_specs = [_seq_spec(cfg, bq, q_pick)]
@@ -569,17 +588,14 @@ def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, tab
             in_specs.append(out_specs[-1])
             operands.append(jnp.zeros((cfg.batch, cfg.heads, T, S), jnp.float32))
             aliases = {len(operands) - 1: 1}
-    scratch, semantics = [], ("parallel",) * 3
-    if grid_walk:
-        scratch = [pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)]
-        semantics += ("arbitrary",)
+    scratch = [pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)] if grid_walk else []
     kernel = functools.partial(_dq_kernel, cfg=cfg, want_dbias=want_dbias)
     if aliases:
         kernel = _ignore_input(kernel, position=len(operands) - 1)
     outs = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        kernel, out_shape=out_shape, grid=lay.grid, in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=scratch, input_output_aliases=aliases,
-        compiler_params=_params(cfg, semantics, bq), backend=cfg.backend,
+        compiler_params=_params(cfg, lay.semantics, bq), backend=cfg.backend,
         name="flash_attention_dq")(*operands)
     dq = _from_layout(cfg, outs[0])
     return dq, (outs[1] if want_dbias else None)

@@ -163,3 +163,24 @@ def test_every_semantic_fix_compiles_for_sm90():
     f = lambda *a: pl.pallas_call(kernel, out_shape=(sds, ints), backend="triton")(*a)
     (report,) = pl.triton.compile(f, sds, sds, ints, ints, target="sm_90")
     assert "cubin" in report["asm"]
+
+
+def test_our_reductions_and_scans_never_run_element_by_element(monkeypatch):
+    """Triton's interpreter runs our combine functions with numpy (interpreter_fixes), keeping
+    the semantics above: its element-by-element path, which took about a second per small
+    reduction, must never be taken for them."""
+    from triton.runtime import interpreter
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Triton's interpreter reduced element by element")
+
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", refuse)
+    monkeypatch.setattr(interpreter.ScanOps, "generic_scan", refuse)
+    floats = [EXACT["reduce_max_min_keep_nan"], EXACT["argmax_argmin_pick_nan"], EXACT["cummax_keeps_nan"],
+              lambda x, y: jnp.sum(x, axis=1) + jnp.sum(y),
+              lambda x, y: jax.lax.cummin(x, axis=1) + jnp.cumsum(y, axis=0),
+              lambda x, y: jnp.max(x.astype(jnp.bfloat16), axis=0) + jnp.argmin(y.astype(jnp.bfloat16), axis=0)]
+    for fn in floats:
+        assert_same_bits(*run_both(fn, X, Y))
+    for fn in (INTEGER["reduce_and_or_xor"], INTEGER["cumprod_prod"], lambda a, b: jnp.sum(a, axis=0) + jnp.max(b)):
+        assert_same_bits(*run_both(fn, I, J))

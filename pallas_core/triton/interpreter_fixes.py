@@ -11,6 +11,17 @@ bfloat16 tensors as their uint16 bit patterns and then, unlike the GPU:
   convert the bit patterns, not the values;
 * bfloat16 scalar constants (``x * 50`` for a bfloat16 ``x``) do not exist.
 
+And, for speed: the interpreter computes ``tl.reduce`` / ``tl.associative_scan``
+with numpy only for Triton's own combine functions; any other (ours:
+``_combine_sum``, ``_combine_max`` …, which keep XLA's NaN propagation and
+tie-breaking on the GPU) runs element by element in Python, about a second
+per small reduction. :func:`apply` computes our combiners, recognised by name
+and by the file our runtime loads generated modules from, with the numpy
+reductions of equal semantics (``np.max`` / ``np.maximum.accumulate``
+propagate NaNs as ``lax.max`` does; ``np.argmax`` returns the first NaN, else
+the first maximum, as ``jnp.argmax``). The generated source, and so the GPU
+code, is unchanged.
+
 And, for every dtype, a loop bounded by a runtime scalar (``for j in
 range(lo, hi)`` with ``lo`` computed from the program id, as flash attention's
 key/value loop is) fails under numpy >= 2.4: the interpreter converts the
@@ -73,7 +84,76 @@ def apply() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch_lang_tensor
+    _numpy_reductions(interpreter, values)
     builder.create_dot = create_dot
     builder.get_bf16 = get_bf16
     builder.binary_op = bf16_binary_op  # every element-wise binary method calls self.binary_op
     builder.cast_impl = cast  # every conversion method calls self.cast_impl
+
+
+# Our combine functions (pallas_core.triton.jit_helpers.COMBINERS) and the numpy
+# reductions / scans with the same semantics.
+_REDUCE = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min,
+           "and": np.bitwise_and.reduce, "or": np.bitwise_or.reduce, "xor": np.bitwise_xor.reduce}
+_SCAN = {"sum": np.cumsum, "prod": np.cumprod, "max": np.maximum.accumulate,
+         "min": np.minimum.accumulate}
+_ARG = {"argmax": np.argmax, "argmin": np.argmin}
+_GENERATED_FILE = "<pallas_core triton "  # pallas_core.triton.runtime.load's file names
+
+
+def _our_combiner(combine_fn) -> str | None:
+    """``"sum"`` for our generated ``_combine_sum`` (and so on); None for any other function."""
+    fn = getattr(combine_fn, "fn", None)
+    name = getattr(fn, "__name__", "")
+    code = getattr(fn, "__code__", None)
+    if not name.startswith("_combine_") or code is None or not code.co_filename.startswith(_GENERATED_FILE):
+        return None
+    return name[len("_combine_"):]
+
+
+def _numpy_reductions(interpreter, values) -> None:
+    import ml_dtypes
+    import triton.language as tl
+
+    reduce_impl, scan_impl = interpreter.ReduceOps.apply_impl, interpreter.ScanOps.apply_impl
+
+    def as_numbers(t):
+        return values(t.handle)
+
+    def back(array, dtype):
+        if dtype == tl.bfloat16:
+            array = np.asarray(array).astype(ml_dtypes.bfloat16).view(np.uint16)
+        return array
+
+    def fast_reduce(self, inputs):
+        kind = _our_combiner(self.combine_fn)
+        if kind is None or (kind not in _REDUCE and kind not in _ARG) or self.axis is None:
+            return reduce_impl(self, inputs)
+        if kind in _ARG:  # (value, index) pairs: take both at the winning lane
+            data, index = as_numbers(inputs[0]), inputs[1].handle.data
+            win = np.expand_dims(_ARG[kind](data, axis=self.axis), self.axis)
+            value = np.take_along_axis(data, win, self.axis)
+            picked = np.take_along_axis(index, win, self.axis)
+            if not self.keep_dims:
+                value, picked = value.squeeze(self.axis), picked.squeeze(self.axis)
+            return [self.to_tensor(back(value, inputs[0].dtype), inputs[0].dtype),
+                    self.to_tensor(picked, inputs[1].dtype)]
+        (x,) = inputs
+        out = _REDUCE[kind](as_numbers(x), axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(back(out, x.dtype), x.dtype)
+
+    def fast_scan(self, inputs):
+        kind = _our_combiner(self.combine_fn)
+        if kind not in _SCAN or len(inputs) != 1:
+            return scan_impl(self, inputs)
+        (x,) = inputs
+        data = as_numbers(x)
+        if self.reverse:
+            data = np.flip(data, self.axis)
+        out = _SCAN[kind](data, axis=self.axis)
+        if self.reverse:
+            out = np.flip(out, self.axis)
+        return [self.to_tensor(back(out, x.dtype), x.dtype)]
+
+    interpreter.ReduceOps.apply_impl = fast_reduce
+    interpreter.ScanOps.apply_impl = fast_scan

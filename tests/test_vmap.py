@@ -90,3 +90,16 @@ def test_triton_vmap_is_one_launch_with_a_batch_grid_axis():
     batched = sources[-1]
     assert "G1: tl.constexpr" in batched  # (batch, original) grid
     assert "i1 = pid % G1" in batched and "i0 = pid" in batched
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton"])
+def test_fori_loop_in_a_kernel_under_vmap_with_jax_checks(backend):
+    """vmap adds a batch grid axis on our backends, so JAX never batches the kernel's own
+    control flow (batching a discharged fori_loop body trips JAX's checker: issue 16)."""
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jax.lax.fori_loop(0, 2, lambda i, acc: acc + x_ref[...], jnp.zeros(x_ref.shape))
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32), backend=backend)
+    with jax.enable_checks(True):
+        out = jax.vmap(call)(X)
+    np.testing.assert_allclose(out, 2 * X, rtol=1e-6)

@@ -24,11 +24,20 @@ def check_backend(backend: str) -> str:
 
 
 def run(call, args):
+    """Runs a resolved call on its backend.
+
+    On our own backends (interpret, triton) ``vmap`` adds a batch grid axis
+    (:mod:`pallas_core.batching`) instead of batching what the backend emits:
+    the kernel body is never batched by JAX, so ``pl.when`` stays a branch and
+    control flow inside the kernel keeps its shape (JAX's batching of a
+    discharged ``fori_loop`` body trips its own checker under
+    ``jax_enable_checks``).
+    """
+    from pallas_core import batching
     if call.backend == "interpret":
         from pallas_core.backends import interpret
-        return interpret.run(call, args)
+        return batching.batched_run(call, args, interpret.run)
     if call.backend == "triton":
-        from pallas_core import batching
         from pallas_core.triton import backend
         return batching.batched_run(call, args, backend.run)
     from pallas_core.backends import jax_pallas

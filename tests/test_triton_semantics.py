@@ -184,3 +184,24 @@ def test_our_reductions_and_scans_never_run_element_by_element(monkeypatch):
         assert_same_bits(*run_both(fn, X, Y))
     for fn in (INTEGER["reduce_and_or_xor"], INTEGER["cumprod_prod"], lambda a, b: jnp.sum(a, axis=0) + jnp.max(b)):
         assert_same_bits(*run_both(fn, I, J))
+
+
+def test_bfloat16_softmax_with_masked_load():
+    """The bfloat16 softmax idiom of GPU kernel libraries (masked load filled with -inf, max,
+    exp, sum) runs on our lowering and agrees with the interpret backend (issue 16: it once
+    failed in Triton's interpreter with an OverflowError on bfloat16 bit patterns)."""
+    x = jax.random.normal(jax.random.key(0), (16, 128), jnp.bfloat16) * 4
+
+    def softmax(x_ref, o_ref):
+        col = jax.lax.broadcasted_iota(jnp.int32, x_ref.shape, 1)
+        v = pl.load(x_ref, (slice(None), slice(None)), mask=col < 100, other=-jnp.inf)
+        # Subtract in float32: XLA on the CPU keeps a bfloat16 ``v - m`` in float32 (excess
+        # precision) where the GPU rounds it, and exp turns one bfloat16 ulp into percents.
+        m = jnp.max(v, axis=1, keepdims=True)
+        e = jnp.exp(v.astype(jnp.float32) - m.astype(jnp.float32))
+        o_ref[...] = (e / jnp.sum(e, axis=1, keepdims=True)).astype(o_ref.dtype)
+
+    got, want = (np.asarray(pl.pallas_call(softmax, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                           backend=b)(x), np.float32) for b in ("triton", "interpret"))
+    assert np.all(got[:, 100:] == 0) and np.all(want[:, 100:] == 0)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)  # one bfloat16 rounding apart

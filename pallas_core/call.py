@@ -54,8 +54,16 @@ def _is_shape_leaf(x):
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def _is_none(x):
+    return x is None
+
+
 def _flatten_specs(specs, n, what):
-    """Specs as a flat list of length ``n`` (None/missing means whole-array blocks)."""
+    """Specs as a flat list of length ``n`` (None/missing means whole-array blocks).
+
+    ``n`` counts operands with ``None`` leaves included, as JAX lines them up:
+    its in_specs and inputs are pytrees of one structure, ``None`` in both.
+    """
     if specs is None:
         return [None] * n
     if isinstance(specs, BlockSpec):
@@ -67,9 +75,63 @@ def _flatten_specs(specs, n, what):
     if specs and not leaves and n:
         leaves = []
     if len(leaves) != n:
-        raise ValueError(f"{what}: {len(leaves)} spec(s) for {n} operand(s); give one "
-                         "BlockSpec (or None) per operand.")
+        raise ValueError(f"{what}: {len(leaves)} spec(s) for {n} operand(s) (None operands "
+                         "counted); give one BlockSpec (or None) per operand, and None for a "
+                         "None operand.")
     return leaves
+
+
+def _present(specs, operands, what):
+    """The specs of the operands that are not None; a None operand needs a None spec."""
+    out = []
+    for i, (spec, x) in enumerate(zip(specs, operands)):
+        if x is None:
+            if spec is not None:
+                raise ValueError(f"{what}[{i}]: operand {i} is None, so its spec must be None "
+                                 f"too (the kernel receives None there), got {spec!r}.")
+            continue
+        out.append((i, spec, x))
+    return out
+
+
+def _needs_structure(in_tree, in_present, out_tree, out_present) -> bool:
+    """Whether the kernel takes other than one Ref per operand (None or nested operands)."""
+    return not (all(in_present) and all(out_present) and _is_flat(in_tree) and _is_flat(out_tree))
+
+
+def _kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present):
+    """``kernel`` called with the Refs of the present operands put back in their
+    pytrees, None where an operand is None, as JAX calls it: one argument per
+    input (its pytree of Refs), then one per output, then the scratch Refs."""
+    if not _needs_structure(in_tree, in_present, out_tree, out_present):
+        return kernel
+
+    def fill(refs, present):
+        refs, out = iter(refs), []
+        for p in present:
+            out.append(next(refs) if p else None)
+        return out, list(refs)
+
+    def structured(*refs):
+        ins, rest = fill(refs, in_present)
+        outs, scratch = fill(rest, out_present)
+        kernel(*jax.tree.unflatten(in_tree, ins), *_out_args(jax.tree.unflatten(out_tree, outs)),
+               *scratch)
+
+    structured.__name__ = getattr(kernel, "__name__", "kernel")
+    return structured
+
+
+def _is_flat(tree) -> bool:
+    """One leaf, or a container of leaves (the usual case: one Ref per operand)."""
+    if tree.num_nodes == 1:
+        return True
+    return tree.num_nodes == tree.num_leaves + 1 and tree.num_leaves == len(tree.children())
+
+
+def _out_args(outs) -> tuple:
+    """The kernel's output arguments: the elements of a tuple/list ``out_shape``, else itself."""
+    return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
 
 def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
@@ -86,7 +148,10 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         (``jax.ShapeDtypeStruct`` or arrays).
       grid: an int or tuple of ints; ``()`` runs one program.
       in_specs / out_specs: pytrees of :class:`BlockSpec` (or None for the whole
-        array) matching the inputs / ``out_shape``.
+        array) matching the inputs / ``out_shape``. As in JAX, an operand may be
+        None: its spec is None too and the kernel receives None in its place
+        (and an operand that is a pytree of arrays reaches the kernel as that
+        pytree of Refs). ``input_output_aliases`` count the array operands only.
       grid_spec: a :class:`GridSpec` instead of grid/in_specs/out_specs/scratch.
       scratch_shapes: e.g. ``[pallas_core.tpu.VMEM((8, 128), jnp.float32)]``.
       input_output_aliases: ``{input_index: output_index}``; the output starts
@@ -124,7 +189,11 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         chosen = "interpret"
     else:
         chosen = backends.check_backend(backend) if backend is not None else backends.default_backend()
-    out_leaves, out_tree = jax.tree.flatten(out_shape, is_leaf=_is_shape_leaf)
+    if isinstance(out_shape, list):
+        out_shape = tuple(out_shape)
+    out_all, out_tree = jax.tree.flatten(out_shape, is_leaf=lambda x: x is None or _is_shape_leaf(x))
+    out_present = [o is not None for o in out_all]
+    out_leaves = [o for o in out_all if o is not None]
     for i, o in enumerate(out_leaves):
         if not _is_shape_leaf(o):
             raise TypeError(f"out_shape: leaf {i} is {type(o).__name__}; expected "
@@ -137,14 +206,21 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
     kernel_name = name or getattr(kernel, "__name__", "kernel")
     aliases = dict(input_output_aliases or {})
 
-    def resolve(args) -> ResolvedCall:
-        validation.check_kernel_arity(kernel, len(args), len(out_leaves), len(scratch_shapes))
-        in_flat = _flatten_specs(in_specs, len(args), "in_specs")
-        out_flat = _flatten_specs(out_specs, len(out_leaves), "out_specs")
+    def resolve(all_args, n_top, in_tree) -> ResolvedCall:
+        args = [a for a in all_args if a is not None]
+        in_present = [a is not None for a in all_args]
+        if _needs_structure(in_tree, in_present, out_tree, out_present):
+            n_in, n_out = n_top, len(_out_args(out_tree.unflatten(out_all)))
+        else:
+            n_in, n_out = len(args), len(out_leaves)
+        validation.check_kernel_arity(kernel, n_in, n_out, len(scratch_shapes))
+        in_flat = _present(_flatten_specs(in_specs, len(all_args), "in_specs"), all_args, "in_specs")
+        out_flat = _present(_flatten_specs(out_specs, len(out_all), "out_specs"), out_all, "out_specs")
         in_maps = tuple(resolve_block_mapping(s, f"in_specs[{i}]", np.shape(a), a.dtype, len(grid))
-                        for i, (s, a) in enumerate(zip(in_flat, args)))
+                        for i, s, a in in_flat)
         out_maps = tuple(resolve_block_mapping(s, f"out_specs[{i}]", o.shape, o.dtype, len(grid))
-                         for i, (s, o) in enumerate(zip(out_flat, out_leaves)))
+                         for i, s, o in out_flat)
+        body = _kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present)
         _check_aliases(aliases, args, out_leaves)
         if scratch_shapes and chosen == "pallas_triton":
             raise ValueError("scratch_shapes: the pallas_triton backend has no scratch memory.")
@@ -165,17 +241,19 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
                 out_tables.append((m.origin, table))
         semantics = validation.resolve_semantics(
             params.dimension_semantics, out_tables, grid, chosen,
-            uses_atomics=lambda: _uses_atomics(kernel, in_maps + out_maps, scratch_shapes, grid))
-        return ResolvedCall(kernel=kernel, name=kernel_name, grid=grid, in_mappings=in_maps,
+            uses_atomics=lambda: _uses_atomics(body, in_maps + out_maps, scratch_shapes, grid))
+        return ResolvedCall(kernel=body, name=kernel_name, grid=grid, in_mappings=in_maps,
                             out_mappings=out_maps, scratch_shapes=scratch_shapes,
                             input_output_aliases=aliases, semantics=semantics, params=params,
                             backend=chosen, debug=debug, cost_estimate=cost_estimate,
                             interpret_params=interpret_params)
 
     def wrapped(*args):
-        flat_args, _ = jax.tree.flatten(args)
-        flat_args = [a if hasattr(a, "dtype") else np.asarray(a) for a in flat_args]
-        call = resolve(flat_args)
+        # None operands stay in place (the kernel receives None there), as in JAX.
+        all_args, in_tree = jax.tree.flatten(args, is_leaf=_is_none)
+        all_args = [a if a is None or hasattr(a, "dtype") else np.asarray(a) for a in all_args]
+        flat_args = [a for a in all_args if a is not None]
+        call = resolve(all_args, len(args), in_tree)
 
         # Differentiating a raw kernel is refused at its inputs: a custom_jvp
         # identity whose JVP rule raises. Guarding the inputs rather than the
@@ -192,8 +270,8 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
                 "transformed by JAX autodiff. Wrap the call in jax.custom_vjp and supply a "
                 "backward pass (every op in `ops` does).")
 
-        outs = backends.run(call, list(not_differentiable(tuple(flat_args))))
-        return jax.tree.unflatten(out_tree, outs)
+        outs = iter(backends.run(call, list(not_differentiable(tuple(flat_args)))))
+        return jax.tree.unflatten(out_tree, [next(outs) if p else None for p in out_present])
 
     return wrapped
 

@@ -4,22 +4,23 @@ Backend-neutral names (``import pallas_core as pl``), as in the Pallas seeds::
 
     pl.pallas_call, pl.BlockSpec, pl.Blocked, pl.Unblocked, pl.GridSpec,
     pl.program_id, pl.num_programs, pl.cdiv, pl.when, pl.loop, pl.ds,
-    pl.load, pl.store, pl.run_scoped, pl.CompilerParams
+    pl.load, pl.store, pl.multiple_of, pl.dot, pl.run_scoped, pl.CompilerParams
 
 Backend-specific modules: ``pallas_core.tpu`` (VMEM, SMEM, CompilerParams),
-``pallas_core.triton`` (CompilerParams), ``pallas_core.gpu`` (SMEM,
+``pallas_core.triton`` (CompilerParams, atomics, JAX's ``pallas.triton`` load / store /
+dot / debug_barrier / max_contiguous / approx_tanh), ``pallas_core.gpu`` (SMEM,
 CompilerParams). See docs/pallas_core.md.
 """
 from pallas_core import gpu, tpu, triton
 from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
 from pallas_core.call import pallas_call
 from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
-from pallas_core.primitives import (cdiv, ds, dslice, load, loop, next_power_of_2, num_programs,
-                                    program_id, run_scoped, store, when)
+from pallas_core.primitives import (cdiv, dot, ds, dslice, load, loop, multiple_of, next_power_of_2,
+                                    num_programs, program_id, run_scoped, store, when)
 from pallas_core.specs import Blocked, BlockSpec, GridSpec, Unblocked
 
 __all__ = [
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
-    "Unblocked", "cdiv", "default_backend", "ds", "dslice", "gpu", "load", "loop",
-    "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
+    "Unblocked", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",
+    "multiple_of", "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
 ]

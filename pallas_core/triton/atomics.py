@@ -1,4 +1,5 @@
-"""Atomic read-modify-write on Refs: ``atomic_add``, ``max``, ``min``, ``xchg``, ``cas``.
+"""Atomic read-modify-write on Refs: ``atomic_add``, ``max``, ``min``, ``and``, ``or``,
+``xor``, ``xchg``, ``cas``.
 
 Each atomic is a small jitted read-modify-write named ``pallas_core_atomic_<op>``.
 Backends that run programs one after another (the interpreter) execute the
@@ -18,6 +19,9 @@ _UPDATES = {
     "add": lambda old, val, cmp: old + val,
     "max": lambda old, val, cmp: jnp.maximum(old, val),
     "min": lambda old, val, cmp: jnp.minimum(old, val),
+    "and": lambda old, val, cmp: old & val,
+    "or": lambda old, val, cmp: old | val,
+    "xor": lambda old, val, cmp: old ^ val,
     "xchg": lambda old, val, cmp: val,
     "cas": lambda old, val, cmp: jnp.where(old == cmp, val, old),
 }
@@ -38,7 +42,13 @@ def _make_body(op):
 _BODIES = {op: _make_body(op) for op in _UPDATES}
 
 
+_BITWISE = ("and", "or", "xor")
+
+
 def _atomic(op, ref, idx, val, mask, cmp):
+    if op in _BITWISE and not jnp.issubdtype(ref.dtype, jnp.integer):
+        raise TypeError(f"atomic_{op}: the Ref must hold integers (int32, uint32, int64, "
+                        f"uint64), got {ref.dtype}.")
     if not isinstance(idx, tuple):
         idx = (idx,)
     leaves, treedef = jax.tree.flatten(idx)
@@ -62,6 +72,21 @@ def atomic_min(ref, idx, val, *, mask=None):
     return _atomic("min", ref, idx, val, mask, None)
 
 
+def atomic_and(ref, idx, val, *, mask=None):
+    """``ref[idx] &= val`` atomically (integers); returns the old values."""
+    return _atomic("and", ref, idx, val, mask, None)
+
+
+def atomic_or(ref, idx, val, *, mask=None):
+    """``ref[idx] |= val`` atomically (integers); returns the old values."""
+    return _atomic("or", ref, idx, val, mask, None)
+
+
+def atomic_xor(ref, idx, val, *, mask=None):
+    """``ref[idx] ^= val`` atomically (integers); returns the old values."""
+    return _atomic("xor", ref, idx, val, mask, None)
+
+
 def atomic_xchg(ref, idx, val, *, mask=None):
     """Stores ``val`` at ``ref[idx]`` atomically; returns the old values."""
     return _atomic("xchg", ref, idx, val, mask, None)
@@ -72,4 +97,5 @@ def atomic_cas(ref, idx, cmp, val):
     return _atomic("cas", ref, idx, val, None, cmp)
 
 
-__all__ = ["atomic_add", "atomic_cas", "atomic_max", "atomic_min", "atomic_xchg"]
+__all__ = ["atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min", "atomic_or",
+           "atomic_xchg", "atomic_xor"]

@@ -49,7 +49,8 @@ from jax.extend import core as jex_core
 from pallas_core import context
 from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.primitives import next_power_of_2
-from pallas_core.triton import jit_helpers
+from pallas_core.indexing import indexer_layout, is_slice, is_trivial
+from pallas_core.triton import jit_helpers, markers
 from pallas_core.triton.elementwise import ElementwiseWriter
 from pallas_core.triton.values import (INT32_MAX, Val, as_code, axis_index, fit, lane_mask, literal, tl_dtype,
                                        tl_shape)
@@ -100,24 +101,38 @@ class Range:
     start: str  # an expression in elements of the underlying array
     size: int
     stride: int
+    axis: int | None = None  # the result axis it walks; None: the Ranges' order
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """An array dim indexed by an integer tensor: elements ``start + stride * index``,
+    ``index`` laid along the result ``axes`` (a gather, ``x_ref[idx_array]``)."""
+
+    start: str
+    stride: int
+    index: Val
+    axes: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class RefView:
     """A Ref: an operand's pointer seen through its block and ``.at`` views.
 
-    ``dims`` has one entry per array dim: a Range (kept) or a str (fixed index).
-    ``masked`` marks array dims a block may run past (loads/stores get masks).
+    ``dims`` has one entry per array dim: a Range (kept), a str (fixed index) or,
+    after a gather, a Gather. ``masked`` marks array dims a block may run past
+    (loads/stores get masks).
     """
 
     ptr: str
     array_shape: tuple[int, ...]
     dim_names: tuple[str, ...]  # constexpr names of the array dims
-    dims: tuple[Range | str, ...]
+    dims: tuple[Range | Gather | str, ...]
     masked: tuple[bool, ...]
     dtype: Any
     wide: bool  # more than 2**31 elements: int64 offsets
     register: int | None = None  # index of a scratch buffer kept as a loop-carried value
+    result_shape: tuple[int, ...] | None = None  # set by a gather, whose axes Ranges do not give
 
     @property
     def register_name(self) -> str:
@@ -125,26 +140,57 @@ class RefView:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.result_shape is not None:
+            return self.result_shape
         return tuple(d.size for d in self.dims if isinstance(d, Range))
 
-    def index(self, indexer, scalar) -> "RefView":
-        """Applies one NDIndexer (ints, static or dynamic slices) to the view."""
-        if tuple(indexer.int_indexer_shape):
-            raise NotImplementedError("array (gather-style) indexing of a Ref is not supported "
-                                      "by the triton backend; use slices or pl.ds.")
+    def index(self, indexer, value, overhang_ok: bool = False) -> "RefView":
+        """Applies one NDIndexer (ints, static or dynamic slices, integer arrays) to the view.
+
+        ``value(leaf)`` gives the :class:`Val` of an index leaf. Static indices
+        past the view's edge raise IndexError unless ``overhang_ok`` (a masked
+        access, whose mask guards those lanes).
+        """
+        if self.result_shape is not None:
+            if is_trivial(indexer):  # ``view[...]`` of a gathered view
+                return self
+            raise NotImplementedError("triton backend: indexing a gathered Ref view again is not "
+                                      "supported; index the Ref once with all its index arrays.")
         kept = [i for i, d in enumerate(self.dims) if isinstance(d, Range)]
         if len(indexer.indices) != len(kept):
             raise NotImplementedError(f"indexer of rank {len(indexer.indices)} for a view of rank {len(kept)}")
+        gather = bool(tuple(indexer.int_indexer_shape))
+        shape, axes = indexer_layout(indexer)
         dims = list(self.dims)
-        for axis, idx in zip(kept, indexer.indices):
+        for dim, (axis, idx, ax) in enumerate(zip(kept, indexer.indices, axes)):
             base: Range = dims[axis]
-            if hasattr(idx, "size") and hasattr(idx, "stride") and hasattr(idx, "start"):
-                start = scalar(idx.start)
-                dims[axis] = Range(_add(base.start, _mul(start, str(base.stride))), int(idx.size),
-                                   base.stride * int(idx.stride))
+            if is_slice(idx):
+                start = value(idx.start).expr
+                size, stride = int(idx.size), int(idx.stride)
+                if not overhang_ok:
+                    _check_static(start, (size - 1) * stride, base.size, dim, self.shape)
+                dims[axis] = Range(_add(base.start, _mul(start, str(base.stride))), size,
+                                   base.stride * stride, ax[0] if gather else None)
+            elif ax:
+                dims[axis] = Gather(base.start, base.stride, value(idx), ax)
             else:
-                dims[axis] = _add(base.start, _mul(scalar(idx), str(base.stride)))
-        return dataclasses.replace(self, dims=tuple(dims))
+                at = value(idx).expr
+                if not overhang_ok:
+                    _check_static(at, 0, base.size, dim, self.shape)
+                dims[axis] = _add(base.start, _mul(at, str(base.stride)))
+        return dataclasses.replace(self, dims=tuple(dims), result_shape=tuple(shape) if gather else None)
+
+
+def _check_static(start: str, extent: int, size: int, dim: int, shape) -> None:
+    """IndexError if a literal ``start`` (to ``start + extent``) leaves ``[0, size)``."""
+    if not start.lstrip("-").isdigit():
+        return
+    first = int(start)
+    if first < 0 or first + extent >= size:
+        raise IndexError(
+            f"triton backend: an index reaches elements {first}..{first + extent} of dim {dim} "
+            f"of a Ref view of shape {tuple(shape)}, past its edge, with no mask; pass mask= to "
+            "pl.load / pl.store (masked-off lanes are never read or written).")
 
 
 def _add(a: str, b: str) -> str:
@@ -198,6 +244,7 @@ class KernelWriter(ElementwiseWriter):
         self.constexprs: dict[str, int] = {}
         self.used: set = set()  # jaxpr vars read by some equation or returned
         self.eqn_stack: list = []  # equations being written, outermost first
+        self.access: dict | None = None  # the masked access a load / store marker is writing
 
     # ---- small helpers -------------------------------------------------------------
     def fresh(self, prefix="v") -> str:
@@ -269,6 +316,8 @@ class KernelWriter(ElementwiseWriter):
         header = self._header(len(mappings))
         helpers = "".join(jit_helpers.combiner_source(n) for n in sorted(self.combiners))
         helpers += "".join(jit_helpers.math_source(n) for n in jit_helpers.with_dependencies(self.math))
+        if "approx_tanh" in self.math:  # rebound to True when Triton's interpreter loads the module
+            helpers = f"\n{jit_helpers.INTERPRETED} = tl.constexpr(False)\n" + helpers
         return ("import triton.language as tl\n" + helpers + "\n\n@jit\n" + header + "\n"
                 + "\n".join(self.lines) + "\n")
 
@@ -344,14 +393,6 @@ class KernelWriter(ElementwiseWriter):
             return [self.read(env, v) for v in jaxpr.outvars]
         return None
 
-    def scalar(self, env):
-        def convert(x):
-            if isinstance(x, (int, np.integer)):
-                return str(int(x))
-            val = self.read(env, x)
-            return val.expr
-        return convert
-
     def equation(self, eqn, env):
         self.eqn_stack.append(eqn)
         try:
@@ -376,32 +417,53 @@ class KernelWriter(ElementwiseWriter):
             env[var] = out
 
     # ---- refs ----------------------------------------------------------------------
-    def _view(self, ref: RefView, transforms, env) -> RefView:
+    def _view(self, ref: RefView, transforms, env, overhang_ok: bool = False) -> RefView:
+        def value(x):
+            if isinstance(x, (int, np.integer)):
+                return Val(str(int(x)), (), np.dtype(np.int32))
+            return self.read(env, x)
+
         for t in transforms:
-            ref = ref.index(t, self.scalar(env))
+            ref = ref.index(t, value, overhang_ok)
         return ref
 
     def _addresses(self, ref: RefView):
         """(offsets expr, mask expr or None, result shape) of a view."""
-        rank = len(ref.shape)
-        axis = 0
+        shape = ref.shape
+        rank = len(shape)
+        sequential = 0
         offsets, masks = [], []
+        lanes_masked: set[int] = set()
+
+        def mask_lanes(axis):  # padding lanes: never read or written
+            if axis not in lanes_masked and next_power_of_2(shape[axis]) != shape[axis]:
+                masks.append(lane_mask(axis, shape[axis], rank))
+            lanes_masked.add(axis)
+
         # Row-major strides, written with the constexpr array dims.
         strides = ["1"] * len(ref.array_shape)
         for d in reversed(range(len(ref.array_shape) - 1)):
             strides[d] = _mul(strides[d + 1], ref.dim_names[d + 1])
         for d, dim in enumerate(ref.dims):
+            index = self.fresh("r")
             if isinstance(dim, Range):
-                index = self.fresh("r")
-                shape_ix = axis_index(axis, rank)
+                axis = sequential if dim.axis is None else dim.axis
+                sequential += 1
                 step = f" * {dim.stride}" if dim.stride != 1 else ""
                 lanes = f"tl.arange(0, {next_power_of_2(dim.size)}){step}"
-                self.emit(f"{index} = ({_add(dim.start, lanes)})[{shape_ix}]")
-                if next_power_of_2(dim.size) != dim.size:  # padding lanes: never read or written
-                    masks.append(lane_mask(axis, dim.size, rank))
-                axis += 1
+                self.emit(f"{index} = ({_add(dim.start, lanes)})[{axis_index(axis, rank)}]")
+                mask_lanes(axis)
+            elif isinstance(dim, Gather):
+                at = as_code(dim.index)
+                if np.dtype(dim.index.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+                    at = f"{at}.to(tl.int32)"
+                if len(dim.axes) != rank:
+                    at = f"{at}[{', '.join(':' if a in dim.axes else 'None' for a in range(rank))}]"
+                step = f" * {dim.stride}" if dim.stride != 1 else ""
+                self.emit(f"{index} = {_add(dim.start, f'{at}{step}')}")
+                for axis in dim.axes:
+                    mask_lanes(axis)
             else:
-                index = self.fresh("r")
                 self.emit(f"{index} = {dim}")
             if ref.wide:
                 index_wide = f"{index}.to(tl.int64)"
@@ -412,16 +474,28 @@ class KernelWriter(ElementwiseWriter):
                 masks.append(f"({index} < {ref.dim_names[d]})")
         offset = " + ".join(offsets) if offsets else "0"
         mask = " & ".join(masks) if masks else None
-        return offset, mask, ref.shape
+        return offset, mask, shape
 
-    def _load(self, ref: RefView) -> Val:
+    def _load(self, ref: RefView, access: dict | None = None) -> Val:
+        """``tl.load`` of a view; ``access`` (a masked load): ``mask``, ``other`` Vals and hints."""
+        access = access or {}
         offset, mask, shape = self._addresses(ref)
-        extra = f", mask={mask}, other=0" if mask else ""
+        user = access.get("mask")
+        masks = [m for m in (mask, None if user is None or user.expr == "True" else as_code(user)) if m]
+        extra = ""
+        if masks:
+            other = access.get("other")
+            extra = f", mask={' & '.join(masks)}, other={as_code(other) if other is not None else 0}"
+        extra += _hint_args(access.get("hints", {}))
         return self.assign(f"tl.load({ref.ptr} + {offset}{extra})", shape, ref.dtype)
 
-    def _store(self, ref: RefView, val: Val) -> None:
+    def _store(self, ref: RefView, val: Val, access: dict | None = None) -> None:
+        access = access or {}
         offset, mask, shape = self._addresses(ref)
-        extra = f", mask={mask}" if mask else ""
+        user = access.get("mask")
+        masks = [m for m in (mask, None if user is None or user.expr == "True" else as_code(user)) if m]
+        extra = f", mask={' & '.join(masks)}" if masks else ""
+        extra += _hint_args(access.get("hints", {}))
         self.emit(f"tl.store({ref.ptr} + {offset}, {fit(val, shape, ref.dtype)}{extra})")
 
     def _transforms(self, eqn, env, n_leading):
@@ -435,24 +509,33 @@ class KernelWriter(ElementwiseWriter):
             return ref.register_name
         raise _ScratchNeedsMemory(ref.register)
 
+    def _take_access(self, ref) -> dict | None:
+        """The pending masked access of a load / store marker, consumed by its one get / swap."""
+        access, self.access = self.access, None
+        if access is not None and isinstance(ref, RefView) and ref.register is not None:
+            raise _ScratchNeedsMemory(ref.register)  # masked access: the buffer lives in memory
+        return access
+
     def _p_get(self, eqn, env, ref, *idx):
+        access = self._take_access(ref)
         transforms = self._transforms(eqn, env, 1)
         if register := self._register(ref, transforms):
             # A copy: the register is reassigned by later writes, this value must not be.
             return self.assign(register, ref.shape, ref.dtype)
-        return self._load(self._view(ref, transforms, env))
+        return self._load(self._view(ref, transforms, env, _guarded(access)), access)
 
     def _p_swap(self, eqn, env, ref, val, *idx):
+        access = self._take_access(ref)
         transforms = self._transforms(eqn, env, 2)
         if register := self._register(ref, transforms):
             old = self.assign(register, ref.shape, ref.dtype) if eqn.outvars[0] in self.used else None
             self.emit(f"{register} = {fit(val, ref.shape, ref.dtype)}")
             return old
-        view = self._view(ref, transforms, env)
+        view = self._view(ref, transforms, env, _guarded(access))
         old = None
         if eqn.outvars[0] in self.used:  # the value a swap returns is rarely read
-            old = self._load(view)
-        self._store(view, val)
+            old = self._load(view, access)
+        self._store(view, val, access)
         return old
 
     def _p_addupdate(self, eqn, env, ref, val, *idx):
@@ -487,7 +570,38 @@ class KernelWriter(ElementwiseWriter):
         name = str(eqn.params.get("name", ""))
         if name.startswith(ATOMIC_PREFIX):
             return self._atomic(name[len(ATOMIC_PREFIX):], eqn.params["jaxpr"], args)
+        if markers.is_marker(name):
+            return self._marker(name, eqn, env, args)
         return self._inline(eqn.params["jaxpr"], args, env)
+
+    def _marker(self, name, eqn, env, args):
+        """A call of :mod:`pallas_core.triton.markers`: its Triton spelling."""
+        closed = eqn.params["jaxpr"]
+        if name.startswith((markers.LOAD, markers.STORE)):
+            load = name.startswith(markers.LOAD)
+            base = markers.LOAD if load else markers.STORE
+            mask = args[0] if load else args[1]
+            self.access = dict(mask=mask, other=args[1] if load else None,
+                               hints=markers.parse_hints(name, base))
+            try:
+                return self._inline(closed, args, env)
+            finally:
+                self.access = None
+        if name.startswith(markers.HINT):
+            kind, values = markers.parse_hint(name)
+            (x,) = args
+            if not x.shape and not x.expr.isidentifier():  # a literal: nothing to annotate
+                return [x]
+            return [self.assign(f"tl.{kind}({x.expr}, {values})", x.shape, x.dtype)]
+        if name == markers.APPROX_TANH:
+            (x,) = args
+            if np.dtype(x.dtype) == np.float64:  # PTX has no approximate float64 tanh
+                return [self._math("tanh", eqn, x)]
+            return [self._math("approx_tanh", eqn, x)]
+        if name == markers.DEBUG_BARRIER:
+            self.emit("tl.debug_barrier()")
+            return []
+        return self._inline(closed, args, env)
 
     def _atomic(self, op, closed, args):
         """``tl.atomic_<op>`` at the address the atomic's body reads (pallas_core.triton.atomics)."""
@@ -498,7 +612,8 @@ class KernelWriter(ElementwiseWriter):
         inner = {v: a for v, a in zip(jaxpr.invars, args) if not isinstance(a, RefView)}
         self.ref_of_value.update({v: a for v, a in zip(jaxpr.invars, args) if isinstance(a, RefView)})
         get = next(e for e in jaxpr.eqns if e.primitive.name == "get")
-        view = self._view(ref, jax.tree.unflatten(get.params["tree"], get.invars[1:]), inner)
+        guarded = mask.expr != "True"  # the mask guards lanes past the edge
+        view = self._view(ref, jax.tree.unflatten(get.params["tree"], get.invars[1:]), inner, guarded)
         offset, bounds, shape = self._addresses(view)
         masks = [m for m in (bounds, as_code(mask) if mask.expr != "True" else None) if m]
         where = f", mask={' & '.join(masks)}" if masks else ""
@@ -651,6 +766,23 @@ def _user_frame(eqn) -> str:
     except Exception:  # noqa: BLE001 - best effort only
         pass
     return ""
+
+
+def _guarded(access: dict | None) -> bool:
+    """Whether a masked access's mask may guard lanes past the edge (it is not ``True``)."""
+    return access is not None and access.get("mask") is not None and access["mask"].expr != "True"
+
+
+def _hint_args(hints: dict) -> str:
+    """``tl.load`` / ``tl.store`` keyword arguments for memory hints."""
+    out = ""
+    if "cache_modifier" in hints:
+        out += f", cache_modifier={hints['cache_modifier']!r}"
+    if "eviction_policy" in hints:
+        out += f", eviction_policy={hints['eviction_policy']!r}"
+    if hints.get("volatile"):
+        out += ", volatile=True"
+    return out
 
 
 def _is_whole(indexer, shape) -> bool:

@@ -263,6 +263,17 @@ class ElementwiseWriter:
         ix = ", ".join(":" if k in dims else "None" for k in range(len(shape)))
         return self.assign(f"tl.broadcast_to({as_code(x)}[{ix}], {tl_shape(shape)})", shape, aval.dtype)
 
+    def _p_broadcast_to(self, eqn, env, x):
+        """The state primitive a Ref indexer uses to broadcast its index arrays (NumPy rules)."""
+        aval = eqn.outvars[0].aval
+        if tuple(x.shape) == tuple(aval.shape):
+            return x
+        if not x.shape:
+            return self.assign(f"tl.full({tl_shape(aval.shape)}, {as_code(x)}, {tl_dtype(aval.dtype)})",
+                               aval.shape, aval.dtype)
+        ix = ", ".join(["None"] * (len(aval.shape) - len(x.shape)) + [":"] * len(x.shape))
+        return self.assign(f"tl.broadcast_to({as_code(x)}[{ix}], {tl_shape(aval.shape)})", aval.shape, aval.dtype)
+
     def _p_reshape(self, eqn, env, x, *dyn):
         aval = eqn.outvars[0].aval
         if tuple(aval.shape) == tuple(x.shape):

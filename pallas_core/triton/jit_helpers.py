@@ -91,8 +91,20 @@ one = (b == 0) | (a == 1.0) | ((a == -1.0) & (tl.abs(b) == inf))
 return tl.where(one, 1.0, r)"""),
 }
 
+# The module global that says whether Triton's CPU interpreter runs the module
+# (:func:`pallas_core.triton.runtime.load` sets it), for helpers with PTX in them.
+INTERPRETED = "_INTERPRETED"
+
+# pallas_core.triton.approx_tanh: PTX's tanh.approx.f32 (about 2**-11 relative error)
+# on a GPU; the interpreter cannot run PTX and computes the accurate tanh.
+MATH["approx_tanh"] = ("x", f"""\
+if {INTERPRETED}:
+    return _tanh(x)
+return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                 is_pure=True, pack=1)""")
+
 # Helpers that call other helpers.
-_NEEDS = {"tanh": ("expm1",)}
+_NEEDS = {"tanh": ("expm1",), "approx_tanh": ("tanh",)}
 
 
 def with_dependencies(names) -> list[str]:

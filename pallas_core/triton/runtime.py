@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from pallas_core.memory import garbage_fill_value
+from pallas_core.triton import jit_helpers
 
 _POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp64",
                   "int8": "*i8", "int16": "*i16", "int32": "*i32", "int64": "*i64",
@@ -51,6 +52,9 @@ def load(source: str, name: str, mode: str):
     module.__file__ = filename
     module.jit = decorator
     exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own generated code
+    if mode == "interpret" and hasattr(module, jit_helpers.INTERPRETED):
+        import triton.language as tl
+        setattr(module, jit_helpers.INTERPRETED, tl.constexpr(True))  # helpers skip their PTX
     return getattr(module, name)
 
 

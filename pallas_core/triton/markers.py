@@ -1,0 +1,129 @@
+"""Named calls that carry Triton-only meaning through the kernel's jaxpr.
+
+While our Triton lowering traces a kernel, operations a jaxpr cannot say by
+itself (a load whose mask must reach the pointer access, a cache hint, a
+barrier, an approximate tanh) are small jitted functions with recognisable
+names, as the atomics are (:mod:`pallas_core.triton.atomics`). The code
+writer (:mod:`pallas_core.triton.codegen`) reads the name and emits the
+Triton spelling. Each body computes the operation without the Triton-only
+part, and these calls are only made under our Triton lowering (other backends
+run the plain operation), so no other backend ever sees them:
+
+* ``pallas_core_load[__hint...]`` ``(mask, other, view)``: the body is
+  ``view[...]`` (``view`` is ``ref.at[index]``); the writer loads with ``mask`` / ``other`` folded into the
+  pointer access (masked-off lanes are not read, so they may run past the
+  edge), and with the hints of the name (``__cache_modifier_cg``,
+  ``__eviction_policy_evict_last``, ``__volatile``);
+* ``pallas_core_store[__hint...]`` ``(value, mask, view)``: the body is
+  ``view[...] = value``; the writer stores only where ``mask`` holds;
+* ``pallas_core_hint_multiple_of__16_16`` / ``..._max_contiguous__...``
+  ``(x)``: identity; ``tl.multiple_of`` / ``tl.max_contiguous``;
+* ``pallas_core_approx_tanh`` ``(x)``: ``tanh``; ``tanh.approx`` on a GPU;
+* ``pallas_core_debug_barrier`` ``()``: nothing; ``tl.debug_barrier()``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+PREFIX = "pallas_core_"
+LOAD = PREFIX + "load"
+STORE = PREFIX + "store"
+HINT = PREFIX + "hint_"
+APPROX_TANH = PREFIX + "approx_tanh"
+DEBUG_BARRIER = PREFIX + "debug_barrier"
+
+
+def _named(fn, name, **jit_kw):
+    fn.__name__ = fn.__qualname__ = name
+    return jax.jit(fn, **jit_kw)
+
+
+def _hint_suffix(hints) -> str:
+    """``(("cache_modifier", ".cg"), ("volatile", True))`` -> ``"__cache_modifier_cg__volatile"``."""
+    parts = []
+    for key, value in hints:
+        parts.append(key if value is True else f"{key}_{str(value).lstrip('.')}")
+    return "".join("__" + p for p in parts)
+
+
+def parse_hints(name: str, base: str) -> dict:
+    """The hints encoded in a marker name by :func:`_hint_suffix`."""
+    out: dict = {}
+    for part in name[len(base):].split("__")[1:]:
+        if part == "volatile":
+            out["volatile"] = True
+        elif part.startswith("cache_modifier_"):
+            out["cache_modifier"] = "." + part[len("cache_modifier_"):]
+        elif part.startswith("eviction_policy_"):
+            out["eviction_policy"] = part[len("eviction_policy_"):]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _load_fn(suffix):
+    def body(mask, other, view):
+        return view[...]
+    return _named(body, LOAD + suffix)
+
+
+@functools.lru_cache(maxsize=None)
+def _store_fn(suffix):
+    def body(value, mask, view):
+        view[...] = value
+    return _named(body, STORE + suffix)
+
+
+def load(ref, idx, mask, other, hints):
+    """A masked load under our Triton lowering (see the module docstring)."""
+    from pallas_core import indexing
+    view = ref.at[idx]  # a Ref with its views: a pytree a jitted function takes
+    mask = jnp.bool_(True) if mask is None else indexing.broadcast_mask(mask, view.shape, "load")
+    other = jnp.zeros((), ref.dtype) if other is None else jnp.asarray(other, ref.dtype)
+    if other.shape:
+        other = jnp.broadcast_to(other, view.shape)
+    return _load_fn(_hint_suffix(hints))(mask, other, view)
+
+
+def store(ref, idx, value, mask, hints):
+    """A masked store under our Triton lowering (see the module docstring)."""
+    from pallas_core import indexing
+    view = ref.at[idx]
+    value = indexing.value_for(value, view.shape, ref.dtype, "store")
+    mask = jnp.bool_(True) if mask is None else indexing.broadcast_mask(mask, view.shape, "store")
+    _store_fn(_hint_suffix(hints))(value, mask, view)
+
+
+@functools.lru_cache(maxsize=None)
+def _hint_fn(kind, values):
+    return _named(lambda x: x, f"{HINT}{kind}__" + "_".join(map(str, values)))
+
+
+def hint(kind: str, x, values: tuple[int, ...]):
+    """``x``, marked with ``tl.<kind>(x, values)`` for the code writer."""
+    return _hint_fn(kind, tuple(values))(x)
+
+
+def parse_hint(name: str) -> tuple[str, list[int]]:
+    kind, _, values = name[len(HINT):].partition("__")
+    return kind, [int(v) for v in values.split("_")]
+
+
+approx_tanh = _named(lambda x: jnp.tanh(x), APPROX_TANH)
+
+
+def _barrier():
+    return None
+
+
+debug_barrier = _named(_barrier, DEBUG_BARRIER)
+
+
+def is_marker(name: str) -> bool:
+    return name.startswith((LOAD, STORE, HINT, APPROX_TANH, DEBUG_BARRIER))
+
+
+__all__ = ["approx_tanh", "debug_barrier", "hint", "is_marker", "load", "parse_hint", "parse_hints",
+           "store"]

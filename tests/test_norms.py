@@ -2,9 +2,9 @@
 
 Kernels run through the interpreter against the float32 XLA reference on
 shapes that do not divide the blocks (13 rows; 1000 features, a masked last
-chunk; multi-chunk rows forced with max_chunk), and lower for TPU and CUDA
-from this CPU host. Interpreter compiles dominate the run time, so the
-shapes are few and reused.
+chunk; multi-chunk rows forced with max_chunk), both variance formulas
+(``use_fast_variance``), and lower for TPU and CUDA from this CPU host.
+Interpreter compiles dominate the run time, so the shapes are few and reused.
 """
 from __future__ import annotations
 
@@ -15,28 +15,31 @@ import numpy as np
 import pytest
 from flax import nnx
 from hypothesis import given, settings, strategies as st
+from jax import lax
 
 import layers.linen_norms
 import layers.norms
 from layers.linen_norms import LayerNorm as LinenLayerNorm, RMSNorm as LinenRMSNorm
 from layers.norms import LayerNorm, RMSNorm
+from ops.reduction import norms
 from ops.reduction.norms import layer_norm, reference, rms_norm
 from tests.tolerances import BACKWARD, FORWARD, assert_close
 
 OPS = {"layer_norm": True, "rms_norm": False}  # name -> center
 
 
-def run(op, x, scale, bias, **kw):
-    """The op under test; rms_norm ignores ``bias`` (it has none)."""
+def run(op, x, scale, bias, fast=False, **kw):
+    """The op under test; rms_norm ignores ``bias`` and ``fast`` (it has neither)."""
     if op == "layer_norm":
-        return layer_norm(x, scale, bias, **kw)
+        return layer_norm(x, scale, bias, use_fast_variance=fast, **kw)
     return rms_norm(x, scale, **kw)
 
 
-def ref32(op, x, scale, bias):
+def ref32(op, x, scale, bias, fast=False):
     """The float32 reference on the (possibly 16-bit) inputs, upcast."""
     up = lambda a: None if a is None else a.astype(jnp.float32)
-    return reference(up(x), up(scale), up(bias) if OPS[op] else None, center=OPS[op])
+    return reference(up(x), up(scale), up(bias) if OPS[op] else None, center=OPS[op],
+                     use_fast_variance=fast and OPS[op])
 
 
 def make_inputs(seed, shape, dtype=jnp.float32, with_params=True):
@@ -51,10 +54,11 @@ def make_inputs(seed, shape, dtype=jnp.float32, with_params=True):
 
 
 # (leading shape, features, max_chunk, with scale/bias)
+# (leading shape, features, max_chunk, with scale/bias, use_fast_variance for layer_norm)
 F32_CASES = [
-    ((13,), 1000, None, True),     # one chunk of 1024, last columns masked
-    ((13,), 1000, 256, True),      # four chunks, the last masked
-    ((2, 7), 384, 128, False),     # three exact chunks, no params
+    ((13,), 1000, None, True, False),   # one chunk of 1024, last columns masked
+    ((13,), 1000, 256, True, False),    # four chunks, the last masked
+    ((2, 7), 384, 128, False, True),    # three exact chunks, no params; E[x**2] - E[x]**2
 ]
 
 
@@ -63,12 +67,12 @@ F32_CASES = [
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("lead, features, max_chunk, with_params", F32_CASES)
-def test_forward_float32(op, lead, features, max_chunk, with_params):
+@pytest.mark.parametrize("lead, features, max_chunk, with_params, fast", F32_CASES)
+def test_forward_float32(op, lead, features, max_chunk, with_params, fast):
     x, s, b = make_inputs(0, (*lead, features), with_params=with_params)
-    y = run(op, x, s, b, implementation="interpret", max_chunk=max_chunk)
+    y = run(op, x, s, b, fast, implementation="interpret", max_chunk=max_chunk)
     assert y.shape == x.shape and y.dtype == jnp.float32
-    assert_close(y, ref32(op, x, s, b), FORWARD[jnp.float32], "forward")
+    assert_close(y, ref32(op, x, s, b, fast), FORWARD[jnp.float32], "forward")
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -95,6 +99,8 @@ def test_xla_implementation_is_the_reference_and_default_on_cpu():
     x, s, b = make_inputs(3, (4, 6, 40))
     np.testing.assert_array_equal(layer_norm(x, s, b, implementation="xla"),
                                   reference(x, s, b, center=True))
+    np.testing.assert_array_equal(layer_norm(x, s, b, use_fast_variance=True),
+                                  reference(x, s, b, center=True, use_fast_variance=True))
     np.testing.assert_array_equal(rms_norm(x, s, implementation="xla"),
                                   reference(x, s, center=False))
     np.testing.assert_array_equal(layer_norm(x, s, b, epsilon=1e-3),
@@ -125,24 +131,24 @@ def test_empty_rows():
 # Gradients
 # --------------------------------------------------------------------------
 
-def grads_vs_reference(op, x, s, b, **kw):
+def grads_vs_reference(op, x, s, b, fast=False, **kw):
     cot = jax.random.normal(jax.random.key(9), x.shape, jnp.float32)
     loss = lambda fn: (lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot))
     argnums = tuple(i for i, a in enumerate((x, s, b)) if a is not None
                     and (i < 2 or OPS[op]))
-    ours = jax.grad(loss(lambda *a: run(op, *a, implementation="interpret", **kw)), argnums)(
-        x, s, b)
+    ours = jax.grad(loss(lambda *a: run(op, *a, fast, implementation="interpret", **kw)),
+                    argnums)(x, s, b)
     up = [None if a is None else a.astype(jnp.float32) for a in (x, s, b)]
-    expected = jax.grad(loss(lambda *a: ref32(op, *a)), argnums)(*up)
+    expected = jax.grad(loss(lambda *a: ref32(op, *a, fast)), argnums)(*up)
     return [("xsb"[i], (x, s, b)[i]) for i in argnums], ours, expected
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("lead, features, max_chunk, with_params",
-                         [F32_CASES[1], ((2, 7), 384, None, False)])
-def test_gradients_float32(op, lead, features, max_chunk, with_params):
+@pytest.mark.parametrize("lead, features, max_chunk, with_params, fast",
+                         [F32_CASES[1], ((2, 7), 384, None, False, True)])
+def test_gradients_float32(op, lead, features, max_chunk, with_params, fast):
     x, s, b = make_inputs(5, (*lead, features), with_params=with_params)
-    names, ours, expected = grads_vs_reference(op, x, s, b, max_chunk=max_chunk)
+    names, ours, expected = grads_vs_reference(op, x, s, b, fast, max_chunk=max_chunk)
     for (name, arg), g, e in zip(names, ours, expected):
         assert g.dtype == arg.dtype and g.shape == arg.shape, name
         assert_close(g, e, BACKWARD[jnp.float32], f"d{name}")
@@ -157,16 +163,98 @@ def test_gradients_bfloat16(op):
         assert_close(g, e, BACKWARD[jnp.bfloat16], f"d{name}")
 
 
+# --------------------------------------------------------------------------
+# use_fast_variance: Flax's max(0, E[x**2] - E[x]**2)
+# --------------------------------------------------------------------------
+
+def _tol(table, dtype):
+    return next(v for d, v in table.items() if jnp.dtype(d) == jnp.dtype(dtype))
+
+
+def test_fast_variance_forward_and_gradients_with_mixed_dtypes():
+    """Running sums over four chunks (the last masked), and params whose dtypes differ
+    from x's and from each other's; every gradient in its argument's dtype."""
+    x_dtype, max_chunk = jnp.bfloat16, 256
+    x, s, b = make_inputs(20, (13, 1000))
+    x, s, b = x.astype(x_dtype), s.astype(jnp.float32), b.astype(jnp.float16)
+    y = layer_norm(x, s, b, use_fast_variance=True, implementation="interpret",
+                   max_chunk=max_chunk)
+    assert y.dtype == x_dtype
+    assert_close(y, ref32("layer_norm", x, s, b, fast=True), _tol(FORWARD, x_dtype), "forward")
+    names, ours, expected = grads_vs_reference("layer_norm", x, s, b, True, max_chunk=max_chunk)
+    for (name, arg), g, e in zip(names, ours, expected):
+        assert g.dtype == arg.dtype and g.shape == arg.shape, name
+        assert_close(g, e, _tol(BACKWARD, x_dtype), f"d{name}")
+
+
+def test_fast_variance_clip_and_its_gradient():
+    """Rows whose E[x**2] - E[x]**2 rounds to <= 0 get variance 0, as Flax clips it,
+    and the gradient of the clipped formula: the variance term of dx has the weight
+    d max(0, v) / dv, 0 below the clip and 1/2 at a tie (JAX's jnp.maximum)."""
+    f, eps = 256, 1e-6
+    k = jax.random.split(jax.random.key(22), 4)
+    # Variance 1e-6 next to E[x**2] = 1e6, whose ulp is 0.0625: v is rounding noise.
+    x = 1000.0 + 1e-3 * jax.random.normal(k[0], (16, f))
+    x = x.at[0].set(0.0)                                     # v == 0 exactly: the tie
+    x = x.at[1].set(2.0 * jax.random.normal(k[1], (f,)))    # an ordinary row
+    s = 1.0 + 0.5 * jax.random.normal(k[2], (f,))
+    config = norms._Config(op="layer_norm", backend="interpret", center=True, epsilon=eps,
+                           fast_variance=True)
+    _, stats = norms._forward_call(x, s, None, config, want_stats=True)
+    weight = np.asarray(stats["weight"])[:, 0]
+    assert weight[0] == 0.5 and weight[1] == 1.0
+    clipped = np.flatnonzero(weight == 0.0)
+    assert clipped.size >= 2, weight  # about half of the noisy rows round below 0
+    np.testing.assert_array_equal(np.asarray(stats["rstd"])[clipped, 0],
+                                  np.float32(lax.rsqrt(jnp.float32(eps))))
+
+    cot = jax.random.normal(k[3], x.shape)
+    loss = lambda fn: (lambda x: jnp.sum(fn(x) * cot))
+    dx = jax.grad(loss(lambda x: layer_norm(x, s, use_fast_variance=True,
+                                            implementation="interpret")))(x)
+    # Below the clip the variance is the constant 0: only the mean carries a gradient.
+    clipped_formula = lambda x: (x - jnp.mean(x, -1, keepdims=True)) * (lax.rsqrt(eps) * s)
+    expected_clipped = jax.grad(loss(clipped_formula))(x)
+    expected = jax.grad(loss(lambda x: reference(x, s, epsilon=eps, use_fast_variance=True)))(x)
+    assert_close(dx[clipped], expected_clipped[clipped], BACKWARD[jnp.float32], "dx clipped")
+    assert_close(dx[:2], expected[:2], BACKWARD[jnp.float32], "dx tie and ordinary")
+
+
+def test_fast_variance_on_triton():
+    """Our Triton lowering (Triton's CPU interpreter): fast variance over three chunks,
+    params of other dtypes than x, forward and all three gradients."""
+    x = 3.0 * jax.random.normal(jax.random.key(23), (5, 300)) + 1.0
+    s = jnp.linspace(0.5, 1.5, 300, dtype=jnp.bfloat16)
+    b = jnp.linspace(-1.0, 1.0, 300)
+    fn = lambda impl, max_chunk: (lambda *a: layer_norm(
+        *a, use_fast_variance=True, implementation=impl, max_chunk=max_chunk))
+    y, vjp = jax.vjp(fn("triton", 128), x, s, b)
+    y_ref, vjp_ref = jax.vjp(fn("xla", None), x, s, b)
+    assert_close(y, y_ref, FORWARD[jnp.float32], "forward")
+    for name, g, e in zip("xsb", vjp(jnp.sin(y_ref)), vjp_ref(jnp.sin(y_ref))):
+        assert g.dtype == e.dtype, name
+        assert_close(g, e, _tol(BACKWARD, g.dtype), f"d{name}")
+
+
 @settings(max_examples=3, deadline=None)
 @given(rows=st.integers(1, 20), features=st.integers(1, 300),
        lead=st.lists(st.integers(1, 3), max_size=1), op=st.sampled_from(list(OPS)),
        max_chunk=st.sampled_from([None, 128]), with_params=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_property_forward_and_gradients(rows, features, lead, op, max_chunk, with_params, seed):
+       fast=st.booleans(), seed=st.integers(0, 2**16))
+def test_property_forward_and_gradients(rows, features, lead, op, max_chunk, with_params, fast,
+                                        seed):
+    # E[x**2] - E[x]**2 is ill-conditioned on a row of a few features whose sample
+    # variance happens to be tiny against its mean: there the kernel and the
+    # reference round differently by design (ops.reduction.norms), so not below 8.
+    fast = fast and features >= 8
     x, s, b = make_inputs(seed, (*lead, rows, features), with_params=with_params)
-    y = run(op, x, s, b, implementation="interpret", max_chunk=max_chunk)
-    assert_close(y, ref32(op, x, s, b), FORWARD[jnp.float32], "forward")
-    names, ours, expected = grads_vs_reference(op, x, s, b, max_chunk=max_chunk)
+    y = run(op, x, s, b, fast, implementation="interpret", max_chunk=max_chunk)
+    assert_close(y, ref32(op, x, s, b, fast), FORWARD[jnp.float32], "forward")
+    if op == "rms_norm" and features == 1:
+        # d/dx x / sqrt(x**2 + eps) = eps / (x**2 + eps)**1.5, ~1e-7 here, which both sides
+        # can only compute as 1 - xhat**2: rounding noise, nothing to compare.
+        return
+    names, ours, expected = grads_vs_reference(op, x, s, b, fast, max_chunk=max_chunk)
     for (name, _), g, e in zip(names, ours, expected):
         assert_close(g, e, BACKWARD[jnp.float32], f"d{name}")
 
@@ -184,8 +272,13 @@ P = jnp.ones((8,), jnp.float32)
     (layer_norm, (X, P, jnp.ones((1, 8))), {}, ValueError, r"bias must have shape \[features\]"),
     (rms_norm, (X, jnp.ones((8, 1))), {}, ValueError, r"rms_norm: scale must have shape"),
     (layer_norm, (X.astype(jnp.int32),), {}, TypeError, r"x has dtype int32"),
-    (layer_norm, (X, P.astype(jnp.bfloat16)), {}, TypeError, r"scale has dtype bfloat16 but x has float32"),
-    (layer_norm, (X, P, P.astype(jnp.float16)), {}, TypeError, r"bias has dtype float16"),
+    (layer_norm, (X, P.astype(jnp.int32)), {}, TypeError, r"layer_norm: scale has dtype int32"),
+    (layer_norm, (X, P, np.ones(8, np.float64)), {}, TypeError, r"bias has dtype float64"),
+    (rms_norm, (X, P.astype(jnp.complex64)), {}, TypeError, r"rms_norm: scale has dtype complex64"),
+    (layer_norm, (X,), {"use_fast_variance": 1}, TypeError, r"use_fast_variance must be a bool"),
+    (layer_norm, (X,), {"use_fast_variance": None}, TypeError, r"use_fast_variance must be a bool"),
+    (rms_norm, (X,), {"use_fast_variance": True}, TypeError,
+     r"unexpected keyword argument 'use_fast_variance'"),
     (rms_norm, ([[1.0]],), {}, TypeError, r"x must be a JAX or NumPy array"),
     (layer_norm, (X, [1.0] * 8), {}, TypeError, r"scale must be a JAX or NumPy array"),
     (layer_norm, (jnp.float32(1.0),), {}, ValueError, r"x must have rank >= 1"),
@@ -222,18 +315,20 @@ def lower_text(fn, impl, *shapes_dtypes):
 
 
 @pytest.mark.parametrize("impl", list(PLATFORM))
-@pytest.mark.parametrize("features", [1000, 5120])
-@pytest.mark.parametrize("op", OPS)
-def test_forward_and_backward_lower(impl, features, op):
+@pytest.mark.parametrize("op, features, fast", [
+    ("layer_norm", 1000, False), ("layer_norm", 5120, False),
+    ("layer_norm", 1000, True), ("layer_norm", 5120, True),   # with float32 params
+    ("rms_norm", 1000, False), ("rms_norm", 5120, False)])
+def test_forward_and_backward_lower(impl, op, features, fast):
     def fwd(x, s, b):
-        return run(op, x, s, b, implementation=impl)
+        return run(op, x, s, b, fast, implementation=impl)
 
     def grads(x, s, b):
         argnums = (0, 1, 2) if OPS[op] else (0, 1)
         return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums)(x, s, b)
 
-    specs = [((2, 300, features), jnp.bfloat16), ((features,), jnp.bfloat16),
-             ((features,), jnp.bfloat16)]
+    params = jnp.float32 if fast else jnp.bfloat16
+    specs = [((2, 300, features), jnp.bfloat16), ((features,), params), ((features,), params)]
     marker = PLATFORM[impl][1]
     text = lower_text(fwd, impl, *specs)
     assert text.count(marker) == 1 and f"{op}_fwd" in text

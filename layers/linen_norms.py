@@ -11,10 +11,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
-from jax import lax
 
-from layers.dense import _FUSED_DTYPES, _check_implementation
-from layers.norms import _kernel_supports
+from layers.dense import _check_implementation
+from layers.norms import _compute_dtype, _kernel_supports, _run
 from ops.reduction.norms import layer_norm, rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -24,20 +23,27 @@ _COMMON_DOC = """
     It runs when ``reduction_axes`` and ``feature_axes`` both name the last
     axis (the default ``-1``), ``axis_name`` and ``axis_index_groups`` are
     None, ``force_float32_reductions`` is True (the default), no ``mask`` is
-    given, ``epsilon`` is a non-negative number, and the compute dtype (below)
-    is float32, bfloat16 or float16. Any other configuration runs the Flax
-    parent's own ``__call__`` unchanged.
+    given, ``epsilon`` is a non-negative number, and x, the params (their
+    ``param_dtype``, or the dtype of the variables applied) and the wider of
+    x's and the output dtype are float32, bfloat16 or float16. Any other
+    configuration runs the Flax parent's own ``__call__`` unchanged (so a
+    ``mask`` gives Flax's result bit for bit).
 
-    Dtypes: the output dtype is Flax's (``dtype`` if given, else the promoted
-    type of x and the params). The kernel runs in the wider of x's dtype and
-    the output dtype (statistics and arithmetic in float32 either way), with
-    the params cast to it: exact against Flax, except that float32 params
-    with 16-bit x and a 16-bit ``dtype`` are rounded to that dtype first (as
-    ``flax.nnx`` does for the same configuration), which keeps the fast
-    16-bit path fast.
+    Dtypes: exactly Flax's. Linen does not promote: x and the params enter
+    as they are (their dtypes may differ; the kernel reads all of them as
+    float32, as Flax computes them in float32), and the output dtype is
+    Flax's ``canonicalize_dtype(x, scale, bias, dtype=self.dtype)``
+    (``dtype`` if given, else the promoted type of x and the params). The
+    kernel writes the wider of x's and the output dtype, cast to the output
+    dtype if that is narrower, so the result is rounded once, as Flax's.
 
-    Variance: the exact (two-pass-equivalent) biased variance, whatever
-    ``use_fast_variance`` says (see :class:`layers.LayerNorm`).
+    Variance: ``use_fast_variance`` is honoured as in :class:`layers.LayerNorm`
+    (True, the Flax default: ``max(0, E[x**2] - E[x]**2)``; False: two-pass).
+    Bit equality with Flax: as :class:`layers.LayerNorm` states (identical
+    with ``implementation="xla"``; the Pallas kernels identical under ``jit``
+    where the float32 sums are exact, else within 6 float32 ulps of the
+    row's largest ``|y|`` or ``|y - bias|``, or one 16-bit ulp, on rows with
+    ``|mean| <= std``).
 
     implementation: None (best for the platform, resolved at call time) or a
     name from ``ops.IMPLEMENTATIONS``; validated at construction.
@@ -62,10 +68,13 @@ class LayerNorm(nn.LayerNorm):
     @nn.compact
     def __call__(self, x, *, mask=None):
         """Normalizes ``x [..., features]``; same shape, Flax's output dtype."""
-        if not _linen_kernel_supports(self, x, mask, self.use_scale, self.use_bias):
+        plan = _linen_plan(self, x, mask, self.use_scale, self.use_bias)
+        if plan is None:
             return super().__call__(x, mask=mask)
         scale, bias = _declare_params(self, x, self.use_scale, self.use_bias)
-        return _run(layer_norm, self, jnp.asarray(x), scale, bias, center=True)
+        return _run(layer_norm, x, (scale, bias), *plan, epsilon=float(self.epsilon),
+                    use_fast_variance=bool(self.use_fast_variance),
+                    implementation=self.implementation)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -86,28 +95,38 @@ class RMSNorm(nn.RMSNorm):
     @nn.compact
     def __call__(self, x, *, mask=None):
         """Normalizes ``x [..., features]``; same shape, Flax's output dtype."""
-        if not _linen_kernel_supports(self, x, mask, self.use_scale, False):
+        plan = _linen_plan(self, x, mask, self.use_scale, False)
+        if plan is None:
             return super().__call__(x, mask=mask)
         scale, _ = _declare_params(self, x, self.use_scale, False)
-        return _run(rms_norm, self, jnp.asarray(x), scale, None, center=False)
+        return _run(rms_norm, x, (scale,), *plan, epsilon=float(self.epsilon),
+                    implementation=self.implementation)
 
 
 LayerNorm.__doc__ += _COMMON_DOC
 RMSNorm.__doc__ += _COMMON_DOC
 
 
-def _compute_dtype(x_dtype, out_dtype):
-    return jnp.dtype(jnp.promote_types(x_dtype, out_dtype))
+def _param_dtype(module, name: str):
+    """The dtype ``name`` will have once declared: that of the variable applied, if any."""
+    if module.has_variable("params", name):
+        return jnp.result_type(module.get_variable("params", name))
+    return jnp.dtype(module.param_dtype)
 
 
-def _linen_kernel_supports(module, x, mask, use_scale, use_bias) -> bool:
-    """Checked before any param is declared (Flax's path declares them itself)."""
+def _linen_plan(module, x, mask, use_scale, use_bias):
+    """``(compute dtype, output dtype)`` for the kernel path, or None for Flax's own.
+
+    Decided before any param is declared (Flax's path declares them itself),
+    from the dtypes the params will have.
+    """
     if not module.force_float32_reductions or not _kernel_supports(module, x, mask):
-        return False
-    x_dtype = jnp.result_type(x)
-    params = [jnp.zeros((), module.param_dtype)] * (int(use_scale) + int(use_bias))
-    out_dtype = linen_dtypes.canonicalize_dtype(jnp.zeros((), x_dtype), *params, dtype=module.dtype)
-    return _compute_dtype(x_dtype, out_dtype) in _FUSED_DTYPES
+        return None
+    names = [n for n, used in (("scale", use_scale), ("bias", use_bias)) if used]
+    params = [jnp.zeros((), _param_dtype(module, n)) for n in names]
+    out_dtype = linen_dtypes.canonicalize_dtype(x, *params, dtype=module.dtype)
+    compute = _compute_dtype(x, params, out_dtype)
+    return None if compute is None else (compute, out_dtype)
 
 
 def _declare_params(module, x, use_scale, use_bias):
@@ -118,31 +137,3 @@ def _declare_params(module, x, use_scale, use_bias):
     bias = (module.param("bias", module.bias_init, feature_shape, module.param_dtype)
             if use_bias else None)
     return scale, bias
-
-
-def _run(op, module, x, scale, bias, *, center):
-    out_dtype = linen_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype)
-    compute = _compute_dtype(x.dtype, out_dtype)
-    if compute not in _FUSED_DTYPES:  # params loaded with an unexpected dtype
-        return _xla_fallback(x, scale, bias, epsilon=module.epsilon, center=center,
-                             out_dtype=out_dtype)
-    args = [None if p is None else p.astype(compute) for p in
-            ((scale, bias) if center else (scale,))]
-    y = op(x.astype(compute), *args, epsilon=float(module.epsilon),
-           implementation=module.implementation)
-    return y.astype(out_dtype)
-
-
-def _xla_fallback(x, scale, bias, *, epsilon, center, out_dtype):
-    """Flax's arithmetic in at least float32, for dtypes the kernels do not take."""
-    dtype = jnp.promote_types(jnp.result_type(*[a for a in (x, scale, bias) if a is not None]),
-                              jnp.float32)
-    xf = x.astype(dtype)
-    if center:
-        xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + epsilon)
-    if scale is not None:
-        y = y * scale.astype(dtype)
-    if bias is not None:
-        y = y + bias.astype(dtype)
-    return y.astype(out_dtype)

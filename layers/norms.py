@@ -8,8 +8,9 @@ one loads into the other unchanged. The forward pass runs
 ``ops.reduction.norms.layer_norm`` / ``rms_norm``: one fused kernel with
 float32 statistics, and Pallas backward kernels.
 
-The helpers at the bottom (which configurations the kernels support, and the
-signature shown by ``help()``) are shared with :mod:`layers.linen_norms`.
+The helpers at the bottom (which configurations the kernels support, the
+dtype plan, and the signature shown by ``help()``) are shared with
+:mod:`layers.linen_norms`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 
 from layers.dense import _FUSED_DTYPES, _check_implementation
 from ops.reduction.norms import layer_norm, rms_norm
@@ -29,21 +31,40 @@ _COMMON_DOC = """
     Kernel path and fallback: the kernel normalizes over the last axis only.
     It runs when ``reduction_axes`` and ``feature_axes`` both name the last
     axis (the default ``-1``), ``axis_name`` and ``axis_index_groups`` are
-    None, no ``mask`` is given, ``epsilon`` is a non-negative number, and the
-    promoted dtype (below) is float32, bfloat16 or float16. Any other
-    configuration runs the Flax parent's own ``__call__`` unchanged.
+    None, no ``mask`` is given, ``epsilon`` is a non-negative number, and x
+    and the params, once promoted (below), are float32, bfloat16 or float16,
+    as is the wider of x's and the output dtype. Any other configuration runs
+    the Flax parent's own ``__call__`` unchanged (so a ``mask`` gives Flax's
+    result bit for bit).
 
-    Dtypes: ``x`` and the parameters are promoted exactly as the Flax module
-    does (``self.promote_dtype((x, scale, bias), dtype=self.dtype)``: the given
-    ``dtype``, else the promoted type of x and the params); the kernel computes
-    statistics and the affine transform in float32 and returns the promoted
-    dtype, as Flax does.
+    Dtypes: exactly the Flax module's. ``x`` and the parameters go through
+    ``self.promote_dtype((x, scale, bias), dtype=self.dtype)`` (a custom
+    ``promote_dtype`` included, which may leave their dtypes mixed); the
+    output dtype is Flax's ``canonicalize_dtype(x, scale, bias,
+    dtype=self.dtype)`` of the promoted values (``dtype`` if given, else
+    their promoted type). The kernel reads everything as float32, computes the
+    statistics and the affine transform in float32 as Flax does, and writes
+    the wider of x's and the output dtype, cast to the output dtype if that
+    is narrower: the result is rounded once, as Flax's.
 
-    Variance: the kernel computes the exact (two-pass-equivalent) biased
-    variance whatever ``use_fast_variance`` says. Flax's default fast form
-    ``E[x**2] - E[x]**2`` agrees up to float rounding on ordinary activations
-    and loses all precision on rows whose mean is large against their spread;
-    the kernel's answer is the accurate one in both cases.
+    Variance: ``use_fast_variance`` is honoured as Flax honours it: True (the
+    Flax default) computes ``max(0, E[x**2] - E[x]**2)``, False the two-pass
+    ``E[(x - E[x])**2]`` (RMSNorm has no mean: ``E[x**2]`` either way).
+
+    Bit equality with the Flax module: with ``implementation="xla"`` (what
+    None picks on CPU) the computation is Flax's operation for operation and
+    the outputs are bit-identical to the Flax module's (both eager or both
+    under ``jit``). The Pallas kernels (``"interpret"`` on CPU) perform the
+    same operations in the same order, but add each row's sums in another
+    order than XLA does: they are bit-identical to Flax under ``jit`` where
+    the float32 sums are exact, and otherwise, on rows whose ``|mean|`` is at
+    most their standard deviation, within 6 float32 ulps (4 with the two-pass
+    variance and for RMSNorm) of the row's largest ``|y|`` or ``|y - bias|``,
+    and within one ulp for 16-bit outputs; :mod:`ops.reduction.norms` gives
+    the measurement and the exceptions. With ``use_fast_variance=True``,
+    rows whose variance is below the rounding error of ``E[x]**2`` (constant
+    rows, for one) get a variance that is rounding noise in Flax and here
+    alike, and the two noises need not agree.
 
     implementation: keyword-only. None (best for the platform: "xla" on CPU,
     "pallas_triton" on GPU, "mosaic_tpu" on TPU, resolved at call time) or a
@@ -70,16 +91,19 @@ class LayerNorm(nnx.LayerNorm):
         self.implementation = implementation
 
     def __call__(self, x, *, mask=None):
-        """Normalizes ``x [..., num_features]``; same shape, the promoted dtype."""
+        """Normalizes ``x [..., num_features]``; same shape, Flax's output dtype."""
         if not _kernel_supports(self, x, mask):
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if self.bias is not None else None
         xp, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        if not _same_fusable_dtype(xp, scale, bias):
+        out_dtype = nnx_dtypes.canonicalize_dtype(xp, scale, bias, dtype=self.dtype)
+        compute = _compute_dtype(xp, (scale, bias), out_dtype)
+        if compute is None:
             return super().__call__(x, mask=mask)
-        return layer_norm(xp, scale, bias, epsilon=float(self.epsilon),
-                          implementation=self.implementation)
+        return _run(layer_norm, xp, (scale, bias), compute, out_dtype,
+                    epsilon=float(self.epsilon), use_fast_variance=bool(self.use_fast_variance),
+                    implementation=self.implementation)
 
 
 class RMSNorm(nnx.RMSNorm):
@@ -99,14 +123,17 @@ class RMSNorm(nnx.RMSNorm):
         self.implementation = implementation
 
     def __call__(self, x, mask=None):
-        """Normalizes ``x [..., num_features]``; same shape, the promoted dtype."""
+        """Normalizes ``x [..., num_features]``; same shape, Flax's output dtype."""
         if not _kernel_supports(self, x, mask):
             return super().__call__(x, mask)
         scale = self.scale[...] if self.scale is not None else None
         xp, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-        if not _same_fusable_dtype(xp, scale):
+        out_dtype = nnx_dtypes.canonicalize_dtype(xp, scale, dtype=self.dtype)
+        compute = _compute_dtype(xp, (scale,), out_dtype)
+        if compute is None:
             return super().__call__(x, mask)
-        return rms_norm(xp, scale, epsilon=float(self.epsilon), implementation=self.implementation)
+        return _run(rms_norm, xp, (scale,), compute, out_dtype, epsilon=float(self.epsilon),
+                    implementation=self.implementation)
 
 
 # --------------------------------------------------------------------------
@@ -139,10 +166,25 @@ def _kernel_supports(module, x, mask) -> bool:
             and _static_epsilon_ok(module.epsilon))
 
 
-def _same_fusable_dtype(x, *params) -> bool:
-    """x and the params (None skipped) share one dtype the kernels accept."""
-    dtype = jnp.dtype(x.dtype)
-    return dtype in _FUSED_DTYPES and all(p is None or jnp.dtype(p.dtype) == dtype for p in params)
+def _compute_dtype(x, params, out_dtype):
+    """The dtype the kernel runs in (x is cast to it), or None when the kernel cannot run.
+
+    ``x`` and ``params`` (None skipped) are arrays or dtypes. The kernel takes
+    x and params of any dtype in ``_FUSED_DTYPES`` (params need not match x:
+    all are read as float32) and writes x's dtype; running it in the wider of
+    x's and the output dtype keeps the one rounding to the output dtype that
+    Flax makes (a float32 result then cast, or the 16-bit result directly).
+    """
+    dtype = lambda a: jnp.dtype(jnp.result_type(a))  # JAX's view: float64 is float32 without x64
+    compute = jnp.dtype(jnp.promote_types(dtype(x), out_dtype))
+    fusable = [compute, dtype(x), *(dtype(p) for p in params if p is not None)]
+    return compute if all(d in _FUSED_DTYPES for d in fusable) else None
+
+
+def _run(op, x, params, compute, out_dtype, **kwargs):
+    """``op(x as compute, *params, **kwargs)`` cast to ``out_dtype`` (:func:`_compute_dtype`)."""
+    y = op(jnp.asarray(x).astype(compute), *params, **kwargs)
+    return y.astype(out_dtype)
 
 
 def _add_keyword_only(cls, parent, name: str) -> None:

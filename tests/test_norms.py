@@ -3,10 +3,17 @@
 Kernels run through the interpreter against the float32 XLA reference on
 shapes that do not divide the blocks (13 rows; 1000 features, a masked last
 chunk; multi-chunk rows forced with max_chunk), both variance formulas
-(``use_fast_variance``), and lower for TPU and CUDA from this CPU host.
-Interpreter compiles dominate the run time, so the shapes are few and reused.
+(``use_fast_variance``), and lower for TPU and CUDA from this CPU host. The
+layers are held to stock Flax: the same output dtype for every combination
+of input dtype, ``dtype``, ``param_dtype``, ``promote_dtype``,
+``use_fast_variance`` and mask, the same bits with ``implementation="xla"``,
+and with the Pallas kernels (interpret) the same bits where the float32 sums
+are exact, within ``tolerances.FLAX_NORM_ULPS`` elsewhere. Interpreter
+compiles dominate the run time, so the shapes are few and reused.
 """
 from __future__ import annotations
+
+import itertools
 
 import flax.linen as nn
 import jax
@@ -23,7 +30,7 @@ from layers.linen_norms import LayerNorm as LinenLayerNorm, RMSNorm as LinenRMSN
 from layers.norms import LayerNorm, RMSNorm
 from ops.reduction import norms
 from ops.reduction.norms import layer_norm, reference, rms_norm
-from tests.tolerances import BACKWARD, FORWARD, assert_close
+from tests.tolerances import BACKWARD, FORWARD, assert_close, assert_row_ulps
 
 OPS = {"layer_norm": True, "rms_norm": False}  # name -> center
 
@@ -365,16 +372,26 @@ def _close(a, b, tol=1e-5):
                                rtol=tol, atol=tol)
 
 
+class Calls(list):
+    """The implementation of every op call the layers make, in order; ``fast`` holds
+    each call's use_fast_variance (None for rms_norm, which has none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fast = []
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Records the implementation of every op call the layers make."""
-    calls = []
+    """Records the op calls the layers make (:class:`Calls`)."""
+    calls = Calls()
     for module in (layers.norms, layers.linen_norms):
         for name in ("layer_norm", "rms_norm"):
             real = getattr(module, name)
 
             def spy(*args, _real=real, **kwargs):
                 calls.append(kwargs.get("implementation"))
+                calls.fast.append(kwargs.get("use_fast_variance"))
                 return _real(*args, **kwargs)
 
             monkeypatch.setattr(module, name, spy)
@@ -417,18 +434,6 @@ def test_nnx_outputs_grads_and_state_loading(ours, theirs, kw, kernel_calls):
     for name in ("scale", "bias"):
         if getattr(flax_layer, name, None) is not None:
             _close(g_ours[0][name][...], g_flax[0][name][...], 1e-4)
-
-
-@pytest.mark.parametrize("ours, theirs", [(LayerNorm, nnx.LayerNorm), (RMSNorm, nnx.RMSNorm)],
-                         ids=["LayerNorm", "RMSNorm"])
-def test_nnx_dtypes_follow_flax(ours, theirs, kernel_calls):
-    xb = make_inputs(12, LAYER_SHAPE, jnp.bfloat16)[0]
-    for kw in (dict(dtype=jnp.bfloat16), dict(), dict(param_dtype=jnp.bfloat16)):
-        layer = ours(NF, implementation="xla", rngs=nnx.Rngs(0), **kw)
-        flax_layer = theirs(NF, rngs=nnx.Rngs(0), **kw)
-        for x in (xb, xb.astype(jnp.float32)):
-            _close(layer(x), flax_layer(x), 1e-2)
-    assert len(kernel_calls) == 6
 
 
 def test_nnx_fallback_configurations(kernel_calls):
@@ -481,22 +486,219 @@ def test_linen_variables_outputs_and_grads(ours, theirs, kw, kernel_calls):
 
 @pytest.mark.parametrize("ours, theirs", [(LinenLayerNorm, nn.LayerNorm), (LinenRMSNorm, nn.RMSNorm)],
                          ids=["LayerNorm", "RMSNorm"])
-def test_linen_dtypes_and_fallbacks_follow_flax(ours, theirs, kernel_calls):
-    xb = make_inputs(16, LAYER_SHAPE, jnp.bfloat16)[0]
-    for kw in (dict(dtype=jnp.bfloat16), dict(), dict(param_dtype=jnp.bfloat16),
-               dict(dtype=jnp.float32, param_dtype=jnp.bfloat16)):
-        for x in (xb, xb.astype(jnp.float32)):
-            v = theirs(**kw).init(jax.random.key(1), x)
-            _close(ours(implementation="xla", **kw).apply(v, x), theirs(**kw).apply(v, x), 1e-2)
-    assert len(kernel_calls) == 8
+def test_linen_fallbacks_follow_flax(ours, theirs, kernel_calls):
     # Configurations the kernel does not cover run Flax's own computation.
-    x = xb.astype(jnp.float32)
+    x = make_inputs(16, LAYER_SHAPE)[0]
     for kw in (dict(reduction_axes=(1, 2)), dict(force_float32_reductions=False)):
         v = theirs(**kw).init(jax.random.key(2), x)
         _close(ours(**kw).apply(v, x), theirs(**kw).apply(v, x))
-    v = theirs().init(jax.random.key(3), x)
-    mask = jnp.arange(NF) < 30
-    _close(ours().apply(v, x, mask=mask), theirs().apply(v, x, mask=mask))
-    assert len(kernel_calls) == 8
+    assert kernel_calls == []
     with pytest.raises(ValueError, match=r"invalid argument implementation='tpu'"):
         ours(implementation="tpu").init(jax.random.key(0), x)
+
+
+def test_linen_applied_variables_decide_the_dtypes(kernel_calls):
+    """Variables of another dtype than param_dtype (float32 into a bf16 module) count with
+    their own dtype, as in Flax; complex ones, which the kernel does not take, run Flax's
+    own computation."""
+    x = make_inputs(17, LAYER_SHAPE, jnp.bfloat16)[0]
+    kw = dict(param_dtype=jnp.bfloat16, bias_init=jax.nn.initializers.normal(1.0), **INITS)
+    v32 = nn.LayerNorm(**kw).init(jax.random.key(4), x.astype(jnp.float32))
+    v32 = jax.tree.map(lambda a: a.astype(jnp.float32), v32)
+    y = LinenLayerNorm(implementation="xla", **kw).apply(v32, x)
+    ref = nn.LayerNorm(**kw).apply(v32, x)
+    assert y.dtype == ref.dtype == jnp.float32
+    np.testing.assert_array_equal(y, ref)
+    assert kernel_calls == ["xla"]
+    vc = jax.tree.map(lambda a: a.astype(jnp.complex64), v32)
+    y, ref = LinenLayerNorm(**kw).apply(vc, x), nn.LayerNorm(**kw).apply(vc, x)
+    assert y.dtype == ref.dtype == jnp.complex64
+    np.testing.assert_array_equal(y, ref)
+    assert kernel_calls == ["xla"]
+
+
+# --------------------------------------------------------------------------
+# Layers against stock Flax: the output dtype of every dtype combination, the
+# bits on "xla"; on the Pallas kernels (interpret) the bits where the sums are
+# exact, FLAX_NORM_ULPS elsewhere
+# --------------------------------------------------------------------------
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def keep_dtypes(args, **kwargs):
+    """A mixed-precision ``promote_dtype``: x and the params keep their own dtypes."""
+    return args
+
+
+def layer_input(features, dtype, rows=5):
+    """Rows standardized to mean 0.5 and standard deviation 2, so |mean| <= std in each
+    (the condition of FLAX_NORM_ULPS); 5 rows: a full block of 4 and a partial one."""
+    z = jax.random.normal(jax.random.key(30), (rows, features))
+    z = (z - z.mean(-1, keepdims=True)) / z.std(-1, keepdims=True)
+    return (0.5 + 2.0 * z).astype(dtype)
+
+
+def _scale_init(key, shape, dtype):
+    return (1.0 + 0.5 * jax.random.normal(key, shape)).astype(dtype)
+
+
+def layer_kwargs(name, **kw):
+    """Constructor arguments with a non-trivial scale (and bias for LayerNorm)."""
+    kw = dict(kw, scale_init=_scale_init)
+    if name == "LayerNorm":
+        kw["bias_init"] = jax.nn.initializers.normal(0.5)
+    return kw
+
+
+def assert_same_bits(actual, expected, what):
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    np.testing.assert_array_equal(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
+                                  err_msg=what)
+
+
+NNX_MODULES = {"LayerNorm": (LayerNorm, nnx.LayerNorm), "RMSNorm": (RMSNorm, nnx.RMSNorm)}
+LINEN_MODULES = {"LayerNorm": (LinenLayerNorm, nn.LayerNorm), "RMSNorm": (LinenRMSNorm, nn.RMSNorm)}
+MASK = jnp.arange(NF) < 30
+# (use_fast_variance, mask): a mask makes the layers run Flax's own __call__ whatever
+# the variance form, so it is checked with Flax's default form only.
+FAST_AND_MASK = [(True, None), (False, None), (True, MASK)]
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", NNX_MODULES)
+def test_nnx_dtypes_and_bits_match_flax_on_xla(name, x_dtype, kernel_calls):
+    """Every (dtype, param_dtype, promote_dtype, use_fast_variance, mask): Flax's dtype and bits."""
+    ours, theirs = NNX_MODULES[name]
+    x = layer_input(NF, x_dtype)
+    grid = [(*dtypes, fast, mask) for *dtypes, (fast, mask) in itertools.product(
+        [None, *DTYPES], [jnp.float32, jnp.bfloat16], [None, keep_dtypes], FAST_AND_MASK)]
+    for dtype, param_dtype, promote, fast, mask in grid:
+        kw = layer_kwargs(name, dtype=dtype, param_dtype=param_dtype, use_fast_variance=fast)
+        if promote is not None:
+            kw["promote_dtype"] = promote
+        a = ours(NF, implementation="xla", rngs=nnx.Rngs(0), **kw)
+        b = theirs(NF, rngs=nnx.Rngs(0), **kw)
+        assert_same_bits(a(x, mask=mask), b(x, mask=mask), f"{name}({kw}, mask={mask is not None})")
+    # Masked calls run Flax's own __call__; the rest run the op, with the flag.
+    assert kernel_calls.fast == [fast if name == "LayerNorm" else None
+                                 for *_, fast, mask in grid if mask is None]
+    assert kernel_calls == ["xla"] * len(kernel_calls.fast)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", LINEN_MODULES)
+def test_linen_dtypes_and_bits_match_flax_on_xla(name, x_dtype, kernel_calls):
+    """Every (dtype, param_dtype, use_fast_variance, mask): Flax's dtype and bits."""
+    ours, theirs = LINEN_MODULES[name]
+    x = layer_input(NF, x_dtype)
+    grid = [(*dtypes, fast, mask) for *dtypes, (fast, mask) in itertools.product(
+        [None, *DTYPES], [jnp.float32, jnp.bfloat16], FAST_AND_MASK)]
+    for dtype, param_dtype, fast, mask in grid:
+        kw = layer_kwargs(name, dtype=dtype, param_dtype=param_dtype, use_fast_variance=fast)
+        v = theirs(**kw).init(jax.random.key(1), x)
+        assert_same_bits(ours(implementation="xla", **kw).apply(v, x, mask=mask),
+                         theirs(**kw).apply(v, x, mask=mask),
+                         f"{name}({kw}, mask={mask is not None})")
+    assert kernel_calls.fast == [fast if name == "LayerNorm" else None
+                                 for *_, fast, mask in grid if mask is None]
+    assert kernel_calls == ["xla"] * len(kernel_calls.fast)
+
+
+# (x dtype, dtype, param_dtype, promote_dtype, features, use_fast_variance): the kernel
+# signatures the layers make (x / param dtypes), every output dtype, one and two chunks
+# (16-bit x upcast to a float32 output: EXACT_CASES).
+KERNEL_CASES = {
+    "f32": (jnp.float32, None, jnp.float32, None, 200, True),  # 200 of 256 columns: masked chunk
+    "bf16": (jnp.bfloat16, None, jnp.bfloat16, None, 40, False),
+    "f16-params-promoted": (jnp.float16, jnp.float16, jnp.float32, None, 200, True),
+    "bf16-x-f32-params": (jnp.bfloat16, jnp.bfloat16, jnp.float32, keep_dtypes, 200, False),
+    "f32-kernel-f16-out": (jnp.float32, jnp.float16, jnp.float32, keep_dtypes, 40, True),
+    "f16-x-bf16-out": (jnp.float16, jnp.bfloat16, jnp.bfloat16, keep_dtypes, 200, True),
+    "two-chunks-fast": (jnp.float32, None, jnp.float32, None, 2500, True),   # 2048 + 452
+    "two-chunks-two-pass": (jnp.float32, None, jnp.float32, None, 2500, False),
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_nnx_kernels_match_flax_within_ulps(case, kernel_calls):
+    x_dtype, dtype, param_dtype, promote, features, fast = KERNEL_CASES[case]
+    x = layer_input(features, x_dtype)
+    names = ["LayerNorm", "RMSNorm"] if fast else ["LayerNorm"]  # RMSNorm has no variance form
+    for name in names:
+        ours, theirs = NNX_MODULES[name]
+        kw = layer_kwargs(name, dtype=dtype, param_dtype=param_dtype, use_fast_variance=fast)
+        if promote is not None:
+            kw["promote_dtype"] = promote
+        y = ours(features, implementation="interpret", rngs=nnx.Rngs(0), **kw)(x)
+        flax_layer = theirs(features, rngs=nnx.Rngs(0), **kw)
+        bias = flax_layer.bias[...] if name == "LayerNorm" else None
+        assert_row_ulps(y, flax_layer(x), bias, f"{name}({kw})",
+                        two_pass=not fast or name == "RMSNorm")
+    assert kernel_calls == ["interpret"] * len(names)
+    assert kernel_calls.fast == [fast, None][:len(names)]
+
+
+# (module, features, use_fast_variance, x dtype, param_dtype, promote_dtype)
+EXACT_CASES = {
+    "LayerNorm-fast-masked-chunk": ("LayerNorm", 200, True, jnp.float32, jnp.float32, None),
+    "LayerNorm-two-pass-bf16-x-f32-out": ("LayerNorm", 200, False, jnp.bfloat16, jnp.float32,
+                                          keep_dtypes),
+    "RMSNorm-masked-chunk": ("RMSNorm", 200, True, jnp.float32, jnp.float32, None),
+    "LayerNorm-fast-two-chunks": ("LayerNorm", 4096, True, jnp.float32, jnp.float32, None),
+    "RMSNorm-two-chunks": ("RMSNorm", 4096, True, jnp.float32, jnp.float32, None),
+}
+
+
+@pytest.mark.parametrize("case", EXACT_CASES)
+def test_nnx_kernels_match_flax_bit_for_bit_when_sums_are_exact(case, kernel_calls):
+    """Small integers whose row mean is exactly 2: every float32 row sum (of x, x**2 and
+    (x - mean)**2) is exact in any order, and the kernels then give Flax's bits: the same
+    operations in the same order. Both run under jit, where XLA fuses Flax's final
+    ``y * mul + bias`` into one multiply-add as it does in the kernel (op by op it rounds
+    twice; ops.reduction.norms). Not two-pass rows longer than one chunk: their Chan
+    merge is another formula."""
+    name, features, fast, x_dtype, param_dtype, promote = EXACT_CASES[case]
+    r = jax.random.randint(jax.random.key(32), (5, features), -8, 9)
+    r = r.at[:, -1].add(-jnp.sum(r, axis=-1))  # each row sums to 0
+    x = (r + 2).astype(x_dtype)
+    kw = layer_kwargs(name, param_dtype=param_dtype, use_fast_variance=fast)
+    if promote is not None:
+        kw["promote_dtype"] = promote
+    ours, theirs = NNX_MODULES[name]
+    call = nnx.jit(lambda module, x: module(x))
+    assert_same_bits(call(ours(features, implementation="interpret", rngs=nnx.Rngs(5), **kw), x),
+                     call(theirs(features, rngs=nnx.Rngs(5), **kw), x), case)
+    assert kernel_calls == ["interpret"]
+
+
+@pytest.mark.parametrize("name", LINEN_MODULES)
+def test_linen_kernels_match_flax_within_ulps(name, kernel_calls):
+    """bf16 x with float32 params and a bf16 output (Linen's mixed precision), fast variance."""
+    ours, theirs = LINEN_MODULES[name]
+    x = layer_input(200, jnp.bfloat16)
+    kw = layer_kwargs(name, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    v = theirs(**kw).init(jax.random.key(3), x)
+    assert_row_ulps(ours(implementation="interpret", **kw).apply(v, x), theirs(**kw).apply(v, x),
+                    v["params"].get("bias"), name, two_pass=name == "RMSNorm")
+    assert kernel_calls == ["interpret"]
+
+
+def test_nnx_mixed_precision_gradients_match_flax():
+    """Gradients through the kernels: bf16 x, float32 params kept float32 (a promote_dtype
+    that keeps dtypes), bf16 output; dtypes and values as Flax's. Two-pass variance here,
+    the default fast one in test_nnx_outputs_grads_and_state_loading."""
+    kw = layer_kwargs("LayerNorm", dtype=jnp.bfloat16, promote_dtype=keep_dtypes,
+                      use_fast_variance=False)
+    ours = LayerNorm(NF, implementation="interpret", rngs=nnx.Rngs(4), **kw)
+    theirs = nnx.LayerNorm(NF, rngs=nnx.Rngs(4), **kw)
+    x = layer_input(NF, jnp.bfloat16)
+    ct = jax.random.normal(jax.random.key(31), x.shape)
+    loss = lambda m, x: jnp.sum(m(x).astype(jnp.float32) * ct)
+    (g_ours, gx_ours), (g_flax, gx_flax) = (nnx.grad(loss, argnums=(0, 1))(m, x)
+                                            for m in (ours, theirs))
+    assert gx_ours.dtype == gx_flax.dtype == jnp.bfloat16
+    assert_close(gx_ours, gx_flax, BACKWARD[jnp.bfloat16], "dx")
+    for p in ("scale", "bias"):
+        assert g_ours[p][...].dtype == g_flax[p][...].dtype == jnp.float32, p
+        assert_close(g_ours[p][...], g_flax[p][...], BACKWARD[jnp.float32], f"d{p}")

@@ -57,7 +57,8 @@ class Dense(nnx.Linear):
       ``[..., out_features]``. ``inputs``, ``kernel`` and ``bias`` are first
       promoted exactly as nnx.Linear does (``self.promote_dtype(...,
       dtype=self.dtype)``: the given ``dtype``, else the promoted type of
-      inputs and params); the output has that dtype. The product is
+      inputs and params); the output has that dtype, which is nnx.Linear's
+      (it does not cast to ``dtype`` afterwards either). The product is
       accumulated in float32; float32 operands are multiplied at full
       precision (``Precision.HIGHEST``), which on GPU/TPU is more accurate
       than nnx.Linear's default precision.
@@ -65,8 +66,11 @@ class Dense(nnx.Linear):
     Fallback to nnx.Linear's computation: the fused kernel cannot honour a
     custom ``dot_general`` (anything but ``lax.dot_general``), a
     ``precision`` other than None/HIGHEST, a ``preferred_element_type``, an
-    ``out_sharding``, or a promoted dtype other than float32, bfloat16 and
-    float16 (e.g. float64 under x64, complex). In those cases the layer runs
+    ``out_sharding``, a promoted dtype other than float32, bfloat16 and
+    float16 (e.g. float64 under x64, complex), or promoted operands of mixed
+    dtypes (a custom ``promote_dtype`` that leaves them as they are, such as
+    ``lambda args, **kw: args``; ``lax.dot_general`` then picks the output
+    dtype). In those cases the layer runs
     ``nnx.Linear.__call__`` unchanged and then applies ``activation``
     (evaluated in at least float32, cast back to the output dtype).
 
@@ -110,7 +114,7 @@ class Dense(nnx.Linear):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        if jnp.dtype(x.dtype) not in _FUSED_DTYPES:
+        if not _one_fused_dtype(x, kernel, bias):
             return _apply_activation(act, super().__call__(inputs))
         return fused_matmul(x, kernel, bias, activation=act, implementation=self.implementation)
 
@@ -137,6 +141,13 @@ except (TypeError, ValueError):  # an unexpected Flax signature: keep the plain 
 
 # Dtypes ops.fused_matmul accepts; anything else takes the Flax computation.
 _FUSED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _one_fused_dtype(x, *params) -> bool:
+    """x and the params (None skipped) share one dtype ``ops.fused_matmul`` accepts."""
+    dtype = jnp.dtype(jnp.result_type(x))
+    return dtype in _FUSED_DTYPES and all(p is None or jnp.dtype(jnp.result_type(p)) == dtype
+                                          for p in params)
 
 
 def _check_activation(activation, owner: str) -> Callable | None:

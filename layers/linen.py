@@ -21,8 +21,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
-from layers.dense import (_FUSED_DTYPES, _apply_activation, _check_activation,
-                          _check_implementation, _precision_is_fusable)
+from layers.dense import (_apply_activation, _check_activation, _check_implementation,
+                          _one_fused_dtype, _precision_is_fusable)
 from ops.activations import resolve_activation
 from ops.matmul import fused_matmul
 
@@ -45,8 +45,8 @@ class Dense(nn.Dense):
     Shapes and dtypes: ``inputs`` ``[..., K]`` -> ``[..., features]``.
     ``inputs``, ``kernel`` and ``bias`` are promoted exactly as nn.Dense does
     (``self.promote_dtype(..., dtype=self.dtype)``), and the output has the
-    promoted dtype; accumulation is in float32, float32 operands at full
-    precision.
+    promoted dtype, nn.Dense's; accumulation is in float32, float32 operands
+    at full precision.
 
     Drop-in guarantee: variables (``{'params': {'kernel', 'bias'}}``) from
     ``nn.Dense(features)`` load into this layer as they are, ``init`` with the
@@ -54,9 +54,11 @@ class Dense(nn.Dense):
     output equals nn.Dense's (up to float rounding).
 
     Fallback: a custom ``dot_general`` / ``dot_general_cls``, a ``precision``
-    other than None/HIGHEST, or a promoted dtype other than float32, bfloat16
-    and float16 cannot be honoured by the fused kernel; then nn.Dense's own
-    ``__call__`` runs, followed by ``activation`` (in at least float32).
+    other than None/HIGHEST, a promoted dtype other than float32, bfloat16
+    and float16, or promoted operands of mixed dtypes (a custom
+    ``promote_dtype`` that leaves them as they are) cannot be honoured by the
+    fused kernel; then nn.Dense's computation runs, followed by
+    ``activation`` (in at least float32).
 
     Raises:
       ValueError: at construction, an unknown ``activation`` name or an
@@ -91,7 +93,7 @@ class Dense(nn.Dense):
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
         x, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        if jnp.dtype(x.dtype) not in _FUSED_DTYPES:
+        if not _one_fused_dtype(x, kernel, bias):
             # nn.Dense's computation (the params are declared already).
             y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
                                 precision=self.precision)

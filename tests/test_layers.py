@@ -1,6 +1,8 @@
 """layers.Dense (NNX) and layers.linen.Dense: drop-in for nnx.Linear / nn.Dense."""
 from __future__ import annotations
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -363,3 +365,37 @@ def test_linen_fallback_custom_dot_general(count_fused):
     y = layers.linen.Dense(OUT, activation="tanh", dot_general=my_dot_general).apply(variables, x)
     _close(y, jnp.tanh(nn.Dense(OUT).apply(variables, x)), **F32_TOL)
     assert seen and not count_fused
+
+
+# --------------------------------------------------------------------------
+# Output dtypes: the stock layer's for every combination
+# --------------------------------------------------------------------------
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_dtypes_match_flax_for_every_combination(x_dtype, count_fused):
+    """NNX and Linen, every (dtype, param_dtype, promote_dtype): the stock layer's output
+    dtype and values. A promote_dtype that keeps the operands' own dtypes (mixed
+    precision) leaves them mixed, which the fused kernel does not take: then the stock
+    computation runs, whose dtype lax.dot_general picks."""
+    x = _x(50, dtype=x_dtype)
+    expected_fused = 0
+    for dtype, param_dtype, keep in itertools.product([None, *DTYPES], [jnp.float32, jnp.bfloat16],
+                                                      [False, True]):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, bias_init=nn.initializers.normal(1.0))
+        what = f"x {jnp.dtype(x_dtype).name}, {kw}, keep dtypes: {keep}"
+        nnx_kw = dict(kw, promote_dtype=lambda args, **_: args) if keep else kw
+        y = layers.Dense(IN, OUT, implementation="xla", rngs=nnx.Rngs(0), **nnx_kw)(x)
+        ref = nnx.Linear(IN, OUT, rngs=nnx.Rngs(0), **nnx_kw)(x)
+        assert y.dtype == ref.dtype, what
+        _close(y, ref, **(F32_TOL if ref.dtype == jnp.float32 else BF16_TOL))
+        linen_kw = dict(kw, promote_dtype=lambda *args, **_: list(args)) if keep else kw
+        variables = nn.Dense(OUT, **linen_kw).init(jax.random.key(51), x)
+        y = layers.linen.Dense(OUT, implementation="xla", **linen_kw).apply(variables, x)
+        ref = nn.Dense(OUT, **linen_kw).apply(variables, x)
+        assert y.dtype == ref.dtype, what
+        _close(y, ref, **(F32_TOL if ref.dtype == jnp.float32 else BF16_TOL))
+        expected_fused += 2 if not keep or jnp.dtype(x_dtype) == jnp.dtype(param_dtype) else 0
+    assert count_fused == ["xla"] * expected_fused

@@ -13,13 +13,21 @@ CompilerParams). See docs/pallas_core.md.
 """
 from pallas_core import gpu, tpu, triton
 from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
+from pallas_core.block_dims import BoundedSlice, Buffered, Element, RevisitMode, Squeezed, squeezed
 from pallas_core.call import pallas_call
 from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
 from pallas_core.primitives import (cdiv, dot, ds, dslice, load, loop, multiple_of, next_power_of_2,
                                     num_programs, program_id, run_scoped, store, when)
+from pallas_core.memory import ANY, MemorySpace
 from pallas_core.specs import Blocked, BlockSpec, GridSpec, Unblocked
 
+# JAX's ``pl.no_block_spec`` (the default of every in/out spec): the whole array,
+# which is what a None spec means here.
+no_block_spec = None
+
 __all__ = [
+    "ANY", "BoundedSlice", "Buffered", "Element", "MemorySpace", "RevisitMode", "Squeezed",
+    "no_block_spec", "squeezed",
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",
     "multiple_of", "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",

@@ -21,13 +21,17 @@ from pallas_core.specs import BlockMapping
 
 
 def _batched_mapping(m: BlockMapping, size: int, batched: bool) -> BlockMapping:
-    index_map = m.index_map
+    index_map, size_map = m.index_map, m.size_map
     if not batched:
-        return dataclasses.replace(m, index_map=lambda b, *ids: index_map(*ids))
+        return dataclasses.replace(
+            m, index_map=lambda b, *ids: index_map(*ids),
+            size_map=None if size_map is None else lambda b, *ids: size_map(*ids))
     return dataclasses.replace(
         m, array_shape=(size, *m.array_shape), block_shape=(1, *m.block_shape),
         squeezed=(True, *m.squeezed), padding=((0, 0), *m.padding),
-        index_map=lambda b, *ids: (b, *index_map(*ids)))
+        element=(False, *m.element), bounded=(False, *m.bounded) if m.bounded else (),
+        index_map=lambda b, *ids: (b, *index_map(*ids)),
+        size_map=None if size_map is None else lambda b, *ids: (1, *size_map(*ids)))
 
 
 def add_batch_axis(call, size: int, in_batched) -> tuple:

@@ -54,7 +54,8 @@ def block_index_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarra
 
 def check_in_bounds(mapping: BlockMapping, table: np.ndarray, grid) -> None:
     """Every block must have at least one in-bounds element (seed 000)."""
-    starts = table if mapping.unblocked else table * np.asarray(mapping.block_shape, np.int64)
+    scale = [1 if e else b for b, e in zip(mapping.block_shape, mapping.element)]
+    starts = table * np.asarray(scale, np.int64).reshape(1, -1)
     limits = np.asarray([lo + d + hi for d, (lo, hi) in zip(mapping.array_shape, mapping.padding)],
                         np.int64)
     bad = (starts < 0) | (starts >= limits)

@@ -26,6 +26,13 @@ class MemorySpace:
         return f"{self.backend}.{self.name}"
 
 
+# Backend-neutral spaces, JAX's ``pl.ANY`` (also ``pl.MemorySpace.ANY``): an
+# operand in ANY is not blocked; the kernel gets a Ref to the whole array where
+# it lies (HBM on a TPU), to copy from with manual DMA (pallas_core.tpu).
+ANY = MemorySpace("any", "ANY")
+MemorySpace.ANY = ANY
+
+
 @dataclasses.dataclass(frozen=True)
 class ScratchShape:
     """A kernel-private buffer: passed to the kernel after the output Refs."""

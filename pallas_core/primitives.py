@@ -48,11 +48,18 @@ def next_power_of_2(n: int) -> int:
 def ds(start, size: int, stride: int = 1):
     """A dynamic slice ``[start, start + size * stride)`` for Ref indexing.
 
-    ``start`` may be traced; ``size`` and ``stride`` are static ints.
+    ``start`` may be traced; ``size`` and ``stride`` are static ints, except
+    that the index map of a ``BoundedSlice`` block dim may give a traced
+    integer scalar ``size`` (at most the block size).
     """
-    if not isinstance(size, int) or size < 0:
+    if not (isinstance(size, int) and size >= 0) and not _is_traced_int_scalar(size):
         raise TypeError(f"ds: size must be a static non-negative int, got {size!r}.")
     return _RefSlice(start, size, stride)
+
+
+def _is_traced_int_scalar(x) -> bool:
+    return (isinstance(x, jax.Array) and x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer)
+            and not isinstance(x, bool))
 
 
 dslice = ds

@@ -7,6 +7,9 @@ Semantics follow the Pallas grid/BlockSpec specification (seed 000):
 * ``Unblocked(padding)``: ``index_map`` returns *element* indices into the array
   virtually padded by ``padding`` (one ``(low, high)`` pair per dim).
 * A ``None`` block dim behaves as size 1 and is squeezed out of the kernel's Ref.
+* JAX 0.10.2's per-dim block dims (:mod:`pallas_core.block_dims`): ``Blocked(b)``,
+  ``Squeezed()``, ``Element(b, padding)`` (element offsets along that dim only),
+  ``BoundedSlice(b)`` (the index map returns ``pl.ds(start, size)``).
 * ``block_shape=None`` means the whole array; ``index_map=None`` means a map
   returning all zeros.
 
@@ -21,10 +24,18 @@ from typing import Any
 
 import numpy as np
 
+from pallas_core.block_dims import BoundedSlice, Buffered, Element, Squeezed
+
 
 @dataclasses.dataclass(frozen=True)
 class Blocked:
-    """Index maps return block indices (scaled by the block shape)."""
+    """Index maps return block indices (scaled by the block shape).
+
+    ``Blocked()`` is an ``indexing_mode`` (every dim); ``Blocked(b)`` is JAX's
+    block dim, the same as the int ``b`` in a ``block_shape``.
+    """
+
+    block_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,40 +64,53 @@ class BlockSpec:
     """How each grid point maps to a block of one operand.
 
     ``BlockSpec(block_shape=None, index_map=None, *, indexing_mode=Blocked(),
-    memory_space=None)``. The legacy order ``BlockSpec(index_map, block_shape)``
+    memory_space=None, pipeline_mode=None)``. The legacy order ``BlockSpec(index_map, block_shape)``
     (seed 002) is recognised by its callable first argument.
 
     Args:
-      block_shape: tuple of positive ints or ``None`` (squeezed, size 1), or
-        ``None`` for the whole array.
+      block_shape: one entry per array dim: a positive int, ``None`` or
+        ``squeezed`` (size 1, dropped from the kernel's Ref), ``Blocked(b)``,
+        ``Element(b, padding)`` or ``BoundedSlice(b)``
+        (:mod:`pallas_core.block_dims`); or ``None`` for the whole array.
       index_map: ``f(*program_ids) -> tuple`` with one index per array dim (a
         scalar is accepted for rank-1 blocks), or ``None`` for all zeros.
       indexing_mode: :class:`Blocked` or :class:`Unblocked`.
       memory_space: a backend memory space such as ``pallas_core.tpu.SMEM``,
-        or ``None`` for the backend's default.
+        ``pallas_core.ANY`` (the whole array, left where it is: with manual
+        DMA), or ``None`` for the backend's default.
+      pipeline_mode: ``pallas_core.Buffered(n)`` or None: buffering depth for
+        pipelining backends (forwarded to Mosaic TPU; no effect elsewhere).
     """
 
     def __init__(self, block_shape=None, index_map=None, *,
                  indexing_mode: Blocked | Unblocked | None = None,
-                 memory_space: Any = None):
+                 memory_space: Any = None, pipeline_mode: Buffered | None = None):
         if callable(block_shape) and not callable(index_map):
             block_shape, index_map = index_map, block_shape  # seed 002 order
         if block_shape is not None:
             if isinstance(block_shape, (int, np.integer)):
                 block_shape = (block_shape,)
-            block_shape = tuple(None if d is None else _as_int(d, "block_shape")
-                                for d in block_shape)
+            block_shape = tuple(_block_dim(d) for d in block_shape)
         if index_map is not None and not callable(index_map):
             raise TypeError(f"BlockSpec: index_map must be callable or None, got "
                             f"{type(index_map).__name__}.")
         indexing_mode = Blocked() if indexing_mode is None else indexing_mode
-        if not isinstance(indexing_mode, (Blocked, Unblocked)):
+        if not isinstance(indexing_mode, (Blocked, Unblocked)) or getattr(
+                indexing_mode, "block_size", None) is not None:
             raise TypeError("BlockSpec: indexing_mode must be pallas_core.Blocked() "
                             f"or pallas_core.Unblocked(...), got {indexing_mode!r}.")
+        if isinstance(indexing_mode, Unblocked) and any(
+                isinstance(d, (Element, BoundedSlice)) for d in block_shape or ()):
+            raise ValueError("BlockSpec: Element / BoundedSlice block dims cannot be combined "
+                             "with indexing_mode=Unblocked(); give Element dims only.")
+        if pipeline_mode is not None and not isinstance(pipeline_mode, Buffered):
+            raise TypeError(f"BlockSpec: pipeline_mode must be pallas_core.Buffered(n) or None, "
+                            f"got {pipeline_mode!r}.")
         self.block_shape = block_shape
         self.index_map = index_map
         self.indexing_mode = indexing_mode
         self.memory_space = memory_space
+        self.pipeline_mode = pipeline_mode
 
     def __repr__(self):
         return (f"BlockSpec(block_shape={self.block_shape}, index_map="
@@ -104,9 +128,19 @@ class GridSpec:
     scratch_shapes: Sequence[Any] = ()
 
 
-def _as_int(d, what):
+def _block_dim(d):
+    """One ``block_shape`` entry: an int, None (squeezed), Element or BoundedSlice."""
+    if d is None or isinstance(d, Squeezed):
+        return None
+    if isinstance(d, (Element, BoundedSlice)):
+        return d
+    if isinstance(d, Blocked):
+        if d.block_size is None:
+            raise TypeError("block_shape: Blocked() needs a block size here, as in Blocked(128).")
+        d = d.block_size
     if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
-        raise TypeError(f"{what}: expected an int or None per dim, got {d!r}.")
+        raise TypeError(f"block_shape: expected an int, None, pallas_core.squeezed, Blocked(b), "
+                        f"Element(b) or BoundedSlice(b) per dim, got {d!r}.")
     return int(d)
 
 
@@ -139,10 +173,17 @@ class BlockMapping:
       array_shape / dtype: the operand.
       block_shape: ints, squeezed dims as 1.
       squeezed: per dim, whether the kernel's Ref drops it.
-      index_map: returns a tuple of ``len(array_shape)`` indices.
-      unblocked: element (not block) indexing.
-      padding: ``(low, high)`` per dim (all zero unless Unblocked).
+      index_map: returns a tuple of ``len(array_shape)`` indices (the start
+        of a BoundedSlice dim).
+      element: per dim, whether the index is an element offset (Unblocked,
+        Element, BoundedSlice) rather than a block index.
+      padding: ``(low, high)`` per dim (all zero but on element dims).
       memory_space: as given on the BlockSpec.
+      bounded: per dim, whether it is a BoundedSlice.
+      size_map: for BoundedSlice dims, ``f(*program_ids)`` -> the (maybe traced)
+        number of valid elements per dim (the block size elsewhere); None when
+        there is no BoundedSlice dim.
+      pipeline_mode: the BlockSpec's ``Buffered`` or None.
     """
 
     origin: str
@@ -151,9 +192,17 @@ class BlockMapping:
     block_shape: tuple[int, ...]
     squeezed: tuple[bool, ...]
     index_map: Callable[..., tuple]
-    unblocked: bool
+    element: tuple[bool, ...]
     padding: tuple[tuple[int, int], ...]
     memory_space: Any
+    bounded: tuple[bool, ...] = ()
+    size_map: Callable[..., tuple] | None = None
+    pipeline_mode: Any = None
+
+    @property
+    def unblocked(self) -> bool:
+        """Whether any dim takes element offsets (needs a backend that can express them)."""
+        return any(self.element)
 
     @property
     def ref_shape(self) -> tuple[int, ...]:
@@ -162,9 +211,7 @@ class BlockMapping:
 
     def element_starts(self, indices: Sequence[Any]) -> tuple[Any, ...]:
         """Start of the block along each dim, in (padded) element coordinates."""
-        if self.unblocked:
-            return tuple(indices)
-        return tuple(i * b for i, b in zip(indices, self.block_shape))
+        return tuple(i if e else i * b for i, b, e in zip(indices, self.block_shape, self.element))
 
 
 def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int) -> BlockMapping:
@@ -189,28 +236,40 @@ def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int)
             f"array has rank {rank} (shape {array_shape}); a BlockSpec needs one "
             "block dim per array dim (None squeezes a dim).")
     squeezed = tuple(d is None for d in block)
-    block_ints = tuple(1 if d is None else d for d in block)
+    bounded = tuple(isinstance(d, BoundedSlice) for d in block)
+    element = tuple(isinstance(d, (Element, BoundedSlice)) for d in block)
+    padding = tuple(d.padding if isinstance(d, Element) else (0, 0) for d in block)
+    block_ints = tuple(1 if d is None else getattr(d, "block_size", d) for d in block)
     for d in block_ints:
         if d <= 0:
             raise ValueError(f"{origin}: block_shape {tuple(block)} has a dim <= 0; "
                              "block dims must be positive ints or None.")
     mode = spec.indexing_mode
-    unblocked = isinstance(mode, Unblocked)
-    padding = ((0, 0),) * rank
-    if unblocked and mode.padding is not None:
-        if len(mode.padding) != rank:
-            raise ValueError(f"{origin}: Unblocked padding {mode.padding} has "
-                             f"{len(mode.padding)} pairs for an array of rank {rank}.")
-        padding = mode.padding
-    index_map = _normalize_index_map(spec.index_map, origin, rank, grid_rank)
+    if isinstance(mode, Unblocked):
+        element = (True,) * rank
+        if mode.padding is not None:
+            if len(mode.padding) != rank:
+                raise ValueError(f"{origin}: Unblocked padding {mode.padding} has "
+                                 f"{len(mode.padding)} pairs for an array of rank {rank}.")
+            padding = mode.padding
+    index_map = _normalize_index_map(spec.index_map, origin, rank, grid_rank, bounded)
+    size_map = _bounded_size_map(spec.index_map, block_ints, bounded) if any(bounded) else None
     return BlockMapping(origin=origin, array_shape=array_shape, dtype=dtype,
                         block_shape=block_ints, squeezed=squeezed,
-                        index_map=index_map, unblocked=unblocked,
-                        padding=padding, memory_space=spec.memory_space)
+                        index_map=index_map, element=element,
+                        padding=padding, memory_space=spec.memory_space, bounded=bounded,
+                        size_map=size_map, pipeline_mode=spec.pipeline_mode)
 
 
-def _normalize_index_map(index_map, origin, rank, grid_rank):
+def _is_ds(index) -> bool:
+    return all(hasattr(index, a) for a in ("start", "size"))
+
+
+def _normalize_index_map(index_map, origin, rank, grid_rank, bounded):
     if index_map is None:
+        if any(bounded):
+            raise ValueError(f"{origin}: a BoundedSlice block dim needs an index_map returning "
+                             "pl.ds(start, size) for that dim.")
         return lambda *ids: (0,) * rank
     _check_arity(index_map, origin, grid_rank)
 
@@ -222,10 +281,27 @@ def _normalize_index_map(index_map, origin, rank, grid_rank):
             raise ValueError(
                 f"{origin}: index_map returned {len(out)} indices for an array of "
                 f"rank {rank}; it must return one index per array dim.")
-        return tuple(out)
+        starts = []
+        for d, (index, is_bounded) in enumerate(zip(out, bounded)):
+            if is_bounded != _is_ds(index):
+                raise TypeError(
+                    f"{origin}: index_map returned {index!r} for dim {d}; a BoundedSlice dim "
+                    "takes pl.ds(start, size) and every other dim an integer index.")
+            starts.append(index.start if is_bounded else index)
+        return tuple(starts)
 
     wrapped.__name__ = getattr(index_map, "__name__", "index_map")
     return wrapped
+
+
+def _bounded_size_map(index_map, block_ints, bounded):
+    """``f(*ids)``: per dim, the size a BoundedSlice dim's ``pl.ds`` gives, else the block size."""
+    def sizes(*ids):
+        out = index_map(*ids)
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        return tuple(i.size if b else n for i, n, b in zip(out, block_ints, bounded))
+
+    return sizes
 
 
 def _check_arity(fn, origin, grid_rank):

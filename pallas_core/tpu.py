@@ -4,12 +4,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pallas_core.memory import MemorySpace
+from pallas_core.memory import ANY, MemorySpace  # noqa: F401 - ANY: pl.ANY, as pltpu.ANY
 from pallas_core.params import ResolvedParams, check_semantics
 
 VMEM = MemorySpace("tpu", "VMEM")
 SMEM = MemorySpace("tpu", "SMEM")
-ANY = MemorySpace("tpu", "ANY")
 
 
 @dataclasses.dataclass(frozen=True)

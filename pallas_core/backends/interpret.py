@@ -55,7 +55,7 @@ def _padded_extent(m: BlockMapping, axis: int) -> tuple[int, int]:
     """(low, high) padding that keeps every legal block of ``m`` in bounds."""
     d, b = m.array_shape[axis], m.block_shape[axis]
     lo, hi = m.padding[axis]
-    if m.unblocked:
+    if m.element[axis]:
         return lo, hi + b - 1  # a block may start at the last (padded) element
     return 0, -(-d // b) * b - d
 
@@ -77,13 +77,29 @@ def _starts(m: BlockMapping, ids):
     return tuple(jnp.asarray(s, jnp.int32) for s in m.element_starts(m.index_map(*ids)))
 
 
-def _read_block(buf, m: BlockMapping, starts):
+def _bounded_valid(m: BlockMapping, ids):
+    """Where a block with BoundedSlice dims holds the array's elements (None: everywhere)."""
+    if m.size_map is None:
+        return None
+    valid = jnp.ones(m.block_shape, jnp.bool_)
+    for axis, (size, bounded) in enumerate(zip(m.size_map(*ids), m.bounded)):
+        if bounded:
+            valid &= lax.broadcasted_iota(jnp.int32, m.block_shape, axis) < size
+    return valid
+
+
+def _read_block(buf, m: BlockMapping, starts, valid):
     block = lax.dynamic_slice(buf, starts, m.block_shape)
+    if valid is not None:  # past a BoundedSlice's size the block is unspecified
+        block = jnp.where(valid, block, _garbage((), m.dtype))
     return block.reshape(m.ref_shape)
 
 
-def _write_block(buf, m: BlockMapping, starts, value):
-    return lax.dynamic_update_slice(buf, value.reshape(m.block_shape), starts)
+def _write_block(buf, m: BlockMapping, starts, value, valid):
+    value = value.reshape(m.block_shape)
+    if valid is not None:  # only a BoundedSlice's first size elements are written back
+        value = jnp.where(valid, value, lax.dynamic_slice(buf, starts, m.block_shape))
+    return lax.dynamic_update_slice(buf, value, starts)
 
 
 def _pure_body(call, in_avals, out_avals, scratch_avals):
@@ -137,12 +153,16 @@ def run(call, args):
         scr = [jnp.where(core_starts[p], _garbage(v.shape, v.dtype), v) for v in scr]
         in_starts = [_starts(m, ids) for m in call.in_mappings]
         out_starts = [_starts(m, ids) for m in call.out_mappings]
-        in_blocks = [_read_block(x, m, s) for x, m, s in zip(inputs, call.in_mappings, in_starts)]
-        out_blocks = [_read_block(o, m, s) for o, m, s in zip(outs, call.out_mappings, out_starts)]
+        in_valid = [_bounded_valid(m, ids) for m in call.in_mappings]
+        out_valid = [_bounded_valid(m, ids) for m in call.out_mappings]
+        in_blocks = [_read_block(x, m, s, v)
+                     for x, m, s, v in zip(inputs, call.in_mappings, in_starts, in_valid)]
+        out_blocks = [_read_block(o, m, s, v)
+                      for o, m, s, v in zip(outs, call.out_mappings, out_starts, out_valid)]
         results = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *in_blocks, *out_blocks, *scr)
         new_blocks, scr = results[:n_out], list(results[n_out:])
-        outs = [_write_block(o, m, s, v)
-                for o, m, s, v in zip(outs, call.out_mappings, out_starts, new_blocks)]
+        outs = [_write_block(o, m, s, v, ok)
+                for o, m, s, v, ok in zip(outs, call.out_mappings, out_starts, new_blocks, out_valid)]
         return outs, scr
 
     if call.debug:

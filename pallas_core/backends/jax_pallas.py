@@ -41,6 +41,8 @@ class JaxPallasContext(context.KernelContext):
 def _memory_space(space, backend, origin):
     if space is None:
         return None
+    if space.backend == "any":
+        return _jpl().ANY
     if backend == "mosaic_tpu" and space.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
         return {"VMEM": pltpu.VMEM, "SMEM": pltpu.SMEM, "ANY": _jpl().ANY}[space.name]
@@ -60,17 +62,32 @@ def _scratch(s: ScratchShape, backend):
 
 def _block_spec(m: BlockMapping, backend):
     jpl = _jpl()
-    if m.unblocked:
-        if any(m.squeezed):
+    if m.unblocked and backend != "mosaic_tpu":
+        raise ValueError(f"{m.origin}: Unblocked indexing is only supported on the "
+                         f"interpret and mosaic_tpu backends, not {backend!r}.")
+    block = []
+    for b, sq, el, bd, pad in zip(m.block_shape, m.squeezed, m.element,
+                                  m.bounded or (False,) * len(m.block_shape), m.padding):
+        if bd:
+            block.append(jpl.BoundedSlice(b))
+        elif el and sq:
             raise NotImplementedError(f"{m.origin}: squeezed dims with Unblocked indexing are "
                                       f"not supported on {backend}.")
-        if backend != "mosaic_tpu":
-            raise ValueError(f"{m.origin}: Unblocked indexing is only supported on the "
-                             f"interpret and mosaic_tpu backends, not {backend!r}.")
-        block = tuple(jpl.Element(b, pad) for b, pad in zip(m.block_shape, m.padding))
-    else:
-        block = tuple(jpl.squeezed if sq else b for b, sq in zip(m.block_shape, m.squeezed))
-    return jpl.BlockSpec(block, m.index_map,
+        elif el:
+            block.append(jpl.Element(b, pad))
+        else:
+            block.append(jpl.squeezed if sq else b)
+    index_map = m.index_map
+    if m.size_map is not None:  # BoundedSlice dims take pl.ds(start, size) again
+        def index_map(*ids, starts=m.index_map, sizes=m.size_map, bounded=m.bounded):
+            return tuple(jpl.ds(i, n) if b else i
+                         for i, n, b in zip(starts(*ids), sizes(*ids), bounded))
+    pipeline_mode = None
+    if m.pipeline_mode is not None and backend == "mosaic_tpu":
+        p = m.pipeline_mode
+        revisit = None if p.revisit is None else jpl.RevisitMode(p.revisit.value)
+        pipeline_mode = jpl.Buffered(p.buffer_count, use_lookahead=p.use_lookahead, revisit=revisit)
+    return jpl.BlockSpec(tuple(block), index_map, pipeline_mode=pipeline_mode,
                          memory_space=_memory_space(m.memory_space, backend, m.origin))
 
 

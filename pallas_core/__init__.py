@@ -15,6 +15,7 @@ from pallas_core import gpu, tpu, triton
 from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
 from pallas_core.block_dims import BoundedSlice, Buffered, Element, RevisitMode, Squeezed, squeezed
 from pallas_core.call import pallas_call
+from pallas_core.cost import CostEstimate
 from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
 from pallas_core.primitives import (cdiv, dot, ds, dslice, load, loop, multiple_of, next_power_of_2,
                                     num_programs, program_id, run_scoped, store, when)
@@ -26,7 +27,7 @@ from pallas_core.specs import Blocked, BlockSpec, GridSpec, Unblocked
 no_block_spec = None
 
 __all__ = [
-    "ANY", "BoundedSlice", "Buffered", "Element", "MemorySpace", "RevisitMode", "Squeezed",
+    "ANY", "BoundedSlice", "Buffered", "CostEstimate", "Element", "MemorySpace", "RevisitMode", "Squeezed",
     "no_block_spec", "squeezed",
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from pallas_core import backends, grid_analysis, validation
+from pallas_core.cost import as_cost_estimate
 from pallas_core.memory import ScratchShape
 from pallas_core.params import InterpretParams, ResolvedParams, resolve_params
 from pallas_core.specs import BlockMapping, BlockSpec, GridSpec, normalize_grid, resolve_block_mapping
@@ -163,8 +164,9 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
       interpret: True (or an :class:`InterpretParams`) forces the interpreter;
         by default it simulates a two-core megacore (see InterpretParams).
       name: kernel name shown in lowered modules (defaults to the kernel's).
-      cost_estimate: ``{"flops", "transcendentals", "bytes_accessed"}`` or JAX's
-        ``CostEstimate``, for backends that schedule by it.
+      cost_estimate: a :class:`pallas_core.CostEstimate`, the dict
+        ``{"flops", "transcendentals", "bytes_accessed"}`` or JAX's
+        ``CostEstimate``, forwarded to the Mosaic backends (checked elsewhere).
       debug: print what the backend generates.
 
     Returns:
@@ -174,6 +176,14 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
     Raises:
       ValueError / TypeError: on bad specs, before anything is lowered.
     """
+    if getattr(grid_spec, "num_scalar_prefetch", 0):  # pallas_core.tpu.PrefetchScalarGridSpec
+        from pallas_core import tpu_prefetch
+        return tpu_prefetch.prefetching_call(
+            pallas_call, kernel, out_shape, grid_spec, grid=grid, in_specs=in_specs,
+            out_specs=out_specs, scratch_shapes=scratch_shapes,
+            input_output_aliases=input_output_aliases, compiler_params=compiler_params,
+            backend=backend, interpret=interpret, name=name, cost_estimate=cost_estimate,
+            debug=debug)
     if grid_spec is not None:
         if grid not in ((), None) or in_specs is not None or out_specs is not None or scratch_shapes:
             raise ValueError("pallas_call: give either grid_spec or grid/in_specs/"
@@ -185,10 +195,7 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
     if not isinstance(interpret, (bool, InterpretParams)):
         raise TypeError(f"interpret: expected a bool or pallas_core.InterpretParams, got {interpret!r}.")
     interpret_params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
-    if interpret is not False:
-        chosen = "interpret"
-    else:
-        chosen = backends.check_backend(backend) if backend is not None else backends.default_backend()
+    chosen = backends.choose(backend, interpret)
     if isinstance(out_shape, list):
         out_shape = tuple(out_shape)
     out_all, out_tree = jax.tree.flatten(out_shape, is_leaf=lambda x: x is None or _is_shape_leaf(x))
@@ -245,7 +252,8 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         return ResolvedCall(kernel=body, name=kernel_name, grid=grid, in_mappings=in_maps,
                             out_mappings=out_maps, scratch_shapes=scratch_shapes,
                             input_output_aliases=aliases, semantics=semantics, params=params,
-                            backend=chosen, debug=debug, cost_estimate=cost_estimate,
+                            backend=chosen, debug=debug,
+                            cost_estimate=as_cost_estimate(cost_estimate),
                             interpret_params=interpret_params)
 
     def wrapped(*args):

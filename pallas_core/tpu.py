@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from pallas_core.memory import ANY, MemorySpace  # noqa: F401 - ANY: pl.ANY, as pltpu.ANY
 from pallas_core.params import ResolvedParams, check_semantics
+from pallas_core.tpu_prefetch import PrefetchScalarGridSpec  # noqa: F401 - pltpu's name
 
 VMEM = MemorySpace("tpu", "VMEM")
 SMEM = MemorySpace("tpu", "SMEM")

@@ -23,6 +23,14 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+def choose(backend: str | None, interpret) -> str:
+    """The backend a pallas_call runs on: interpret when ``interpret`` is not False,
+    else ``backend``, else the platform default."""
+    if interpret is not False:
+        return "interpret"
+    return check_backend(backend) if backend is not None else default_backend()
+
+
 def run(call, args):
     """Runs a resolved call on its backend.
 

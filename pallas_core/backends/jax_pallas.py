@@ -14,6 +14,7 @@ import jax
 
 from pallas_core import context
 from pallas_core.backends import edge_masks
+from pallas_core.cost import as_cost_estimate
 from pallas_core.memory import ScratchShape
 from pallas_core.specs import BlockMapping
 
@@ -109,13 +110,12 @@ def _compiler_params(call, backend):
 
 
 def _cost_estimate(cost):
+    cost = as_cost_estimate(cost)
     if cost is None:
         return None
-    jpl = _jpl()
-    if isinstance(cost, jpl.CostEstimate):
-        return cost
-    return jpl.CostEstimate(flops=int(cost["flops"]), transcendentals=int(cost.get("transcendentals", 0)),
-                            bytes_accessed=int(cost["bytes_accessed"]))
+    return _jpl().CostEstimate(flops=cost.flops, transcendentals=cost.transcendentals,
+                               bytes_accessed=cost.bytes_accessed,
+                               remote_bytes_transferred=cost.remote_bytes_transferred)
 
 
 def run(call, args, backend):

@@ -1,0 +1,146 @@
+"""Scalar prefetch: ``pallas_core.tpu.PrefetchScalarGridSpec`` (JAX 0.10.2's meaning).
+
+With ``num_scalar_prefetch = n`` the first ``n`` operands of the call are
+small integer arrays (page tables, expert ids, sequence lengths) that every
+grid point can read before its blocks are chosen:
+
+* each index map is called as ``index_map(*program_ids, *scalar_refs)``, so a
+  block can be picked by data (``lambda i, pages: (pages[i], 0)``);
+* the kernel is called as ``kernel(*scalar_refs, *in_refs, *out_refs,
+  *scratch_refs)``: the scalars are whole arrays (in SMEM on a TPU);
+* ``in_specs`` describe the operands after the scalars only, and
+  ``input_output_aliases`` count every operand, the scalars included.
+
+Paged attention and mixture-of-experts kernels are built on it. It is
+implemented as an ordinary ``pallas_call`` whose first ``n`` operands are
+whole-array SMEM blocks and whose index maps close over the scalar arrays.
+The interpreter evaluates index maps as traced values, so that is all it
+needs; our Triton lowering and JAX's lowerings need the index maps to be
+functions of the program ids alone, so they refuse it (NotImplementedError).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_core import backends
+from pallas_core.specs import BlockSpec, _check_arity, normalize_grid
+
+# Backends whose index maps may read traced values (the prefetched scalars).
+SUPPORTED_BACKENDS = ("interpret",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchScalarGridSpec:
+    """A ``GridSpec`` whose first ``num_scalar_prefetch`` operands are prefetched scalars.
+
+    Args:
+      num_scalar_prefetch: how many leading operands are scalar-prefetch arrays
+        (a non-negative int).
+      grid, in_specs, out_specs, scratch_shapes: as for ``pallas_call``;
+        ``in_specs`` cover the operands after the scalars, and every index map
+        takes ``len(grid) + num_scalar_prefetch`` arguments.
+
+    Raises:
+      TypeError: ``num_scalar_prefetch`` that is not a non-negative int.
+    """
+
+    num_scalar_prefetch: int
+    grid: Any = ()
+    in_specs: Any = None
+    out_specs: Any = None
+    scratch_shapes: Sequence[Any] = ()
+
+    def __post_init__(self):
+        n = self.num_scalar_prefetch
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise TypeError("PrefetchScalarGridSpec: num_scalar_prefetch must be a non-negative "
+                            f"int, got {n!r}.")
+        object.__setattr__(self, "scratch_shapes", tuple(self.scratch_shapes or ()))
+
+
+def _is_spec_leaf(x) -> bool:
+    return x is None or isinstance(x, BlockSpec)
+
+
+def _bind_scalars(spec, origin, grid_rank, scalars):
+    """``spec`` with an index map of the program ids only (the scalars closed over)."""
+    if spec is None or spec.index_map is None:
+        return spec
+    index_map = spec.index_map
+    _check_arity(index_map, origin, grid_rank + len(scalars))
+
+    def bound(*ids):
+        return index_map(*ids, *scalars)
+
+    bound.__name__ = getattr(index_map, "__name__", "index_map")
+    return BlockSpec(spec.block_shape, bound, indexing_mode=spec.indexing_mode,
+                     memory_space=spec.memory_space, pipeline_mode=spec.pipeline_mode)
+
+
+def _bind_tree(specs, what, grid_rank, scalars):
+    if isinstance(specs, BlockSpec):
+        return _bind_scalars(specs, what, grid_rank, scalars)
+    return jax.tree.map(lambda s: _bind_scalars(s, what, grid_rank, scalars), specs,
+                        is_leaf=_is_spec_leaf)
+
+
+def _whole(args, specs):
+    """``specs`` as a sequence of one entry per operand in ``args`` (None: whole arrays)."""
+    if specs is None:
+        return [jax.tree.map(lambda _: None, a, is_leaf=lambda x: x is None) for a in args]
+    if isinstance(specs, BlockSpec):
+        return [specs]
+    if not isinstance(specs, (list, tuple)):
+        raise TypeError("in_specs: expected a sequence of BlockSpecs, one per operand after the "
+                        f"scalar-prefetch operands, got {type(specs).__name__}.")
+    return list(specs)
+
+
+def prefetching_call(pallas_call, kernel, out_shape, grid_spec: PrefetchScalarGridSpec, *,
+                     grid, in_specs, out_specs, scratch_shapes, backend, interpret, **kwargs):
+    """``pallas_call`` with a :class:`PrefetchScalarGridSpec`; see the module docstring.
+
+    Raises:
+      ValueError: grid/in_specs/out_specs/scratch_shapes given besides the grid
+        spec, or fewer operands than scalars.
+      TypeError: a scalar-prefetch operand that is not an integer array.
+      NotImplementedError: a backend other than interpret.
+    """
+    if grid not in ((), None) or in_specs is not None or out_specs is not None or scratch_shapes:
+        raise ValueError("pallas_call: give either grid_spec or grid/in_specs/"
+                         "out_specs/scratch_shapes, not both.")
+    chosen = backends.choose(backend, interpret)
+    if chosen not in SUPPORTED_BACKENDS:
+        raise NotImplementedError(
+            f"PrefetchScalarGridSpec: scalar prefetch is implemented on {SUPPORTED_BACKENDS}, "
+            f"not on the {chosen!r} backend; pass interpret=True.")
+    from pallas_core.tpu import SMEM
+    n = grid_spec.num_scalar_prefetch
+    grid_rank = len(normalize_grid(grid_spec.grid))
+
+    def call(*args):
+        if len(args) < n:
+            raise ValueError(f"pallas_call: PrefetchScalarGridSpec(num_scalar_prefetch={n}) "
+                             f"needs at least {n} operand(s), got {len(args)}.")
+        scalars = [jnp.asarray(s) for s in args[:n]]
+        for k, s in enumerate(scalars):
+            if not jnp.issubdtype(s.dtype, jnp.integer):
+                raise TypeError(f"pallas_call: scalar-prefetch operand {k} must be an integer "
+                                f"array, got {s.dtype}.")
+        rest = _whole(args[n:], grid_spec.in_specs)
+        plain = dict(
+            grid=grid_spec.grid,
+            in_specs=[BlockSpec(memory_space=SMEM)] * n + _bind_tree(rest, "in_specs", grid_rank,
+                                                                       scalars),
+            out_specs=_bind_tree(grid_spec.out_specs, "out_specs", grid_rank, scalars),
+            scratch_shapes=grid_spec.scratch_shapes)
+        return pallas_call(kernel, out_shape, backend=backend, interpret=interpret, **plain,
+                           **kwargs)(*scalars, *args[n:])
+
+    return call

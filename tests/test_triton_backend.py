@@ -158,6 +158,30 @@ def test_dot_general_with_transposes_and_precision():
                 a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("precision, expected", [
+    (jax.lax.Precision.HIGHEST, 'input_precision="ieee"'),
+    (jax.lax.DotAlgorithmPreset.F32_F32_F32, 'input_precision="ieee"'),
+    (jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, 'input_precision="tf32x3"'),
+    (jax.lax.DotAlgorithmPreset.TF32_TF32_F32, 'input_precision="tf32"'),
+    (None, None),
+])
+def test_dot_precision_reaches_tl_dot(precision, expected):
+    """A float32 dot's precision or algorithm preset picks tl.dot's input_precision."""
+    def kernel(a_ref, b_ref, o_ref):
+        o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (0,)), ((), ())),
+                                         precision=precision, preferred_element_type=jnp.float32)
+
+    sds = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    (src,) = pl.triton.source(lambda a, b: pl.pallas_call(kernel, out_shape=sds, backend="triton")(a, b),
+                              sds, sds)
+    dots = [line for line in src.splitlines() if "tl.dot(" in line]
+    assert len(dots) == 1, src
+    if expected is None:
+        assert "input_precision" not in dots[0]
+    else:
+        assert expected in dots[0]
+
+
 def test_arbitrary_axis_reduction_runs_as_a_loop():
     """The TPU-style reduction of seed 002 is correct: arbitrary axes run in order."""
     def sum_kernel(x_ref, o_ref):

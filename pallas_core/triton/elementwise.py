@@ -365,12 +365,34 @@ class ElementwiseWriter:
             if next_power_of_2(dim) < 16:
                 self.unsupported(eqn, f"dot_general with a dim of {dim} (< 16, tl.dot's minimum)")
         acc = "tl.float32" if is_float(aval.dtype) else "tl.int32"
-        precision = eqn.params.get("precision")
-        ieee = np.dtype(a.dtype) == np.float32 and precision is not None and any(
-            "HIGHEST" in str(p) for p in (precision if isinstance(precision, tuple) else (precision,)))
-        prec = ', input_precision="ieee"' if ieee else ""
+        input_precision = _input_precision(eqn.params.get("precision"), a.dtype)
+        prec = f', input_precision="{input_precision}"' if input_precision else ""
         acc_dtype = np.float32 if acc == "tl.float32" else np.int32
         out = self.assign(f"tl.dot({lhs}, {rhs}{prec}, out_dtype={acc})", aval.shape, acc_dtype)
         if np.dtype(aval.dtype) != acc_dtype:
             out = self.assign(f"{out.expr}.to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
         return out
+
+
+# lax.DotAlgorithmPreset -> tl.dot's input_precision, for float32 operands.
+_ALGORITHM_PRECISION = {"TF32_TF32_F32": "tf32", "TF32_TF32_F32_X3": "tf32x3", "F32_F32_F32": "ieee"}
+
+
+def _input_precision(precision, dtype) -> str | None:
+    """tl.dot's ``input_precision`` for a ``dot_general``'s ``precision`` parameter.
+
+    Only float32 operands have a choice. ``Precision.HIGHEST`` (on either
+    operand) and the ``F32_F32_F32`` algorithm are exact float32 products
+    ("ieee", FMA units); ``TF32_TF32_F32_X3`` is three TF32 tensor-core passes
+    ("tf32x3": hi*hi + hi*lo + lo*hi, about 2^-21 relative error per product,
+    on ``wgmma``); ``TF32_TF32_F32`` and the default precision are one TF32
+    pass, as XLA's default on GPUs. Other algorithm presets leave Triton's
+    default. None: no argument to emit.
+    """
+    if np.dtype(dtype) != np.float32 or precision is None:
+        return None
+    name = getattr(precision, "name", None)
+    if name in _ALGORITHM_PRECISION:
+        return _ALGORITHM_PRECISION[name]
+    parts = precision if isinstance(precision, tuple) else (precision,)
+    return "ieee" if any("HIGHEST" in str(p) for p in parts) else None

@@ -16,6 +16,8 @@ from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
 from pallas_core.block_dims import BoundedSlice, Buffered, Element, RevisitMode, Squeezed, squeezed
 from pallas_core.call import pallas_call
 from pallas_core.cost import CostEstimate
+from pallas_core.debugging import debug_print
+from pallas_core.dma import semaphore_read, semaphore_signal, semaphore_wait
 from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
 from pallas_core.primitives import (cdiv, dot, ds, dslice, load, loop, multiple_of, next_power_of_2,
                                     num_programs, program_id, run_scoped, store, when)
@@ -28,7 +30,8 @@ no_block_spec = None
 
 __all__ = [
     "ANY", "BoundedSlice", "Buffered", "CostEstimate", "Element", "MemorySpace", "RevisitMode", "Squeezed",
-    "no_block_spec", "squeezed",
+    "debug_print", "no_block_spec", "semaphore_read", "semaphore_signal", "semaphore_wait",
+    "squeezed",
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",
     "multiple_of", "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",

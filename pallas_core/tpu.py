@@ -1,15 +1,25 @@
-"""TPU-specific names (``pltpu``): memory spaces and Mosaic TPU compiler params."""
+"""TPU-specific names (``pltpu``), as in JAX 0.10.2's ``pallas.tpu``.
+
+Memory spaces (VMEM, SMEM, HBM, ANY), Mosaic TPU :class:`CompilerParams`,
+scalar prefetch (:class:`PrefetchScalarGridSpec`, :mod:`pallas_core.tpu_prefetch`),
+``roll`` and the kernel PRNG (:mod:`pallas_core.tpu_ops`), manual DMA and
+semaphores (:mod:`pallas_core.dma`). See docs/pallas_core.md.
+"""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 
+from pallas_core.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy,  # noqa: F401
+                             make_async_copy, sync_copy)
+from pallas_core.tpu_ops import prng_random_bits, prng_seed, roll  # noqa: F401
 from pallas_core.memory import ANY, MemorySpace  # noqa: F401 - ANY: pl.ANY, as pltpu.ANY
 from pallas_core.params import ResolvedParams, check_semantics
-from pallas_core.tpu_prefetch import PrefetchScalarGridSpec  # noqa: F401 - pltpu's name
+from pallas_core.tpu_prefetch import PrefetchScalarGridSpec  # noqa: F401 - pltpu's names
 
 VMEM = MemorySpace("tpu", "VMEM")
 SMEM = MemorySpace("tpu", "SMEM")
+HBM = MemorySpace("tpu", "HBM")  # like ANY on the interpreter: the whole array, not blocked
 
 
 @dataclasses.dataclass(frozen=True)

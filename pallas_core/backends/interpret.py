@@ -31,6 +31,10 @@ class InterpretContext(context.KernelContext):
     def __init__(self, ids, grid):
         self._ids = ids
         self._grid = grid
+        # pltpu.prng_seed / prng_random_bits state (pallas_core.tpu_ops), a Ref made
+        # here, at the kernel's top level, so seeding inside pl.when or a loop
+        # carries out of it.
+        self.prng_state = jax.new_ref(jnp.zeros((3,), jnp.uint32))
 
     def program_id(self, axis):
         if not 0 <= axis < len(self._grid):
@@ -43,12 +47,20 @@ class InterpretContext(context.KernelContext):
         return self._grid[axis]
 
     def run_scoped(self, body, scratch_shapes):
-        refs = [jax.new_ref(_garbage(s.shape, s.dtype)) for s in scratch_shapes]
+        refs = [jax.new_ref(_fresh_scratch(s)) for s in scratch_shapes]
         return body(*refs)
 
 
 def _garbage(shape, dtype):
     return jnp.full(shape, garbage_fill_value(dtype), dtype)
+
+
+def _fresh_scratch(s: ScratchShape):
+    """A scratch buffer as it starts: garbage, but semaphores (pltpu.SemaphoreType) at 0."""
+    from pallas_core.dma import is_semaphore
+    if is_semaphore(s.memory_space):
+        return jnp.zeros(s.shape, s.dtype)
+    return _garbage(s.shape, s.dtype)
 
 
 def _padded_extent(m: BlockMapping, axis: int) -> tuple[int, int]:
@@ -136,7 +148,7 @@ def run(call, args):
         aliased = [i for i, oo in call.input_output_aliases.items() if oo == o]
         init = inputs[aliased[0]] if aliased else _pad(_garbage(m.array_shape, m.dtype), m)
         outputs.append(init)
-    scratch = [_garbage(s.shape, s.dtype) for s in call.scratch_shapes]
+    scratch = [_fresh_scratch(s) for s in call.scratch_shapes]
     n = int(np.prod(grid)) if grid else 1
     if n == 0:  # a grid with an empty axis runs no program
         return [_crop(o, m) for o, m in zip(outputs, call.out_mappings)]
@@ -150,7 +162,8 @@ def run(call, args):
         outs, scr = carry
         ids = [table[p, a] for a in range(len(grid))]
         # Each simulated core has its own scratch, garbage when the core starts.
-        scr = [jnp.where(core_starts[p], _garbage(v.shape, v.dtype), v) for v in scr]
+        scr = [jnp.where(core_starts[p], _fresh_scratch(s), v)
+               for s, v in zip(call.scratch_shapes, scr)]
         in_starts = [_starts(m, ids) for m in call.in_mappings]
         out_starts = [_starts(m, ids) for m in call.out_mappings]
         in_valid = [_bounded_valid(m, ids) for m in call.in_mappings]

@@ -15,6 +15,7 @@ import jax
 from pallas_core import context
 from pallas_core.backends import edge_masks
 from pallas_core.cost import as_cost_estimate
+from pallas_core.dma import SemaphoreType, is_semaphore
 from pallas_core.memory import ScratchShape
 from pallas_core.specs import BlockMapping
 
@@ -46,7 +47,8 @@ def _memory_space(space, backend, origin):
         return _jpl().ANY
     if backend == "mosaic_tpu" and space.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
-        return {"VMEM": pltpu.VMEM, "SMEM": pltpu.SMEM, "ANY": _jpl().ANY}[space.name]
+        return {"VMEM": pltpu.VMEM, "SMEM": pltpu.SMEM, "HBM": pltpu.HBM,
+                "ANY": _jpl().ANY}[space.name]
     if backend == "mosaic_gpu" and space.backend == "gpu":
         from jax.experimental.pallas import mosaic_gpu as plgpu
         return plgpu.SMEM
@@ -57,6 +59,12 @@ def _scratch(s: ScratchShape, backend):
     if backend == "pallas_triton":
         raise ValueError("scratch_shapes / run_scoped: the pallas_triton backend has no "
                          "scratch memory; carry values in the kernel instead.")
+    if is_semaphore(s.memory_space):
+        if backend != "mosaic_tpu":
+            raise NotImplementedError(f"scratch_shapes: semaphores exist on the interpret and "
+                                      f"mosaic_tpu backends, not on {backend!r}.")
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.SemaphoreType[SemaphoreType(s.memory_space.name).name](s.shape)
     space = _memory_space(s.memory_space, backend, "scratch_shapes")
     return space(s.shape, s.dtype)
 

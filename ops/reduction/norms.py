@@ -130,8 +130,9 @@ from jax import lax
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import resolve_implementation
+from ops._partitioning import psum, run
 from ops.reduction._rows import (RowLayout, check_max_chunk, as_rows, chunk_slice, column_mask, for_each_chunk,
-                                 load_chunk, row_compiler_params, row_layout, row_mask)
+                                 load_chunk, row_compiler_params, row_layout, select_row_layout, row_mask)
 
 __all__ = ["layer_norm", "rms_norm", "reference", "layer_norm_reference", "rms_norm_reference",
            "default_block_rows"]
@@ -594,11 +595,11 @@ def _backward_call(x, scale, g, stats, config: _Config, *, want_dscale, want_dbi
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _norm(x, scale, bias, config: _Config):
-    return _forward_call(x, scale, bias, config, want_stats=False)
+    return _partitioned_forward(x, scale, bias, config, want_stats=False)[0]
 
 
 def _norm_fwd(x, scale, bias, config):
-    y, stats = _forward_call(x, scale, bias, config, want_stats=True)
+    y, stats = _partitioned_forward(x, scale, bias, config, want_stats=True)
     # bias itself is not needed by the backward, only whether there is one and
     # its dtype: keep a zero-size marker (None when there is no bias).
     bias_marker = None if bias is None else jnp.zeros((0,), bias.dtype)
@@ -607,12 +608,51 @@ def _norm_fwd(x, scale, bias, config):
 
 def _norm_bwd(config, residuals, g):
     x, scale, stats, bias_marker = residuals
-    dx, dscale, dbias = _backward_call(x, scale, g, stats, config,
-                                       want_dscale=scale is not None,
-                                       want_dbias=bias_marker is not None)
+    dx, dscale, dbias = _partitioned_backward(x, scale, g, stats, config,
+                                              want_dscale=scale is not None,
+                                              want_dbias=bias_marker is not None)
     return (dx,
             None if scale is None else dscale.astype(scale.dtype),
             None if dbias is None else dbias.astype(bias_marker.dtype))
+
+
+# Multi-device (ops._partitioning): rows ("r") run where they live; a sharded
+# feature dim ("f") is gathered, as one row's statistics need all of it; the
+# backward's dscale / dbias, sums over rows, end in a psum over the row axes.
+
+def _partitioned_forward(x, scale, bias, config: _Config, *, want_stats: bool):
+    """:func:`_forward_call` on each device's rows: ``(y, stats dict)`` (stats empty
+    unless ``want_stats``)."""
+    names = _stat_names(config) if want_stats else ()
+
+    def local(x, scale, bias, *, reduced):
+        if not want_stats:
+            return (_forward_call(x, scale, bias, config, want_stats=False),)
+        y, stats = _forward_call(x, scale, bias, config, want_stats=True)
+        return (y, *(stats[n] for n in names))
+
+    y, *stats = run(config.op, local, (x, scale, bias), ("r f", "f", "f"),
+                    ("r f",) + ("r one",) * len(names), gather=("f",))
+    return y, dict(zip(names, stats))
+
+
+def _partitioned_backward(x, scale, g, stats, config: _Config, *, want_dscale, want_dbias):
+    """:func:`_backward_call` on each device's rows; dscale / dbias summed across devices."""
+    names = _stat_names(config)
+
+    def local(x, scale, g, *row_stats, reduced):
+        dx, dscale, dbias = _backward_call(x, scale, g, dict(zip(names, row_stats)), config,
+                                           want_dscale=want_dscale, want_dbias=want_dbias)
+        return (dx, *(psum(d, reduced, "r") for d in (dscale, dbias) if d is not None))
+
+    n_param_grads = int(want_dscale) + int(want_dbias)
+    dx, *param_grads = run(config.op, local, (x, scale, g, *(stats[n] for n in names)),
+                           ("r f", "f", "r f") + ("r one",) * len(names),
+                           ("r f",) + ("f",) * n_param_grads, gather=("f",), reduce=("r",),
+                           out_like=(0, 1) if want_dscale else (0,))
+    dscale = param_grads.pop(0) if want_dscale else None
+    dbias = param_grads.pop(0) if want_dbias else None
+    return dx, dscale, dbias
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
@@ -661,10 +701,12 @@ def default_block_rows(rows: int, features: int, dtype, backend: str, *,
 
 
 def _layout_for(rows, features, dtype, config: _Config) -> RowLayout:
-    block_rows = default_block_rows(rows, features, dtype, config.backend,
-                                    max_chunk=config.max_chunk)
-    return row_layout(rows, features, dtype, config.backend, max_chunk=config.max_chunk,
-                      block_rows=block_rows)
+    """The tuning cache's layout, else :func:`default_block_rows`' (see select_row_layout)."""
+    return select_row_layout(
+        config.op, rows, features, dtype, config.backend, max_chunk=config.max_chunk,
+        heuristic_block_rows=lambda max_chunk: default_block_rows(rows, features, dtype,
+                                                                  config.backend,
+                                                                  max_chunk=max_chunk))
 
 
 def _cost(operands, out_shapes, rows: int, *, flops_per_element: int):

@@ -1,0 +1,369 @@
+"""Issue 16 §2: the rest of JAX 0.10.2's Pallas module API, with the import swapped.
+
+Each kernel is written once against a namespace pair ``(P, T)``: JAX's
+``jax.experimental.pallas`` / ``.tpu`` run with ``interpret=True`` (the
+reference), or ours, ``pallas_core`` / ``pallas_core.tpu``, on our
+``interpret`` backend (and ``triton`` where the feature exists there). What
+JAX's interpreter cannot run (BoundedSlice, the TPU PRNG) is checked against
+an XLA reference or by its properties; ``mosaic_tpu`` forwarding is checked
+by lowering for a TPU from this host.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as jpl
+from jax.experimental.pallas import tpu as jpltpu
+
+import pallas_core as pl
+from pallas_core import tpu as pltpu
+
+F32 = jnp.float32
+
+
+def call(kernel, out_shape, *args, ours=True, backend="interpret", **kw):
+    """``kernel(*refs, P=..., T=...)``: ours on ``backend``, or JAX's interpreter.
+    Keyword values may be ``lambda P, T: ...``, built from the namespaces in use."""
+    P, T = (pl, pltpu) if ours else (jpl, jpltpu)
+    kw = {k: v(P, T) if callable(v) else v for k, v in kw.items()}
+    if ours:
+        kw["backend"] = backend
+    else:
+        kw["interpret"] = True
+    return P.pallas_call(functools.partial(kernel, P=P, T=T), out_shape=out_shape, **kw)(*args)
+
+
+def both(kernel, out_shape, *args, **kw):
+    """(ours on interpret, JAX's interpret) of one kernel."""
+    return (call(kernel, out_shape, *args, **kw), call(kernel, out_shape, *args, ours=False, **kw))
+
+
+def lower_for_tpu(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+def _copy(x_ref, o_ref, P, T):
+    o_ref[...] = x_ref[...] * 2.0
+
+
+# ---- block dims: Element, Squeezed, Blocked(b), BoundedSlice ------------------------------
+
+def test_element_padding_and_squeezed_dims_like_jax():
+    """Overlapping row windows at element offsets (padding reads as NaN on both), the output
+    block's leading dim squeezed with pl.squeezed, the column dim given as Blocked(12)."""
+    x = jax.random.normal(jax.random.key(0), (10, 12), F32)
+    kw = dict(grid=(4,),
+              in_specs=lambda P, T: [P.BlockSpec((P.Element(4, (1, 1)), P.Blocked(12)),
+                                                 lambda i: (i * 2, 0))],
+              out_specs=lambda P, T: P.BlockSpec((P.squeezed, 4, 12), lambda i: (i, 0, 0)))
+    ours, want = both(_copy, jax.ShapeDtypeStruct((4, 4, 12), F32), x, **kw)
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(want))
+    assert np.isnan(want[0, 0]).all() and not np.isnan(want[1:]).any()  # the low padding row
+    np.testing.assert_array_equal(np.nan_to_num(ours), np.nan_to_num(want))
+    for i in range(1, 4):  # window i starts at padded row 2 i, array row 2 i - 1
+        np.testing.assert_array_equal(ours[i], 2 * x[2 * i - 1:2 * i + 3])
+
+
+def test_squeezed_blocked_and_buffered_on_triton():
+    """Squeezed() like None, Blocked(b) like b, pipeline_mode and cost_estimate accepted."""
+    x = jax.random.normal(jax.random.key(1), (3, 8, 16), F32)
+    out = call(_copy, x, x, backend="triton", grid=(3,),
+               in_specs=[pl.BlockSpec((pl.Squeezed(), pl.Blocked(8), 16), lambda i: (i, 0, 0),
+                                      pipeline_mode=pl.Buffered(1))],
+               out_specs=pl.BlockSpec((None, 8, 16), lambda i: (i, 0, 0)),
+               cost_estimate=pl.CostEstimate(flops=384, transcendentals=0, bytes_accessed=3072))
+    np.testing.assert_array_equal(out, 2 * x)
+
+
+def _add_one(x_ref, o_ref, P, T):
+    o_ref[...] = x_ref[...] + 1.0
+
+
+def test_bounded_slice_reads_and_writes_only_its_size():
+    """Ragged row groups [0, 3), [3, 7), [7, 9) through BoundedSlice(4): row 9 is never
+    written (it keeps the aliased input) and rows past a slice's size are not written back."""
+    x = jax.random.normal(jax.random.key(2), (10, 16), F32)
+    starts, sizes = jnp.array([0, 3, 7]), jnp.array([3, 4, 2])
+
+    def rows(i):
+        return pl.ds(starts[i], sizes[i]), 0
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    spec = pl.BlockSpec((pl.BoundedSlice(4), 16), rows)
+    out = pl.pallas_call(kernel, out_shape=x, grid=(3,), in_specs=[spec], out_specs=spec,
+                         input_output_aliases={0: 0}, interpret=True)(x)
+    np.testing.assert_array_equal(out[:9], x[:9] + 1.0)
+    np.testing.assert_array_equal(out[9], x[9])
+
+
+def test_bounded_slice_needs_a_ds():
+    spec = pl.BlockSpec((pl.BoundedSlice(4), 16), lambda i: (i, 0))
+    with pytest.raises(TypeError, match="BoundedSlice dim takes pl.ds"):
+        call(_copy, jax.ShapeDtypeStruct((8, 16), F32), jnp.zeros((8, 16), F32), grid=(2,),
+             in_specs=[spec])
+
+
+def test_block_dim_errors():
+    with pytest.raises(TypeError, match="Element"):
+        pl.Element(0)
+    with pytest.raises(ValueError, match="padding"):
+        pl.Element(4, (-1, 0))
+    with pytest.raises(TypeError, match="block_shape"):
+        pl.BlockSpec((4.0, 8), lambda i: (i, 0))
+    with pytest.raises(TypeError, match="pipeline_mode"):
+        pl.BlockSpec((8, 8), lambda i: (i, 0), pipeline_mode=2)
+    with pytest.raises(TypeError, match="buffer_count"):
+        pl.Buffered(0)
+    with pytest.raises(ValueError, match="Unblocked"):
+        pl.BlockSpec((pl.Element(4), 8), lambda i: (i, 0), indexing_mode=pl.Unblocked())
+    with pytest.raises(ValueError, match="Unblocked indexing"):  # element offsets on triton
+        call(_copy, jax.ShapeDtypeStruct((8, 16), F32), jnp.zeros((8, 16), F32),
+             backend="triton", in_specs=[pl.BlockSpec((pl.Element(8), 16), lambda: (0, 0))])
+
+
+def test_cost_estimate_errors():
+    x = jnp.zeros((8, 16), F32)
+    with pytest.raises(TypeError, match="flops"):
+        pl.CostEstimate(flops=-1, transcendentals=0, bytes_accessed=0)
+    with pytest.raises(TypeError, match="cost_estimate"):
+        call(_copy, x, x, cost_estimate="cheap")
+    with pytest.raises(ValueError, match="cost_estimate"):
+        call(_copy, x, x, cost_estimate={"flops": 1})
+
+
+# ---- ANY, no_block_spec, debug_print ------------------------------------------------------
+
+def test_any_memory_space_and_no_block_spec_give_whole_arrays():
+    x = jax.random.normal(jax.random.key(4), (8, 16), F32)
+    for space in (lambda P: P.ANY, lambda P: P.MemorySpace.ANY):
+        ours, want = both(_copy, x, x, in_specs=lambda P, T: [P.BlockSpec(memory_space=space(P))],
+                          out_specs=lambda P, T: P.no_block_spec)
+        np.testing.assert_array_equal(ours, want)
+
+
+def test_debug_print_prints_like_jax(capsys):
+    x = jnp.arange(4.0, dtype=F32).reshape(2, 2)
+
+    def kernel(x_ref, o_ref, P, T):
+        P.debug_print("x00 = {}", x_ref[0, 0])
+        P.debug_print("sum", jnp.sum(x_ref[...]))
+        o_ref[...] = x_ref[...]
+
+    call(kernel, x, x)
+    ours = capsys.readouterr().out
+    call(kernel, x, x, ours=False)
+    want = capsys.readouterr().out
+    assert "x00 = 0.0" in ours and "sum 6.0" in ours
+    assert ours.splitlines()[0] == want.splitlines()[0]
+    with pytest.raises(ValueError, match="placeholder"):
+        call(lambda x_ref, o_ref, P, T: P.debug_print("{} {}", 1.0), x, x)
+    with pytest.raises(NotImplementedError, match="triton"):
+        call(kernel, x, x, backend="triton")
+
+
+# ---- scalar prefetch ----------------------------------------------------------------------
+
+def _gathered_rows(pages, x_ref, o_ref, P, T):
+    o_ref[...] = x_ref[...] * 2.0 + pages[P.program_id(0)].astype(F32)
+
+
+def _prefetch_spec(P, T):
+    """A page table picks each input block; output blocks are written in reverse order."""
+    return T.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(4,),
+        in_specs=[P.BlockSpec((8, 16), lambda i, pages: (pages[i], 0))],
+        out_specs=P.BlockSpec((8, 16), lambda i, pages: (3 - i, 0)))
+
+
+def test_prefetch_scalar_grid_spec_like_jax():
+    x = jax.random.normal(jax.random.key(5), (40, 16), F32)
+    pages = jnp.array([4, 0, 2, 2], jnp.int32)
+    out_shape = jax.ShapeDtypeStruct((32, 16), F32)
+    ours, want = both(_gathered_rows, out_shape, pages, x, grid_spec=_prefetch_spec)
+    np.testing.assert_array_equal(ours, want)
+    expect = jnp.concatenate([2 * x[8 * p:8 * p + 8] + p for p in pages.tolist()][::-1])
+    np.testing.assert_array_equal(ours, expect)
+    jitted = jax.jit(lambda pg, x: call(_gathered_rows, out_shape, pg, x,
+                                        grid_spec=_prefetch_spec))
+    np.testing.assert_array_equal(jitted(pages, x), expect)
+
+
+def test_prefetch_scalar_grid_spec_errors():
+    x = jnp.zeros((32, 16), F32)
+    pages = jnp.array([0, 1, 2, 3], jnp.int32)
+    bad_arity = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(4,), in_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, 16), lambda i, p: (i, 0)))
+    with pytest.raises(ValueError, match="index_map takes 1"):
+        call(_gathered_rows, x, pages, x, grid_spec=bad_arity)
+    with pytest.raises(TypeError, match="integer array"):
+        call(_gathered_rows, x, pages.astype(F32), x, grid_spec=_prefetch_spec)
+    with pytest.raises(NotImplementedError, match="triton"):
+        call(_gathered_rows, x, pages, x, grid_spec=_prefetch_spec, backend="triton")
+    with pytest.raises(TypeError, match="num_scalar_prefetch"):
+        pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=-1)
+
+
+# ---- pltpu.roll and the PRNG --------------------------------------------------------------
+
+def test_roll_like_jax():
+    x = jax.random.normal(jax.random.key(6), (8, 128), F32)
+    shift = jnp.array([37], jnp.int32)
+
+    def kernel(s_ref, x_ref, o_ref, P, T):
+        v = x_ref[...]
+        o_ref[0] = T.roll(v, 5, 1)
+        o_ref[1] = T.roll(v, s_ref[0], 0)
+        o_ref[2] = T.roll(v, 3, 1, stride=2, stride_axis=0)
+
+    out_shape = jax.ShapeDtypeStruct((3, 8, 128), F32)
+    ours, want = both(kernel, out_shape, shift, x,
+                      in_specs=lambda P, T: [P.BlockSpec(memory_space=T.SMEM), P.BlockSpec()])
+    np.testing.assert_array_equal(ours, want)
+    np.testing.assert_array_equal(ours[1], jnp.roll(x, 37, 0))
+    with pytest.raises(ValueError, match="stride_axis"):
+        pltpu.roll(x, 1, 0, stride=1, stride_axis=0)
+    with pytest.raises(NotImplementedError, match="interpret"):
+        pltpu.roll(x, 1, 0)  # outside a kernel
+
+
+def _random_bits_kernel(o_ref, P, T):
+    T.prng_seed(11, P.program_id(0))
+    first = T.prng_random_bits((8, 128))
+
+    @P.when(P.program_id(0) == 1)
+    def _():
+        T.prng_seed(11, 0)  # reseeded inside a branch: program 1 repeats program 0's bits
+
+    o_ref[0] = first
+    o_ref[1] = T.prng_random_bits((8, 128))
+
+
+def test_prng_bits_are_seeded_advancing_and_uniform():
+    out_shape = jax.ShapeDtypeStruct((2, 2, 8, 128), jnp.int32)
+    spec = pl.BlockSpec((None, 2, 8, 128), lambda i: (i, 0, 0, 0))
+    bits = np.asarray(call(_random_bits_kernel, out_shape, grid=(2,), out_specs=spec))
+    again = np.asarray(call(_random_bits_kernel, out_shape, grid=(2,), out_specs=spec))
+    np.testing.assert_array_equal(bits, again)  # deterministic
+    assert not np.array_equal(bits[0, 0], bits[1, 0])  # the program id is part of the seed
+    assert not np.array_equal(bits[0, 0], bits[0, 1])  # each draw advances
+    np.testing.assert_array_equal(bits[1, 1], bits[0, 0])  # reseeding restarts the stream
+    ones = np.unpackbits(bits.view(np.uint8)).mean()
+    assert abs(ones - 0.5) < 0.01  # 131072 bits: 0.5 +- 0.0014 (1 sigma)
+    with pytest.raises(NotImplementedError, match="triton"):
+        call(_random_bits_kernel, out_shape, grid=(2,), out_specs=spec, backend="triton")
+
+
+# ---- manual DMA and semaphores ------------------------------------------------------------
+
+def _double_buffered_sum(x_ref, o_ref, buf, sems, P, T):
+    """Sum of 4 row chunks of an HBM (ANY) operand, the next chunk copied while one is used."""
+    def copy(c):
+        return T.make_async_copy(x_ref.at[P.ds(c * 8, 8)], buf.at[c % 2], sems.at[c % 2])
+
+    copy(0).start()
+    acc = jnp.zeros((8, 128), F32)
+    for c in range(4):
+        if c + 1 < 4:
+            copy(c + 1).start()
+        copy(c).wait()
+        acc = acc + buf[c % 2] * (c + 1)
+    o_ref[...] = acc
+
+
+def test_make_async_copy_double_buffering_like_jax():
+    x = jax.random.normal(jax.random.key(7), (32, 128), F32)
+    kw = dict(in_specs=lambda P, T: [P.BlockSpec(memory_space=P.ANY)],
+              scratch_shapes=lambda P, T: [T.VMEM((2, 8, 128), F32), T.SemaphoreType.DMA((2,))])
+    ours, want = both(_double_buffered_sum, jax.ShapeDtypeStruct((8, 128), F32), x, **kw)
+    np.testing.assert_allclose(ours, want, rtol=1e-6, atol=1e-6)
+    expect = sum((c + 1) * x[8 * c:8 * c + 8] for c in range(4))
+    np.testing.assert_allclose(ours, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_sync_copy_and_semaphores():
+    x = jax.random.normal(jax.random.key(8), (8, 128), F32)
+
+    def kernel(x_ref, o_ref, count_ref, buf, sem, P, T):
+        T.sync_copy(x_ref, buf)
+        P.semaphore_signal(sem, 3)
+        P.semaphore_wait(sem, 2)
+        count_ref[0] = P.semaphore_read(sem)
+        P.semaphore_wait(sem, 1)
+        o_ref[...] = buf[...]
+
+    out_shape = (jax.ShapeDtypeStruct((8, 128), F32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    kw = dict(in_specs=lambda P, T: [P.BlockSpec(memory_space=P.ANY)],
+              out_specs=lambda P, T: (P.BlockSpec(), P.BlockSpec(memory_space=T.SMEM)),
+              scratch_shapes=lambda P, T: [T.VMEM((8, 128), F32), T.SemaphoreType.REGULAR(())])
+    (out, count), (want, want_count) = both(kernel, out_shape, x, **kw)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(out, x)
+    assert int(count[0]) == int(want_count[0]) == 1
+
+
+def test_sync_copy_add():  # JAX's interpreter cannot discharge add=True: checked against x + x
+    x = jax.random.normal(jax.random.key(9), (8, 128), F32)
+
+    def kernel(x_ref, o_ref, P, T):
+        T.sync_copy(x_ref, o_ref)
+        T.sync_copy(x_ref, o_ref, add=True)
+
+    out = call(kernel, x, x, in_specs=[pl.BlockSpec(memory_space=pl.ANY)])
+    np.testing.assert_array_equal(out, x + x)
+
+
+def test_dma_errors():
+    x = jnp.zeros((16, 128), F32)
+
+    def mismatched(x_ref, o_ref, buf, sems, P, T):
+        T.make_async_copy(x_ref, buf, sems.at[0]).start()
+
+    kw = dict(in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+              scratch_shapes=[pltpu.VMEM((8, 128), F32), pltpu.SemaphoreType.DMA((1,))])
+    with pytest.raises(ValueError, match="same shape"):
+        call(mismatched, jax.ShapeDtypeStruct((8, 128), F32), x, **kw)
+    with pytest.raises(NotImplementedError, match="triton"):
+        call(_double_buffered_sum, jax.ShapeDtypeStruct((8, 128), F32), x, backend="triton",
+             in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+             scratch_shapes=[pltpu.VMEM((2, 8, 128), F32), pltpu.SemaphoreType.DMA((2,))])
+
+
+# ---- forwarded to JAX's Mosaic TPU lowering -----------------------------------------------
+
+def test_tpu_names_lower_for_tpu():
+    """DMA, semaphores, roll, the PRNG, Buffered, CostEstimate and Element blocks reach
+    jax.experimental.pallas.tpu on mosaic_tpu (lowered for a TPU from this host)."""
+    def dma_roll_prng(x):
+        def kernel(x_ref, o_ref, buf, sems):
+            pltpu.prng_seed(3, pl.program_id(0))
+            copy = pltpu.make_async_copy(x_ref.at[pl.ds(0, 8)], buf, sems.at[0])
+            copy.start()
+            copy.wait()
+            bits = pltpu.prng_random_bits((8, 128)).astype(F32)
+            o_ref[...] = pltpu.roll(buf[...], 1, 1) + bits
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((16, 128), F32), grid=(2,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0), pipeline_mode=pl.Buffered(1)),
+            scratch_shapes=[pltpu.VMEM((8, 128), F32), pltpu.SemaphoreType.DMA((1,))],
+            backend="mosaic_tpu",
+            cost_estimate=pl.CostEstimate(flops=10, transcendentals=0, bytes_accessed=40961))(x)
+
+    text = lower_for_tpu(dma_roll_prng, jax.ShapeDtypeStruct((16, 128), F32))
+    assert "tpu_custom_call" in text and "40961" in text  # the cost estimate rides along
+
+    def element_windows(x):
+        return pl.pallas_call(
+            lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] + 1.0),
+            out_shape=jax.ShapeDtypeStruct((4, 8, 128), F32), grid=(4,),
+            in_specs=[pl.BlockSpec((pl.Element(8, (0, 8)), pl.Element(128)),
+                                   lambda i: (i * 4, 0))],
+            out_specs=pl.BlockSpec((pl.squeezed, 8, 128), lambda i: (i, 0, 0)),
+            backend="mosaic_tpu")(x)
+
+    assert "tpu_custom_call" in lower_for_tpu(element_windows, jax.ShapeDtypeStruct((24, 128), F32))

@@ -19,7 +19,7 @@ from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import resolve_implementation
 from ops.attention import dropout as dropout_lib
 from ops.attention import kernels
-from ops.attention.block_sizes import BlockSizes, default_block_sizes
+from ops.attention.block_sizes import BlockSizes, select_block_sizes
 from ops.attention.masking import MaskSpec, block_ranges, block_visibility, fold_lengths
 from ops.attention.reference import attention_reference
 
@@ -77,7 +77,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         is a counter hash of (key, batch, head, query, key position)
         (:mod:`ops.attention.dropout`): every backend and the backward pass draw
         the same bits, and nothing ``T x S`` is stored.
-      block_sizes: None (the heuristic, :func:`default_block_sizes`), a
+      block_sizes: None (the tuning cache's entry for the device, dtype and
+        shape bucket, else the heuristic; see
+        :func:`ops.attention.block_sizes.select_block_sizes`), a
         :class:`BlockSizes` or a pair ``(block_q, block_k)``.
 
     Returns:
@@ -265,8 +267,8 @@ def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
 
 def _check_block_sizes(block_sizes, T, S, H, dtype, backend) -> BlockSizes:
     if block_sizes is None:
-        return default_block_sizes(T, S, H, dtype, backend).resolved()
-    if isinstance(block_sizes, BlockSizes):
+        blocks = select_block_sizes(T, S, H, dtype, backend).resolved()
+    elif isinstance(block_sizes, BlockSizes):
         blocks = block_sizes.resolved()
     elif (isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2):
         blocks = BlockSizes(*block_sizes).resolved()

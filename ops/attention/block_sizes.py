@@ -6,6 +6,9 @@ import dataclasses
 import numpy as np
 
 import pallas_core as pl
+from ops import tuning
+
+_OP = "dot_product_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,3 +73,18 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
     if backend == "mosaic_tpu":
         return BlockSizes(T if T <= 128 else 128, S if S <= 128 else 128)
     return BlockSizes(min(64, pl.next_power_of_2(T)), min(64, pl.next_power_of_2(S)))
+
+
+def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> BlockSizes:
+    """The tiles when the caller gives none: the tuning cache's entry
+    (:func:`ops.tuning.lookup`, key ``(T, S, head_dim)``; fields it leaves out
+    come from the heuristic), else :func:`default_block_sizes`.
+
+    Raises:
+      ops.tuning.TuningCacheError: a malformed user or packaged cache file.
+    """
+    heuristic = default_block_sizes(T, S, head_dim, dtype, backend)
+    tuned = tuning.lookup(_OP, backend, dtype, (T, S, head_dim))
+    if tuned is None:
+        return heuristic
+    return dataclasses.replace(heuristic, **tuned)

@@ -43,6 +43,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_matmul_operands, check_same_dtype
+from ops import tuning
 from ops._implementation import resolve_implementation
 from ops.activations import resolve_activation
 
@@ -65,9 +66,11 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
         "mosaic_tpu"), "xla", "interpret", "triton" (pallas_core's own Triton
         lowering), "pallas_triton" (JAX's) or "mosaic_tpu". "mosaic_gpu"
         raises NotImplementedError (it needs a wgmma kernel).
-      block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes; None picks
-        them by shape, dtype and backend (:func:`default_block_sizes`). The
-        backward pass reuses them by role.
+      block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes; None takes
+        the tuning cache's entry for the device, dtype and shape bucket
+        (:mod:`ops.tuning`), else picks them by shape, dtype and backend
+        (:func:`default_block_sizes`); see :func:`select_tiles`. The backward
+        pass reuses them by role.
 
     Returns:
       ``[..., N]`` in x's dtype.
@@ -207,11 +210,12 @@ def _pad_axis(x, axis, size):
 
 
 def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=None,
-                 activation=None, want_preact=False):
+                 activation=None, want_preact=False, num_warps=None, num_stages=None):
     """``act(A @ B + bias)`` with A = a contracting dim ca, B = b contracting dim cb.
 
     ``blocks = (block_rows, block_cols, block_k)`` for the output's two dims
-    and the contraction. The contraction dim is zero-padded to a multiple of
+    and the contraction; ``num_warps`` / ``num_stages`` (Triton backends) None
+    for the heuristic's. The contraction dim is zero-padded to a multiple of
     block_k (exact for a sum; a copy only when K does not divide); the free
     dims use edge blocks, whose out-of-bounds rows are discarded.
     """
@@ -224,6 +228,8 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
     a, b = _pad_axis(a, ca, kp), _pad_axis(b, cb, kp)
     grid_mn = (pl.cdiv(m, bm), pl.cdiv(n, bn))
     strategy = _strategy(backend)
+    num_warps = num_warps or _num_warps(bm, bn)
+    num_stages = num_stages or 3
 
     out_shapes = [jax.ShapeDtypeStruct((m, n), out_dtype)]
     if want_preact:
@@ -253,7 +259,7 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
             out_specs=[out_spec] * len(out_shapes),
             scratch_shapes=[pl.tpu.VMEM((bm, bn), jnp.float32)],
             compiler_params=pl.triton.CompilerParams(
-                num_warps=_num_warps(bm, bn), num_stages=3,
+                num_warps=num_warps, num_stages=num_stages,
                 dimension_semantics=("parallel", "parallel", "arbitrary"))
             if backend == "triton" else pl.CompilerParams(("parallel", "parallel", "arbitrary")),
             backend=backend, name=_kernel_name(activation, bias))
@@ -270,7 +276,7 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
             functools.partial(_loop_kernel, block_k=bk, num_k=num_k, **kw),
             out_shape=out_shapes, grid=grid_mn, in_specs=in_specs,
             out_specs=[out_spec] * len(out_shapes),
-            compiler_params=pl.triton.CompilerParams(num_warps=_num_warps(bm, bn), num_stages=3),
+            compiler_params=pl.triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             backend=backend, name=_kernel_name(activation, bias))
     outs = call(*operands)
     return tuple(outs) if want_preact else outs[0]
@@ -348,20 +354,23 @@ def _dz_call(g, z, *, activation, want_dbias, blocks, backend):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _fused_matmul(x, w, bias, config: _Config, activation):
-    blocks = _blocks_for(x.shape[0], w.shape[1], x.shape[1], x.dtype, config)
-    return _matmul_call(x, w, ca=1, cb=0, blocks=blocks, backend=config.backend,
-                        out_dtype=x.dtype, bias=bias, activation=activation)
+    tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
+                         config.block_sizes)
+    return _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
+                        out_dtype=x.dtype, bias=bias, activation=activation,
+                        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def _fused_matmul_fwd(x, w, bias, config, activation):
-    blocks = _blocks_for(x.shape[0], w.shape[1], x.shape[1], x.dtype, config)
+    tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
+                         config.block_sizes)
+    launch = dict(blocks=tiles.blocks, backend=config.backend, out_dtype=x.dtype, bias=bias,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if activation is None:
-        out, z = _matmul_call(x, w, ca=1, cb=0, blocks=blocks, backend=config.backend,
-                              out_dtype=x.dtype, bias=bias), None
+        out, z = _matmul_call(x, w, ca=1, cb=0, **launch), None
     else:
-        out, z = _matmul_call(x, w, ca=1, cb=0, blocks=blocks, backend=config.backend,
-                              out_dtype=x.dtype, bias=bias, activation=activation,
-                              want_preact=True)
+        out, z = _matmul_call(x, w, ca=1, cb=0, activation=activation, want_preact=True,
+                              **launch)
     return out, (x, w, z, bias)
 
 
@@ -369,7 +378,9 @@ def _fused_matmul_bwd(config, activation, residuals, g):
     x, w, z, bias = residuals
     m, k = x.shape
     n = w.shape[1]
-    bm, bn, bk = _blocks_for(m, n, k, x.dtype, config)
+    # The backward kernels reuse the forward's tiles by role; their warps and
+    # stages stay the heuristic's (the tuner times the forward kernel).
+    bm, bn, bk = select_tiles(m, n, k, x.dtype, config.backend, config.block_sizes).blocks
     backend = config.backend
     if activation is not None or bias is not None:
         dz, dbias = _dz_call(g, z, activation=activation, want_dbias=bias is not None,
@@ -421,7 +432,38 @@ def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[in
             min(128, max(8, pl.next_power_of_2(k))))
 
 
-def _blocks_for(m, n, k, dtype, config: _Config):
-    if config.block_sizes is not None:
-        return config.block_sizes
-    return default_block_sizes(m, n, k, dtype, config.backend)
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The forward kernel's launch configuration.
+
+    Attributes:
+      blocks: ``(block_m, block_n, block_k)``.
+      num_warps, num_stages: Triton launch parameters; None: the heuristic's
+        (8 warps from a 128 x 128 tile, 3 stages).
+      source: where it came from: "argument", "cache" or "heuristic".
+    """
+
+    blocks: tuple[int, int, int]
+    num_warps: int | None = None
+    num_stages: int | None = None
+    source: str = "heuristic"
+
+
+def select_tiles(m: int, n: int, k: int, dtype, backend: str,
+                 block_sizes: tuple[int, int, int] | None = None) -> Tiles:
+    """The tiles of an ``[m, k] @ [k, n]`` product: explicit ``block_sizes``,
+    else the tuning cache (:func:`ops.tuning.lookup`, key ``(m, n, k)``), else
+    :func:`default_block_sizes`.
+
+    Raises:
+      ops.tuning.TuningCacheError: a malformed user or packaged cache file.
+    """
+    if block_sizes is not None:
+        return Tiles(tuple(block_sizes), source="argument")
+    tuned = tuning.lookup(_OP, backend, dtype, (m, n, k))
+    if tuned is not None:
+        heuristic = default_block_sizes(m, n, k, dtype, backend)
+        blocks = tuple(tuned.get(name, h) for name, h in zip(("block_m", "block_n", "block_k"),
+                                                             heuristic))
+        return Tiles(blocks, tuned.get("num_warps"), tuned.get("num_stages"), source="cache")
+    return Tiles(default_block_sizes(m, n, k, dtype, backend))

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from ops import tuning
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import resolve_implementation
 
@@ -44,6 +45,8 @@ class RowLayout:
       chunk: columns per loop step (a power of two).
       num_chunks: loop trip count, ``cdiv(features, chunk)``.
       padded_cols: width of the full-row block (>= num_chunks * chunk).
+      num_warps, num_stages: Triton launch parameters from the tuning cache;
+        None: :func:`row_compiler_params`' heuristic.
     """
 
     rows: int
@@ -52,6 +55,8 @@ class RowLayout:
     chunk: int
     num_chunks: int
     padded_cols: int
+    num_warps: int | None = None
+    num_stages: int | None = None
 
     @property
     def grid(self) -> tuple[int]:
@@ -130,6 +135,30 @@ def row_layout(rows: int, features: int, dtype, backend: str, *, max_chunk: int 
         raise ValueError(f"block_rows must be a multiple of 8 on mosaic_tpu, got {block_rows}.")
     return RowLayout(rows=rows, features=features, block_rows=block_rows, chunk=chunk,
                      num_chunks=num_chunks, padded_cols=padded)
+
+
+def select_row_layout(op: str, rows: int, features: int, dtype, backend: str, *,
+                      max_chunk: int | None = None, heuristic_block_rows=None) -> RowLayout:
+    """The layout of ``op`` on a ``[rows, features]`` problem: an explicit
+    ``max_chunk`` (the caller's choice) goes to the heuristic; otherwise the
+    tuning cache's entry (:func:`ops.tuning.lookup`, key ``(rows, features)``;
+    its ``chunk`` caps the chunk as ``max_chunk`` does), else the heuristic
+    :func:`row_layout` with ``heuristic_block_rows(max_chunk)`` rows per
+    program (None: row_layout's default).
+
+    Raises:
+      ops.tuning.TuningCacheError: a malformed user or packaged cache file.
+      ValueError: a cached config this backend cannot run (from row_layout).
+    """
+    if max_chunk is None:
+        tuned = tuning.lookup(op, backend, dtype, (rows, features))
+        if tuned is not None:
+            layout = row_layout(rows, features, dtype, backend, max_chunk=tuned.get("chunk"),
+                                block_rows=tuned.get("block_rows"))
+            return dataclasses.replace(layout, num_warps=tuned.get("num_warps"),
+                                       num_stages=tuned.get("num_stages"))
+    block_rows = None if heuristic_block_rows is None else heuristic_block_rows(max_chunk)
+    return row_layout(rows, features, dtype, backend, max_chunk=max_chunk, block_rows=block_rows)
 
 
 def as_rows(x) -> tuple[jax.Array, tuple[int, ...]]:
@@ -211,12 +240,12 @@ def row_compiler_params(layout: RowLayout, backend: str):
     more, 4 below; two pipeline stages when the row takes several chunks (the
     next chunk's load overlaps this chunk's math; at most 64 KiB of shared
     memory with the default chunks), one otherwise. Untuned starting points:
-    revisit with GPU measurements.
+    revisit with GPU measurements. A layout from the tuning cache brings its own.
     """
     if backend in pl.TRITON_BACKENDS:
-        warps = 8 if layout.block_rows * layout.chunk >= 8192 else 4
-        return pl.triton.CompilerParams(num_warps=warps,
-                                        num_stages=2 if layout.num_chunks > 1 else 1,
+        warps = layout.num_warps or (8 if layout.block_rows * layout.chunk >= 8192 else 4)
+        stages = layout.num_stages or (2 if layout.num_chunks > 1 else 1)
+        return pl.triton.CompilerParams(num_warps=warps, num_stages=stages,
                                         dimension_semantics=(pl.PARALLEL,))
     return pl.CompilerParams(dimension_semantics=(pl.PARALLEL,))
 

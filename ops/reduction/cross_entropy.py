@@ -254,7 +254,8 @@ def _layout(x2, config: _Config) -> _rows.RowLayout:
     16-bit logits and 2048 for float32 (so a chunk of a few rows in float32 is
     a few hundred KiB at most), ``max_chunk`` overriding the cap."""
     rows, features = x2.shape
-    return _rows.row_layout(rows, features, x2.dtype, config.backend, max_chunk=config.max_chunk)
+    return _rows.select_row_layout(_OP, rows, features, x2.dtype, config.backend,
+                                   max_chunk=config.max_chunk)
 
 
 _DEFAULT_SCOPED_VMEM = 16 << 20  # the smallest default (v5e); v6e and later have 32 MiB

@@ -46,7 +46,7 @@ import numpy as np
 
 import pallas_core as pl
 from ops.reduction._rows import (RowLayout, check_axis_op, for_each_chunk, load_chunk,
-                                 row_compiler_params, row_layout, rows_over_axes)
+                                 row_compiler_params, rows_over_axes, select_row_layout)
 
 KINDS = ("sum", "mean", "max")
 # The pallas_core backends these kernels are written and tested for. pallas_core's
@@ -254,8 +254,9 @@ def _feature_split(rows: int, features: int) -> tuple[int, int, int]:
 
 
 def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
-    """The shared row layout (:func:`~ops.reduction._rows.row_layout`): 8 rows
+    """The shared row layout (:func:`~ops.reduction._rows.select_row_layout`): 8 rows
     per program on TPU, 4 elsewhere; 4096-column chunks for 16-bit dtypes,
     2048 for float32, unless ``max_chunk`` caps them."""
-    return row_layout(rows, features, dtype, config.backend, max_chunk=config.max_chunk)
+    return select_row_layout(config.kind, rows, features, dtype, config.backend,
+                             max_chunk=config.max_chunk)
 

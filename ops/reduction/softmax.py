@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import pallas_core as pl
 from ops.reduction._rows import (RowLayout, check_axis_op, chunk_slice, for_each_chunk, load_chunk,
                                  logsumexp_shift, online_logsumexp_update,
-                                 row_compiler_params, row_layout, rows_over_axes)
+                                 row_compiler_params, rows_over_axes, select_row_layout)
 
 MODES = ("softmax", "log_softmax", "logsumexp")
 # The pallas_core backends these kernels are written and tested for. pallas_core's
@@ -320,8 +320,9 @@ _family.defvjp(_family_fwd, _family_bwd)
 # --------------------------------------------------------------------------
 
 def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
-    """The shared row layout (:func:`~ops.reduction._rows.row_layout`): 8 rows
+    """The shared row layout (:func:`~ops.reduction._rows.select_row_layout`): 8 rows
     per program on TPU (one sublane tile), 4 elsewhere; chunks of 4096
     columns for 16-bit dtypes and 2048 for float32 unless ``max_chunk`` caps
     them. The backward pass uses the same layout as the forward."""
-    return row_layout(rows, features, dtype, config.backend, max_chunk=config.max_chunk)
+    return select_row_layout(config.mode, rows, features, dtype, config.backend,
+                             max_chunk=config.max_chunk)

@@ -1,0 +1,204 @@
+"""ops.tuning on a CPU host: the cache's round trip, versioning and errors, lookup
+precedence (explicit block sizes > cache > heuristic) in every op family, and the
+compile filter dropping configs that spill or overflow shared memory on sm_90.
+Nothing is timed here (issue 13 section 2: no timing on a CPU host)."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+import pallas_core as pl
+import ops.tuning as tuning
+from ops.attention.block_sizes import default_block_sizes as attention_defaults
+from ops.attention.block_sizes import select_block_sizes
+from ops.matmul.fused_matmul import default_block_sizes as matmul_defaults
+from ops.matmul.fused_matmul import reference as matmul_reference
+from ops.matmul.fused_matmul import select_tiles
+from ops.reduction._rows import select_row_layout
+from ops.reduction.norms import layer_norm_reference
+from ops.tuning import search
+from tests.tolerances import FORWARD, assert_close
+
+KIND = jax.devices()[0].device_kind  # what lookups key on by default on this host
+
+
+def _entry(op, impl, dtype, shape, **config):
+    return tuning.make_entry(op, impl, KIND, dtype, shape, config)
+
+
+@pytest.fixture
+def user_cache(tmp_path, monkeypatch):
+    """A user cache file, reached through the environment variable."""
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    return path
+
+
+def test_shape_bucket_rounds_up_to_powers_of_two():
+    assert tuning.shape_bucket((3000, 4096, 4097, 1, 0)) == (4096, 4096, 8192, 1, 0)
+
+
+def test_round_trip_through_file_env_var_and_api(tmp_path, user_cache):
+    e = _entry("fused_matmul", "triton", "bfloat16", (3000, 500, 70), block_m=64, block_n=32,
+               block_k=16, num_warps=2, num_stages=2)
+    assert tuning.write(user_cache, [e]) == 1
+    on_disk = json.loads(user_cache.read_text())
+    assert on_disk["version"] == tuning.CACHE_VERSION and on_disk["entries"] == [e]
+    # Any shape in the same bucket finds it; the next bucket does not.
+    assert tuning.lookup("fused_matmul", "triton", jnp.bfloat16, (4096, 300, 128)) == e["config"]
+    assert tuning.lookup("fused_matmul", "triton", jnp.bfloat16, (4097, 300, 128)) is None
+    assert tuning.lookup("fused_matmul", "triton", jnp.float16, (4096, 300, 128)) is None
+    assert tuning.lookup("fused_matmul", "pallas_triton", jnp.bfloat16, (4096, 300, 128)) is None
+    # Merging keeps other keys and replaces the same key.
+    e2 = dict(e, config=dict(e["config"], num_warps=4))
+    other = _entry("layer_norm", "triton", "float32", (10, 5000), block_rows=2)
+    assert tuning.write(user_cache, [e2, other]) == 2
+    assert tuning.lookup("fused_matmul", "triton", jnp.bfloat16, (4096, 300, 128))["num_warps"] == 4
+    # set_cache_file wins over the environment variable.
+    api_file = tmp_path / "api.json"
+    tuning.write(api_file, [e])
+    tuning.set_cache_file(api_file)
+    try:
+        assert tuning.lookup("fused_matmul", "triton", jnp.bfloat16, (4096, 300, 128))["num_warps"] == 2
+    finally:
+        tuning.set_cache_file(None)
+
+
+def test_packaged_cache_is_valid_and_current():
+    document = json.loads(tuning.PACKAGED_CACHE.read_text())
+    assert document["version"] == tuning.CACHE_VERSION
+    tuning.load(tuning.PACKAGED_CACHE)  # every entry validates
+
+
+@pytest.mark.parametrize("document, message", [
+    ("{not json", "not valid JSON"),
+    ('{"entries": []}', "'version' and 'entries'"),
+    ('{"version": 2, "entries": []}', "version 2, but this library reads version 1"),
+    ('{"version": 1, "entries": [{"op": "fused_matmul"}]}', "missing key"),
+    ('{"version": 1, "entries": [{"op": "conv", "implementation": "triton", "device_kind": "x", '
+     '"dtype": "float32", "bucket": [8], "config": {"block_m": 8}}]}', "unknown op 'conv'"),
+    ('{"version": 1, "entries": [{"op": "fused_matmul", "implementation": "triton", '
+     '"device_kind": "x", "dtype": "float32", "bucket": [8, 8, 8], "config": {"block_m": -8}}]}',
+     "'block_m' must be a positive int"),
+    ('{"version": 1, "entries": [{"op": "fused_matmul", "implementation": "triton", '
+     '"device_kind": "x", "dtype": "float32", "bucket": [8, 8, 8], "config": {"tile": 8}}]}',
+     "unknown config field 'tile'"),
+    ('{"version": 1, "entries": [{"op": "fused_matmul", "implementation": "triton", '
+     '"device_kind": "x", "dtype": "float32", "bucket": [8, 6, 8], "config": {"block_m": 8}}]}',
+     "powers of two"),
+])
+def test_malformed_or_other_version_file_gives_a_clear_error(user_cache, document, message):
+    user_cache.write_text(document)
+    with pytest.raises(tuning.TuningCacheError, match=message) as info:
+        tuning.lookup("fused_matmul", "triton", jnp.float32, (8, 8, 8))
+    assert str(user_cache) in str(info.value)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(tuning.TuningCacheError, match=message):
+        tuning.set_cache_file(user_cache)
+    # The op fails the same way, at trace time, before any kernel is launched.
+    x = jnp.ones((8, 8))
+    with pytest.raises(tuning.TuningCacheError, match=message):
+        jax.make_jaxpr(lambda a: ops.fused_matmul(a, a, implementation="interpret"))(x)
+
+
+def test_missing_file_and_refused_merge(tmp_path, user_cache):
+    with pytest.raises(tuning.TuningCacheError, match="cannot read"):
+        tuning.set_cache_file(tmp_path / "absent.json")
+    user_cache.write_text('{"version": 0, "entries": []}')
+    with pytest.raises(tuning.TuningCacheError, match="version 0"):
+        tuning.write(user_cache, [])
+
+
+def test_matmul_precedence_explicit_then_cache_then_heuristic():
+    m, n, k = 40, 50, 70
+    heuristic = matmul_defaults(m, n, k, jnp.float32, "interpret")
+    assert select_tiles(m, n, k, jnp.float32, "interpret").blocks == heuristic
+    entry = _entry("fused_matmul", "interpret", "float32", (m, n, k), block_m=32, block_n=16,
+                   block_k=32)
+    with tuning.override([entry]):
+        tiles = select_tiles(m, n, k, jnp.float32, "interpret")
+        assert (tiles.blocks, tiles.source) == ((32, 16, 32), "cache")
+        explicit = select_tiles(m, n, k, jnp.float32, "interpret", (8, 8, 8))
+        assert (explicit.blocks, explicit.source) == ((8, 8, 8), "argument")
+        # The cached tiles run on a shape they do not divide.
+        x, w = (jax.random.normal(key, s) for key, s in zip(jax.random.split(jax.random.key(0)),
+                                                            ((m, k), (k, n))))
+        assert_close(ops.fused_matmul(x, w, implementation="interpret"), matmul_reference(x, w),
+                     FORWARD[jnp.float32], "cached tiles")
+
+
+def test_cached_warps_and_stages_reach_the_triton_kernel():
+    entry = _entry("fused_matmul", "triton", "bfloat16", (64, 64, 64), block_m=32, block_n=64,
+                   block_k=32, num_warps=2, num_stages=2)
+    shapes = [jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)] * 2
+    with tuning.override([entry]):
+        (report,) = pl.triton.compile(
+            lambda x, w: ops.fused_matmul(x, w, implementation="triton"), *shapes)
+    assert (report["num_warps"], report["num_stages"]) == (2, 2)
+
+
+def test_row_op_precedence_and_cached_layout_runs():
+    rows, features = 13, 300
+    heuristic = select_row_layout("layer_norm", rows, features, jnp.float32, "interpret")
+    assert heuristic.num_chunks == 1
+    entry = _entry("layer_norm", "interpret", "float32", (rows, features), block_rows=8, chunk=128)
+    with tuning.override([entry]):
+        layout = select_row_layout("layer_norm", rows, features, jnp.float32, "interpret")
+        assert (layout.block_rows, layout.chunk, layout.num_chunks) == (8, 128, 3)
+        # An explicit max_chunk is the caller's choice: the cache is not consulted.
+        explicit = select_row_layout("layer_norm", rows, features, jnp.float32, "interpret",
+                                     max_chunk=256)
+        assert (explicit.block_rows, explicit.chunk) == (heuristic.block_rows, 256)
+        # Another op's key is not this one's.
+        assert select_row_layout("rms_norm", rows, features, jnp.float32, "interpret") == heuristic
+        kx, ks, kb = jax.random.split(jax.random.key(1), 3)
+        x = jax.random.normal(kx, (rows, features)) * 2 + 0.5
+        scale, bias = (jax.random.normal(k, (features,)) for k in (ks, kb))
+        assert_close(ops.layer_norm(x, scale, bias, implementation="interpret"),
+                     layer_norm_reference(x, scale, bias), FORWARD[jnp.float32], "cached layout")
+
+
+def test_attention_precedence():
+    heuristic = attention_defaults(300, 300, 64, jnp.bfloat16, "triton")
+    assert select_block_sizes(300, 300, 64, jnp.bfloat16, "triton") == heuristic
+    entry = _entry("dot_product_attention", "triton", "bfloat16", (300, 300, 64), block_q=64,
+                   num_warps=8)
+    with tuning.override([entry]):
+        tuned = select_block_sizes(300, 300, 64, jnp.bfloat16, "triton")
+    assert (tuned.block_q, tuned.num_warps) == (64, 8)
+    assert tuned.block_k == heuristic.block_k  # fields the entry leaves out: the heuristic's
+
+
+def test_problem_and_candidates():
+    with pytest.raises(ValueError, match="op: expected one of"):
+        search.Problem("conv", (1, 2, 3))
+    with pytest.raises(ValueError, match="shape: layer_norm takes 2"):
+        search.Problem("layer_norm", (1, 2, 3))
+    small = search.candidates(search.Problem("fused_matmul", (40, 40, 20)))
+    assert small and all(c["block_m"] <= 64 and c["block_k"] <= 32 for c in small)
+    assert len({tuple(sorted(c.items())) for c in small}) == len(small)
+    rows = search.candidates(search.Problem("softmax", (4096, 32768)))
+    assert all(c["num_stages"] == 2 for c in rows)  # several chunks: the loop is pipelined
+    for problem in search.main_problems() + search.quick_problems():
+        assert search.candidates(problem)
+
+
+def test_compile_filter_drops_spills_and_shared_memory_overflow():
+    """Built to fail: a 64x64 tile whose K step is 256 deep in 8 stages needs 512 KiB of
+    shared memory; one warp holding an 8192-wide float32 softmax row spills."""
+    matmul = search.Problem("fused_matmul", (256, 256, 512), "bfloat16")
+    fits = dict(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
+    too_deep = dict(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=8)
+    kept, dropped = search.compile_filter(matmul, [fits, too_deep], target="sm_90")
+    assert kept.kept and kept.kernels[0]["spill_bytes"] == 0, kept
+    assert not dropped.kept and "shared memory" in dropped.reason, dropped
+    softmax = search.Problem("softmax", (64, 8192), "float32")
+    (spills,) = search.compile_filter(
+        softmax, [dict(block_rows=1, chunk=8192, num_warps=1, num_stages=1)], target="sm_90")
+    assert not spills.kept and "spills" in spills.reason, spills
+    assert np.all([k["registers"] > 0 for k in spills.kernels])

@@ -59,7 +59,9 @@ def compile(f, *args, target: str = "sm_90", **kwargs) -> list[dict]:  # noqa: A
 
     Works without a GPU (Triton ships its own ptxas). Returns one report per
     kernel: ``name``, ``target``, ``num_warps``, ``num_stages``,
-    ``shared_memory_bytes``, ``registers`` (per thread) and
+    ``shared_memory_bytes``, ``global_scratch_bytes`` (per program: what
+    Triton's launcher must allocate, e.g. for tensor descriptors made in the
+    kernel), ``registers`` (per thread) and
     ``spill_bytes`` (spill stores plus loads), the last two read from
     ``ptxas -v`` on the generated PTX, and ``asm`` (every stage's text).
 
@@ -91,6 +93,7 @@ def compile(f, *args, target: str = "sm_90", **kwargs) -> list[dict]:  # noqa: A
         usage = _ptxas_usage(compiled.asm["ptx"], capability)
         reports.append(dict(name=r["name"], target=target, num_warps=metadata.num_warps,
                             num_stages=metadata.num_stages, shared_memory_bytes=metadata.shared,
+                            global_scratch_bytes=metadata.global_scratch_size,
                             registers=usage["registers"], spill_bytes=usage["spill_bytes"],
                             asm=compiled.asm))
     return reports

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 
 from pallas_core.params import PARALLEL
-from pallas_core.triton import codegen, runtime
+from pallas_core.triton import codegen, program_order, runtime
+from pallas_core.triton.params import schedule_options
 
 # While set, every triton pallas_call traced records (name, source, constexprs, ...) here.
 _CAPTURE: contextvars.ContextVar[list | None] = contextvars.ContextVar("triton_capture", default=None)
@@ -37,8 +38,9 @@ def _on_gpu() -> bool:
 
 
 def launch_grid(call) -> tuple[int]:
+    """One program per tile of the parallel grid axes, or the persistent program count."""
     sizes = [n for n, s in zip(call.grid, call.semantics) if s == PARALLEL]
-    return (int(np.prod(sizes)) if sizes else 1,)
+    return (program_order.launch_size(sizes, schedule_options(call.params.triton).persistent),)
 
 
 def run(call, args):

@@ -50,11 +50,12 @@ from pallas_core import context
 from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.primitives import next_power_of_2
 from pallas_core.indexing import indexer_layout, is_slice, is_trivial
-from pallas_core.triton import jit_helpers, markers
+from pallas_core.triton import descriptors, jit_helpers, markers, peeling, program_order
 from pallas_core.triton.elementwise import ElementwiseWriter
 from pallas_core.triton.values import (INT32_MAX, Val, as_code, axis_index, fit, lane_mask, literal, tl_dtype,
                                        tl_shape)
 from pallas_core.triton.atomics import ATOMIC_PREFIX
+from pallas_core.triton.params import schedule_options
 
 class TritonTraceContext(context.KernelContext):
     """Grid ids are the traced scalar inputs; num_programs is static."""
@@ -132,6 +133,7 @@ class RefView:
     dtype: Any
     wide: bool  # more than 2**31 elements: int64 offsets
     register: int | None = None  # index of a scratch buffer kept as a loop-carried value
+    origin_last: str | None = None  # start of the operand block's last dim, before any .at view
     result_shape: tuple[int, ...] | None = None  # set by a gather, whose axes Ranges do not give
 
     @property
@@ -179,6 +181,14 @@ class RefView:
                     _check_static(at, 0, base.size, dim, self.shape)
                 dims[axis] = _add(base.start, _mul(at, str(base.stride)))
         return dataclasses.replace(self, dims=tuple(dims), result_shape=tuple(shape) if gather else None)
+
+
+def _strides(ref: RefView) -> list[str]:
+    """Row-major strides of the array under ``ref``, written with its constexpr dims."""
+    strides = ["1"] * len(ref.array_shape)
+    for d in reversed(range(len(ref.array_shape) - 1)):
+        strides[d] = _mul(strides[d + 1], ref.dim_names[d + 1])
+    return strides
 
 
 def _check_static(start: str, extent: int, size: int, dim: int, shape) -> None:
@@ -245,6 +255,9 @@ class KernelWriter(ElementwiseWriter):
         self.used: set = set()  # jaxpr vars read by some equation or returned
         self.eqn_stack: list = []  # equations being written, outermost first
         self.access: dict | None = None  # the masked access a load / store marker is writing
+        self.options = schedule_options(call.params.triton)
+        self.descriptors: dict[tuple, str] = {}  # (pointer, box) -> tensor descriptor name
+        self.descriptor_lines: list[str] = []
 
     # ---- small helpers -------------------------------------------------------------
     def fresh(self, prefix="v") -> str:
@@ -282,44 +295,101 @@ class KernelWriter(ElementwiseWriter):
         for a, n in enumerate(grid):
             self.constexpr(f"G{a}", n)
         scratch_refs = [self._scratch_ref(k, s, parallel) for k, s in enumerate(call.scratch_shapes)]
-        # Program ids: parallel axes decoded from the flat launch id, arbitrary axes looped.
         ids: dict[int, str] = {}
         if parallel:
-            self.emit("pid = tl.program_id(0)")
-            for pos, a in enumerate(reversed(parallel)):
-                last = pos == len(parallel) - 1
-                ids[a] = f"i{a}"
-                self.emit(f"i{a} = pid % G{a}" if not last else f"i{a} = pid")
-                if not last:
-                    self.emit(f"pid = pid // G{a}")
+            ids.update(self._program_ids(parallel))
         for ref in scratch_refs:
             if ref.register is not None:  # garbage is unspecified: zeros are as good as anything
                 self.emit(f"{ref.register_name} = tl.full({tl_shape(ref.shape)}, 0, {tl_dtype(ref.dtype)})")
-        for a in arbitrary:
+        for a in arbitrary[:-1]:
             self.emit(f"for i{a} in range(G{a}):")
             self.indent += 1
             ids[a] = f"i{a}"
-        env: dict = {}
         id_vars = jaxpr.invars[:len(grid)]
-        for a, var in enumerate(id_vars):
-            env[var] = Val(ids[a], (), np.dtype(np.int32))
-        mappings = list(call.in_mappings) + list(call.out_mappings)
-        operand_vars = jaxpr.invars[len(grid):len(grid) + len(mappings)]
-        scratch_vars = jaxpr.invars[len(grid) + len(mappings):]
-        self.ref_of_value: dict = {}
-        for k, (m, var) in enumerate(zip(mappings, operand_vars)):
-            self.ref_of_value[var] = self._operand_ref(k, m, ids)
-        for ref, var in zip(scratch_refs, scratch_vars):
-            self.ref_of_value[var] = ref
-        self.body(jaxpr, closed.consts, env)
-        self.emit("pass")  # keeps a loop over arbitrary axes well-formed if its body is empty
-        header = self._header(len(mappings))
+        n_operands = len(call.in_mappings) + len(call.out_mappings)
+        refs = (id_vars, jaxpr.invars[len(grid):len(grid) + n_operands],
+                jaxpr.invars[len(grid) + n_operands:], scratch_refs)
+        if not arbitrary:
+            self._program_body(closed, refs, ids, range(len(jaxpr.eqns)))
+        else:
+            self._peeled_loop(closed, refs, ids, arbitrary[-1])
+        header = self._header(n_operands)
         helpers = "".join(jit_helpers.combiner_source(n) for n in sorted(self.combiners))
         helpers += "".join(jit_helpers.math_source(n) for n in jit_helpers.with_dependencies(self.math))
         if "approx_tanh" in self.math:  # rebound to True when Triton's interpreter loads the module
             helpers = f"\n{jit_helpers.INTERPRETED} = tl.constexpr(False)\n" + helpers
+        # Descriptors depend only on parameters: made once, ahead of every loop.
+        prologue = ["    " + line for line in self.descriptor_lines]
         return ("import triton.language as tl\n" + helpers + "\n\n@jit\n" + header + "\n"
-                + "\n".join(self.lines) + "\n")
+                + "\n".join(prologue + self.lines) + "\n")
+
+    def _program_ids(self, parallel) -> dict[int, str]:
+        """Emits the decoding of this program's parallel grid indices (and, if persistent, the
+        loop over its tiles, which the rest of the kernel is written inside)."""
+        options = self.options
+        sizes = [self.call.grid[a] for a in parallel]
+        flat = "tl.program_id(0)"
+        if options.persistent:
+            self.constexpr("NUM_TILES", int(np.prod(sizes)))
+            self.constexpr("NUM_PROGRAMS", program_order.launch_size(sizes, options.persistent))
+            self.emit("for tile_id in range(tl.program_id(0), NUM_TILES, NUM_PROGRAMS):")
+            self.indent += 1
+            flat = "tile_id"
+        group = options.group_size if len(parallel) >= 2 else 1
+        if group > 1:
+            self.constexpr("GROUP", group)
+        lines, names = program_order.decode(parallel, group, flat)
+        for line in lines:
+            self.emit(line)
+        return names
+
+    def _bind_refs(self, refs, ids, env) -> None:
+        """Binds grid ids (``ids``: axis -> expression), operand and scratch Refs."""
+        id_vars, operand_vars, scratch_vars, scratch_refs = refs
+        for a, var in enumerate(id_vars):
+            env[var] = Val(ids[a], (), np.dtype(np.int32))
+        mappings = list(self.call.in_mappings) + list(self.call.out_mappings)
+        self.ref_of_value = {}
+        for k, (m, var) in enumerate(zip(mappings, operand_vars)):
+            self.ref_of_value[var] = self._operand_ref(k, m, ids)
+        for ref, var in zip(scratch_refs, scratch_vars):
+            self.ref_of_value[var] = ref
+
+    def _program_body(self, closed, refs, ids, only) -> None:
+        """Writes the equations ``only`` (indices) of the kernel at grid ids ``ids``."""
+        env: dict = {}
+        self._bind_refs(refs, ids, env)
+        self.body(closed.jaxpr, closed.consts, env, only=frozenset(only))
+        self.emit("pass")  # keeps a loop over arbitrary axes well-formed if its body is empty
+
+    def _peeled_loop(self, closed, refs, ids, axis) -> None:
+        """The loop over the innermost arbitrary ``axis``, first/last-iteration blocks peeled
+        (:mod:`pallas_core.triton.peeling`)."""
+        jaxpr = closed.jaxpr
+        length = self.call.grid[axis]
+        peel = peeling.plan(jaxpr, jaxpr.invars[axis], length, self.options.loop_peeling)
+        neutral = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "new_ref"]
+        if peel.before:
+            self._peeled_blocks(closed, refs, {**ids, axis: "0"}, neutral, peel.before)
+        self.emit(f"for i{axis} in range(G{axis}):")
+        self.indent += 1
+        self._program_body(closed, refs, {**ids, axis: f"i{axis}"}, peel.loop)
+        self.indent -= 1
+        if peel.after:
+            self._peeled_blocks(closed, refs, {**ids, axis: f"(G{axis} - 1)"}, neutral, peel.after)
+
+    def _peeled_blocks(self, closed, refs, ids, neutral, conds) -> None:
+        """The true branches of the ``pl.when`` equations ``conds``, outside the loop."""
+        env: dict = {}
+        self._bind_refs(refs, ids, env)
+        self.body(closed.jaxpr, closed.consts, env, only=frozenset(neutral))
+        for i in conds:
+            eqn = closed.jaxpr.eqns[i]
+            self.eqn_stack.append(eqn)
+            try:
+                self._inline(eqn.params["branches"][1], [self.read(env, v) for v in eqn.invars[1:]], env)
+            finally:
+                self.eqn_stack.pop()
 
     def _header(self, n_operands) -> str:
         ptrs = [f"p{k}" for k in range(n_operands)]
@@ -343,8 +413,10 @@ class KernelWriter(ElementwiseWriter):
                 dims.append(Range(start, m.block_shape[d], 1))
             masked.append(m.array_shape[d] % m.block_shape[d] != 0)
         numel = int(np.prod(m.array_shape)) if rank else 1
+        origin_last = dims[-1].start if rank and isinstance(dims[-1], Range) else None
         return RefView(ptr=f"p{k}", array_shape=m.array_shape, dim_names=names, dims=tuple(dims),
-                       masked=tuple(masked), dtype=np.dtype(m.dtype), wide=numel > INT32_MAX)
+                       masked=tuple(masked), dtype=np.dtype(m.dtype), wide=numel > INT32_MAX,
+                       origin_last=origin_last)
 
     def _scratch_ref(self, k, s, parallel) -> RefView:
         """A scratch buffer: a loop-carried value, or private global memory.
@@ -382,12 +454,14 @@ class KernelWriter(ElementwiseWriter):
             return self.ref_of_value[atom]
         return env[atom]
 
-    def body(self, jaxpr, consts, env, returns=False):
-        self.used.update(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jex_core.Literal))
+    def body(self, jaxpr, consts, env, returns=False, only: frozenset[int] | None = None):
+        """Writes ``jaxpr`` (only the equations of indices ``only``, if given)."""
+        eqns = [e for i, e in enumerate(jaxpr.eqns) if only is None or i in only]
+        self.used.update(v for e in eqns for v in e.invars if not isinstance(v, jex_core.Literal))
         self.used.update(v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal))
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = literal(c, var.aval)
-        for eqn in jaxpr.eqns:
+        for eqn in eqns:
             self.equation(eqn, env)
         if returns:
             return [self.read(env, v) for v in jaxpr.outvars]
@@ -440,10 +514,7 @@ class KernelWriter(ElementwiseWriter):
                 masks.append(lane_mask(axis, shape[axis], rank))
             lanes_masked.add(axis)
 
-        # Row-major strides, written with the constexpr array dims.
-        strides = ["1"] * len(ref.array_shape)
-        for d in reversed(range(len(ref.array_shape) - 1)):
-            strides[d] = _mul(strides[d + 1], ref.dim_names[d + 1])
+        strides = _strides(ref)
         for d, dim in enumerate(ref.dims):
             index = self.fresh("r")
             if isinstance(dim, Range):
@@ -476,9 +547,35 @@ class KernelWriter(ElementwiseWriter):
         mask = " & ".join(masks) if masks else None
         return offset, mask, shape
 
+    def _descriptor(self, ref: RefView, access: dict) -> tuple[str, tuple[int, ...]] | None:
+        """``(descriptor name, box)`` if ``tma`` is on and the view can move as one TMA box
+        (:mod:`pallas_core.triton.descriptors`); the descriptor is made on first use."""
+        if not self.options.tma or ref.register is not None or ref.origin_last is None:
+            return None
+        user = access.get("mask")
+        plain = (user is None or user.expr == "True") and not access.get("hints")
+        box = descriptors.tma_box(ref.array_shape, ref.dtype, ref.dims, ref.origin_last, plain)
+        if box is None:
+            return None
+        key = (ref.ptr, box)
+        if key not in self.descriptors:
+            name = self.descriptors[key] = f"d{len(self.descriptors)}"
+            self.descriptor_lines.append(descriptors.make_source(name, ref.ptr, ref.dim_names, _strides(ref), box))
+        return self.descriptors[key], box
+
+    def _box_offsets(self, ref: RefView) -> str:
+        """The box origin of a descriptor access: one element index per array dim."""
+        return "[" + ", ".join(d.start if isinstance(d, Range) else d for d in ref.dims) + "]"
+
     def _load(self, ref: RefView, access: dict | None = None) -> Val:
         """``tl.load`` of a view; ``access`` (a masked load): ``mask``, ``other`` Vals and hints."""
         access = access or {}
+        if tma := self._descriptor(ref, access):
+            name, box = tma
+            value = self.assign(f"{name}.load({self._box_offsets(ref)})", box, ref.dtype)
+            if tuple(box) == tuple(ref.shape):
+                return value
+            return self.assign(f"tl.reshape({value.expr}, {tl_shape(ref.shape)})", ref.shape, ref.dtype)
         offset, mask, shape = self._addresses(ref)
         user = access.get("mask")
         masks = [m for m in (mask, None if user is None or user.expr == "True" else as_code(user)) if m]
@@ -491,6 +588,13 @@ class KernelWriter(ElementwiseWriter):
 
     def _store(self, ref: RefView, val: Val, access: dict | None = None) -> None:
         access = access or {}
+        if tma := self._descriptor(ref, access):
+            name, box = tma
+            value = fit(val, ref.shape, ref.dtype)
+            if tuple(box) != tuple(ref.shape):
+                value = f"tl.reshape({value}, {tl_shape(box)})"
+            self.emit(f"{name}.store({self._box_offsets(ref)}, {value})")
+            return
         offset, mask, shape = self._addresses(ref)
         user = access.get("mask")
         masks = [m for m in (mask, None if user is None or user.expr == "True" else as_code(user)) if m]

@@ -132,6 +132,13 @@ def launch(kernel_source, name, *, grid, args, out_avals, aliases, constexprs,
     not assume it zero.
     """
     if on_gpu:
+        if "tl.make_tensor_descriptor(" in kernel_source:
+            raise NotImplementedError(
+                f"triton backend: kernel {name} was generated with CompilerParams(tma=True); its "
+                "tensor descriptors are made in the kernel and need Triton's global scratch "
+                "buffer, which jax_triton 0.3.1 does not allocate at launch. Use tma=False (the "
+                "default) to run it; tma=True is for ahead-of-time compiles "
+                "(pallas_core.triton.compile) and Triton's interpreter.")
         jt = import_jax_triton()
         kernel = load(kernel_source, name, "jit")
         # name: jax_triton's default is "", which leaves the kernel call unnamed in

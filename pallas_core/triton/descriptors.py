@@ -1,0 +1,74 @@
+"""Tensor descriptors (TMA on sm_90+) for block loads and stores: when, and their source.
+
+With ``CompilerParams(tma=True)`` our Triton lowering reads and writes a Ref
+view through ``tl.make_tensor_descriptor`` whenever the hardware's
+tensor-memory accelerator can move it as one box (CUDA programming guide,
+"Tensor Memory Access"; ``cuTensorMapEncodeTiled``'s limits):
+
+* an operand in global memory (not scratch), of a dtype of 1, 2, 4 or 8
+  bytes, at most 5 dims, every stride but the last a multiple of 16 bytes
+  (the base pointer is 16-byte aligned: XLA's buffers are);
+* a view of Ranges of stride 1 and power-of-two sizes of at most 256
+  (Triton tensors have power-of-two dims, TMA boxes at most 256 per dim) and
+  fixed indices (box size 1); the last array dim a Range of at least 16 bytes
+  starting at its block's origin, so the box start is 16-byte aligned;
+* no gather, no user mask, no cache hints (a descriptor access takes none).
+
+Blocks that run past the array's edge qualify: the descriptor knows the
+array's shape and the hardware zero-fills reads and drops writes outside it,
+which is what our edge masks do (DESIGN 2.4). Every other view keeps pointer
+loads and stores. Before sm_90 Triton rewrites descriptors into pointer
+accesses, so the same source compiles for every target.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_MAX_BOX = 256
+_MAX_RANK = 5
+_ALIGN = 16  # bytes
+
+
+def tma_box(array_shape, dtype, dims, origin_last: str, plain: bool) -> tuple[int, ...] | None:
+    """The descriptor box of a view, or None where pointers must stay.
+
+    Args:
+      array_shape: the operand's shape.
+      dtype: its element type.
+      dims: the view's dims, one per array dim: an object with ``start``,
+        ``size``, ``stride`` and ``axis`` (a kept range), a str (a fixed
+        index) or anything else (a gather).
+      origin_last: the start expression of the block's last dim, before any
+        ``.at`` view.
+      plain: whether the access has no user mask and no hints.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    rank = len(array_shape)
+    if not plain or not 1 <= rank <= _MAX_RANK or np.dtype(dtype) == np.bool_ or itemsize not in (1, 2, 4, 8):
+        return None
+    stride = 1
+    for d in reversed(range(rank - 1)):
+        stride *= array_shape[d + 1]
+        if stride * itemsize % _ALIGN:
+            return None
+    box = []
+    for dim in dims:
+        if isinstance(dim, str):
+            box.append(1)
+        elif hasattr(dim, "size") and hasattr(dim, "stride"):
+            size = dim.size
+            if dim.stride != 1 or dim.axis is not None or size & (size - 1) or size > _MAX_BOX:
+                return None
+            box.append(size)
+        else:
+            return None
+    last = dims[-1]
+    if isinstance(last, str) or last.start != origin_last or box[-1] * itemsize < _ALIGN:
+        return None
+    return tuple(box)
+
+
+def make_source(name: str, ptr: str, dim_names, strides, box) -> str:
+    """``name = tl.make_tensor_descriptor(...)`` over the whole operand at ``ptr``."""
+    return (f"{name} = tl.make_tensor_descriptor({ptr}, shape=[{', '.join(dim_names)}], "
+            f"strides=[{', '.join(strides)}], block_shape=[{', '.join(map(str, box))}])")

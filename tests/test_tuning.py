@@ -202,3 +202,28 @@ def test_compile_filter_drops_spills_and_shared_memory_overflow():
         softmax, [dict(block_rows=1, chunk=8192, num_warps=1, num_stages=1)], target="sm_90")
     assert not spills.kept and "spills" in spills.reason, spills
     assert np.all([k["registers"] > 0 for k in spills.kernels])
+
+
+def test_tune_cli_on_cpu_filters_without_timing_or_writing(tmp_path):
+    from benchmarks import tune
+    out, report = tmp_path / "cache.json", tmp_path / "report.json"
+    assert tune.main(["--quick", "--ops", "layer_norm", "--max-candidates", "1", "--out", str(out),
+                      "--report", str(report)]) == 0
+    assert not out.exists()  # nothing timed on a CPU host, so no winner
+    (result,) = json.loads(report.read_text())["results"]
+    assert result["target"] == "sm_90" and result["timings"] == [] and result["entry"] is None
+    (verdict,) = result["verdicts"]
+    assert verdict["kept"] and verdict["kernels"][0]["name"] == "layer_norm_fwd"
+    assert tune.main(["--ops", "conv"]) == 2
+
+
+def test_tune_cli_merges_a_session_cache(tmp_path):
+    from benchmarks import tune
+    session, package = tmp_path / "session.json", tmp_path / "package.json"
+    e = tuning.make_entry("softmax", "triton", "NVIDIA H100 80GB HBM3", "bfloat16", (4096, 4096),
+                          dict(block_rows=2, chunk=4096, num_warps=8, num_stages=1),
+                          measured=dict(median_ms=0.1))
+    tuning.write(session, [e])
+    tuning.write(package, [_entry("rms_norm", "triton", "float32", (8, 8), block_rows=1)])
+    assert tune.main(["--merge", str(session), "--out", str(package)]) == 0
+    assert len(tuning.load(package)) == 2

@@ -21,3 +21,49 @@ except ImportError as e:  # pragma: no cover - only on an incompatible JAX
 def discharge_refs(closed_jaxpr: jax.extend.core.ClosedJaxpr):
     """A pure ClosedJaxpr equivalent to ``closed_jaxpr`` (Ref effects threaded through)."""
     return _discharge_state(closed_jaxpr)
+
+
+# --- Forward-mode autodiff of kernels (pallas_core.autodiff) -------------------
+# A kernel is a function of Refs; JAX's jaxpr-level JVP differentiates the
+# Ref reads and writes of its jaxpr (a tangent Ref beside each primal Ref),
+# which is the "reuse JAX's infrastructure" of seed 001. The public API has no
+# way to trace a function of Refs or to JVP a jaxpr, so these stay here.
+from jax._src import api_util as _api_util  # noqa: E402
+from jax._src import core as _core  # noqa: E402
+from jax._src import linear_util as _lu  # noqa: E402
+from jax._src.interpreters import ad as _ad  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax._src.state.types import AbstractRef as _AbstractRef  # noqa: E402
+
+
+def is_ref_aval(aval) -> bool:
+    return isinstance(aval, _AbstractRef)
+
+
+def trace_ref_function(fn, ref_avals, name: str) -> jax.extend.core.ClosedJaxpr:
+    """``fn(*refs)`` traced over abstract Refs; its return value is dropped."""
+    def body(*refs):
+        fn(*refs)
+        return []
+
+    debug = _api_util.debug_info(name, fn, tuple(ref_avals), {})
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(body, debug_info=debug),
+                                                  list(ref_avals))
+    return _core.ClosedJaxpr(jaxpr, consts)
+
+
+def jvp_of_ref_jaxpr(closed, nonzeros):
+    """The JVP of a jaxpr over Refs: it takes the primal Refs, then one tangent Ref
+    for each ``nonzeros`` entry that is True, and updates both."""
+    jvp, _ = _ad.jvp_jaxpr(closed, list(nonzeros), [])
+    return jvp
+
+
+def eval_jaxpr(closed, *args):
+    return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def is_being_linearized(tangent) -> bool:
+    """Whether a custom_jvp rule's tangent is an unknown of JAX's partial evaluation:
+    the rule runs under ``jax.linearize`` / ``jax.grad`` / ``jax.vjp``, not ``jax.jvp``."""
+    return isinstance(tangent, _pe.JaxprTracer) and not tangent.pval.is_known()

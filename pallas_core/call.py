@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_core import backends, grid_analysis, validation
+from pallas_core import autodiff, backends, grid_analysis, validation
 from pallas_core.cost import as_cost_estimate
 from pallas_core.memory import ScratchShape
 from pallas_core.params import InterpretParams, ResolvedParams, resolve_params
@@ -171,7 +171,8 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
 
     Returns:
       A function of the inputs returning outputs shaped like ``out_shape``.
-      It is not differentiable: wrap it in ``jax.custom_vjp``.
+      ``jax.jvp`` runs its JVP kernel (:mod:`pallas_core.autodiff`);
+      reverse mode raises TypeError: wrap the call in ``jax.custom_vjp``.
 
     Raises:
       ValueError / TypeError: on bad specs, before anything is lowered.
@@ -263,22 +264,7 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         flat_args = [a for a in all_args if a is not None]
         call = resolve(all_args, len(args), in_tree)
 
-        # Differentiating a raw kernel is refused at its inputs: a custom_jvp
-        # identity whose JVP rule raises. Guarding the inputs rather than the
-        # body keeps Refs out of the custom_jvp, which JAX's state discharge
-        # cannot see through, so jit and vmap are unaffected.
-        @jax.custom_jvp
-        def not_differentiable(operands):
-            return operands
-
-        @not_differentiable.defjvp
-        def _refuse(primals, tangents):
-            raise TypeError(
-                f"pallas_call (kernel {kernel_name}) is not differentiable: kernels are not "
-                "transformed by JAX autodiff. Wrap the call in jax.custom_vjp and supply a "
-                "backward pass (every op in `ops` does).")
-
-        outs = iter(backends.run(call, list(not_differentiable(tuple(flat_args)))))
+        outs = iter(autodiff.run(call, flat_args))
         return jax.tree.unflatten(out_tree, [next(outs) if p else None for p in out_present])
 
     return wrapped

@@ -367,3 +367,44 @@ def test_tpu_names_lower_for_tpu():
             backend="mosaic_tpu")(x)
 
     assert "tpu_custom_call" in lower_for_tpu(element_windows, jax.ShapeDtypeStruct((24, 128), F32))
+
+
+# ---- pltriton.elementwise_inline_asm ------------------------------------------------------
+
+def _rotate_left_7(x_ref, o_ref):
+    x = x_ref[...]
+    (y,) = pl.triton.elementwise_inline_asm(
+        "shf.l.wrap.b32 $0, $1, $1, 7;", args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.uint32)])
+    o_ref[...] = y
+
+
+def _sum_and_difference(a_ref, b_ref, s_ref, d_ref):
+    s, d = pl.triton.elementwise_inline_asm(
+        "add.f32 $0, $2, $3; sub.f32 $1, $2, $3;", args=[a_ref[...], b_ref[...]],
+        constraints="=f,=f,f,f", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct((8, 16), F32)] * 2)
+    s_ref[...], d_ref[...] = s, d
+
+
+def test_elementwise_inline_asm_reaches_ptx_for_sm90():
+    """Our triton backend emits tl.inline_asm_elementwise (one and two results); ptxas
+    for sm_90 accepts it. Assembly cannot run on this host: the interpreters refuse it."""
+    x = jax.ShapeDtypeStruct((8, 16), jnp.uint32)
+    rotate = lambda x: pl.pallas_call(_rotate_left_7, out_shape=x, backend="triton")(x)
+    (source,) = pl.triton.source(rotate, x)
+    assert "tl.inline_asm_elementwise('shf.l.wrap.b32 $0, $1, $1, 7;', '=r,r'" in source
+    assert "shf.l.wrap.b32" in pl.triton.compile(rotate, x)[0]["asm"]["ptx"]
+    a = jax.ShapeDtypeStruct((8, 16), F32)
+    both_ = lambda a, b: pl.pallas_call(_sum_and_difference, out_shape=(a, a), backend="triton")(a, b)
+    ptx = pl.triton.compile(both_, a, a)[0]["asm"]["ptx"]
+    assert "add.f32" in ptx and "sub.f32" in ptx
+    lowered = jax.jit(lambda x: pl.pallas_call(_rotate_left_7, out_shape=x, backend="pallas_triton")(x))
+    assert "triton" in lowered.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    data = jnp.arange(128, dtype=jnp.uint32).reshape(8, 16)
+    with pytest.raises(NotImplementedError, match="CPU interpreter"):
+        rotate(data)
+    with pytest.raises(NotImplementedError, match="'interpret' backend"):
+        pl.pallas_call(_rotate_left_7, out_shape=data, interpret=True)(data)
+    with pytest.raises(ValueError, match="broadcast shape"):
+        pl.triton.elementwise_inline_asm("mov.b32 $0, $1;", args=[data], constraints="=r,r",
+                                         pack=1, result_shape_dtypes=[x, a.update(shape=(4,))])

@@ -10,7 +10,8 @@ and runs it in Triton's interpreter elsewhere.
   (read-modify-write on a Ref; return the old values).
 * JAX 0.10.2's ``pallas.triton`` kernel names: ``load`` / ``store`` (masked, with
   cache / eviction / volatile hints), ``dot``, ``debug_barrier``,
-  ``max_contiguous``, ``approx_tanh`` (:mod:`pallas_core.triton.primitives`).
+  ``max_contiguous``, ``approx_tanh`` (:mod:`pallas_core.triton.primitives`),
+  ``elementwise_inline_asm`` (:mod:`pallas_core.triton.inline_asm`).
 * :func:`source`: the generated source of every triton pallas_call in ``f``.
 * :func:`compile`: ahead-of-time compilation for a named GPU (``"sm_90"``),
   which works on a host without a GPU.
@@ -23,11 +24,12 @@ import jax
 
 from pallas_core.triton.atomics import (atomic_add, atomic_and, atomic_cas, atomic_max, atomic_min,
                                        atomic_or, atomic_xchg, atomic_xor)
+from pallas_core.triton.inline_asm import elementwise_inline_asm
 from pallas_core.triton.params import CompilerParams
 from pallas_core.triton.primitives import approx_tanh, debug_barrier, dot, load, max_contiguous, store
 
 __all__ = ["CompilerParams", "approx_tanh", "atomic_add", "atomic_and", "atomic_cas", "atomic_max",
-           "atomic_min", "atomic_or", "atomic_xchg", "atomic_xor", "compile", "debug_barrier", "dot",
+           "atomic_min", "atomic_or", "atomic_xchg", "atomic_xor", "compile", "debug_barrier", "dot", "elementwise_inline_asm",
            "load", "max_contiguous", "source", "store"]
 
 

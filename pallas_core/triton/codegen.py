@@ -50,7 +50,7 @@ from pallas_core import context
 from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.primitives import next_power_of_2
 from pallas_core.indexing import indexer_layout, is_slice, is_trivial
-from pallas_core.triton import descriptors, jit_helpers, markers, peeling, program_order
+from pallas_core.triton import descriptors, inline_asm, jit_helpers, markers, peeling, program_order
 from pallas_core.triton.elementwise import ElementwiseWriter
 from pallas_core.triton.values import (INT32_MAX, Val, as_code, axis_index, fit, lane_mask, literal, tl_dtype,
                                        tl_shape)
@@ -584,7 +584,10 @@ class KernelWriter(ElementwiseWriter):
             other = access.get("other")
             extra = f", mask={' & '.join(masks)}, other={as_code(other) if other is not None else 0}"
         extra += _hint_args(access.get("hints", {}))
-        return self.assign(f"tl.load({ref.ptr} + {offset}{extra})", shape, ref.dtype)
+        value = self.assign(f"tl.load({ref.ptr} + {offset}{extra})", shape, ref.dtype)
+        # Every padding lane is in the mask (_addresses), so it reads as `other`.
+        value.zero_padding = access.get("other") is None
+        return value
 
     def _store(self, ref: RefView, val: Val, access: dict | None = None) -> None:
         access = access or {}
@@ -676,7 +679,22 @@ class KernelWriter(ElementwiseWriter):
             return self._atomic(name[len(ATOMIC_PREFIX):], eqn.params["jaxpr"], args)
         if markers.is_marker(name):
             return self._marker(name, eqn, env, args)
+        if name.startswith(inline_asm.PREFIX):
+            return self._inline_asm(inline_asm.snippet(name), args)
         return self._inline(eqn.params["jaxpr"], args, env)
+
+    def _inline_asm(self, snippet, args):
+        """``tl.inline_asm_elementwise`` for ``pltriton.elementwise_inline_asm``."""
+        asm, constraints, pack, results = snippet
+        dtypes = [tl_dtype(d) for _, d in results]
+        dtype = dtypes[0] if len(dtypes) == 1 else "(" + ", ".join(dtypes) + ",)"
+        expr = (f"tl.inline_asm_elementwise({asm!r}, {constraints!r}, [{', '.join(map(as_code, args))}], "
+                f"dtype={dtype}, is_pure=True, pack={pack})")
+        if len(results) == 1:
+            return [self.assign(expr, *results[0])]
+        name = self.fresh()
+        self.emit(f"{name} = {expr}")
+        return [self.assign(f"{name}[{k}]", *r) for k, r in enumerate(results)]
 
     def _marker(self, name, eqn, env, args):
         """A call of :mod:`pallas_core.triton.markers`: its Triton spelling."""

@@ -259,7 +259,7 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
             out_specs=[out_spec] * len(out_shapes),
             scratch_shapes=[pl.tpu.VMEM((bm, bn), jnp.float32)],
             compiler_params=pl.triton.CompilerParams(
-                num_warps=num_warps, num_stages=num_stages,
+                num_warps=num_warps, num_stages=num_stages, group_size=8,  # bands of 8 row blocks: L2 reuse
                 dimension_semantics=("parallel", "parallel", "arbitrary"))
             if backend == "triton" else pl.CompilerParams(("parallel", "parallel", "arbitrary")),
             backend=backend, name=_kernel_name(activation, bias))

@@ -22,16 +22,17 @@ from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretPar
 from pallas_core.primitives import (cdiv, dot, ds, dslice, load, loop, multiple_of, next_power_of_2,
                                     num_programs, program_id, run_scoped, store, when)
 from pallas_core.memory import ANY, MemorySpace
-from pallas_core.specs import Blocked, BlockSpec, GridSpec, Unblocked
+from pallas_core.primitives import _RefSlice as Slice  # what pl.ds makes: JAX's own Slice
+from pallas_core.specs import BlockDim, Blocked, BlockSpec, GridSpec, Unblocked
 
 # JAX's ``pl.no_block_spec`` (the default of every in/out spec): the whole array,
 # which is what a None spec means here.
 no_block_spec = None
 
 __all__ = [
-    "ANY", "BoundedSlice", "Buffered", "CostEstimate", "Element", "MemorySpace", "RevisitMode", "Squeezed",
+    "ANY", "BlockDim", "BoundedSlice", "Buffered", "CostEstimate", "Element", "MemorySpace", "RevisitMode", "Squeezed",
     "debug_print", "no_block_spec", "semaphore_read", "semaphore_signal", "semaphore_wait",
-    "squeezed",
+    "Slice", "squeezed",
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",
     "multiple_of", "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",

@@ -60,6 +60,10 @@ class Unblocked:
             object.__setattr__(self, "padding", pads)
 
 
+# What one ``block_shape`` entry may be (JAX's ``pl.BlockDim``).
+BlockDim = int | None | Blocked | Squeezed | Element | BoundedSlice
+
+
 class BlockSpec:
     """How each grid point maps to a block of one operand.
 

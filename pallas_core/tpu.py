@@ -14,7 +14,7 @@ from pallas_core.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy,  # 
                              make_async_copy, sync_copy)
 from pallas_core.tpu_ops import prng_random_bits, prng_seed, roll  # noqa: F401
 from pallas_core.memory import ANY, MemorySpace  # noqa: F401 - ANY: pl.ANY, as pltpu.ANY
-from pallas_core.params import ResolvedParams, check_semantics
+from pallas_core.params import ARBITRARY, PARALLEL, ResolvedParams, check_semantics  # noqa: F401
 from pallas_core.tpu_prefetch import PrefetchScalarGridSpec  # noqa: F401 - pltpu's names
 
 VMEM = MemorySpace("tpu", "VMEM")

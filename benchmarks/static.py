@@ -1,0 +1,359 @@
+"""``python -m benchmarks.static``: the static performance gate (issue 13 section 3; DESIGN rung 5).
+
+Every op's Triton kernels, at model sizes, compiled ahead of time for
+``sm_90`` on this host (Triton's own ptxas; no GPU needed), and, for the
+memory-bound ones, run once in Triton's interpreter on one program's rows to
+count their global-memory traffic. Per kernel it reports:
+
+* registers per thread and spilled bytes (``ptxas -v``), shared memory;
+* ``wgmma.mma_async`` (Hopper's asynchronous tensor-core MMA), ``mma.sync``
+  (the pre-Hopper one), ``cp.async`` (pipelined global->shared copies) and
+  ``cp.async.bulk.tensor`` (TMA) instruction counts in the PTX;
+* static ``ld.global`` / ``st.global`` instruction counts;
+* reads and writes per element (:mod:`benchmarks.traffic`): how many times
+  the kernel touches each element it touches; for a memory-bound kernel this
+  is its number of passes over HBM (L2 aside).
+
+A kernel fails the gate (:func:`violations`) on a register spill, shared
+memory over the target's limit, a ``tt.dot`` of 16-bit operands that did not
+become ``wgmma``, or a memory-bound kernel reading its input more often than
+its design states (:attr:`GateCase.design_reads`). The shipped GPU
+configurations are the heuristics' and every entry of the packaged tuning
+cache for the target's GPUs (:data:`ops.tuning.targets.TARGET_DEVICE_KINDS`).
+
+Writes ``benchmarks/results/static_<target>.md`` and ``.json``; exits 1 when
+any kernel fails. ``--quick``: the CI subset (:func:`quick_cases`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import ops
+import ops.tuning as tuning
+import pallas_core as pl
+from benchmarks.traffic import count_traffic
+from ops.reduction import _rows
+from ops.reduction.norms import default_block_rows
+from ops.tuning import search
+from ops.tuning.targets import TARGET_DEVICE_KINDS, smem_limit
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+
+ROW_FEATURES = (4096, 32768, 128256)  # rows of model widths: hidden sizes and a 128k vocabulary
+ROWS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class GateCase:
+    """One op call whose kernels the gate compiles.
+
+    Attributes:
+      name: ``op/variant/shape/dtype/pass``.
+      fn: the function (jax.grad for backward cases), traced with ``args``.
+      args: ``jax.ShapeDtypeStruct`` arguments at model size.
+      traffic_args: for memory-bound cases, the same call on one program's
+        rows (concrete random arrays), run in the interpreter to count traffic;
+        None: not counted (compute-bound).
+      design_reads: kernel name -> reads per element its design states; a
+        kernel not listed is not checked for traffic.
+      device_kind: the device kind lookups see while compiling (a shipped
+        tuned config's), or None for the heuristics.
+    """
+
+    name: str
+    fn: Callable
+    args: tuple
+    traffic_args: Callable[[], tuple] | None = None
+    design_reads: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    device_kind: str | None = None
+
+
+def _sds(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _random(shape, dtype, seed):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def _loss(y):
+    """A scalar of every output element with a non-constant cotangent."""
+    y = y.astype(jnp.float32)
+    return jnp.sum(y * jnp.cos(y))
+
+
+def matmul_cases(sizes=(4096, 8192), dtype=jnp.bfloat16) -> list[GateCase]:
+    """fused_matmul forward at ``s^3`` with and without the bias+gelu epilogue, and
+    forward+backward with the epilogue at the smallest size."""
+    cases = []
+    for s in sizes:
+        x, w, b = _sds((s, s), dtype), _sds((s, s), dtype), _sds((s,), dtype)
+        cases.append(GateCase(f"fused_matmul/plain/{s}x{s}x{s}/{jnp.dtype(dtype).name}/fwd",
+                              lambda x, w: ops.fused_matmul(x, w, implementation="triton"), (x, w)))
+        cases.append(GateCase(
+            f"fused_matmul/bias+gelu/{s}x{s}x{s}/{jnp.dtype(dtype).name}/fwd",
+            lambda x, w, b: ops.fused_matmul(x, w, b, activation="gelu", implementation="triton"),
+            (x, w, b)))
+    s = sizes[0]
+    cases.append(GateCase(
+        f"fused_matmul/bias+gelu/{s}x{s}x{s}/{jnp.dtype(dtype).name}/fwd+bwd",
+        jax.grad(lambda x, w, b: _loss(ops.fused_matmul(x, w, b, activation="gelu",
+                                                        implementation="triton")), (0, 1, 2)),
+        (_sds((s, s), dtype), _sds((s, s), dtype), _sds((s,), dtype))))
+    return cases
+
+
+def _passes(features: int, dtype) -> int:
+    """Reads per element of a two-pass row kernel: 1 when the row is one chunk
+    (held in registers between the passes), 2 when it is walked twice."""
+    rows_layout = _rows.row_layout(ROWS, features, dtype, "triton")
+    return 1 if rows_layout.num_chunks == 1 else 2
+
+
+def row_cases(features=ROW_FEATURES, dtype=jnp.bfloat16, ops_=("layer_norm", "rms_norm", "softmax",
+                                                               "cross_entropy"),
+              backward: bool = True) -> list[GateCase]:
+    """Forward+backward (forward only without ``backward``) of the row-wise ops
+    over ``ROWS`` rows of each width.
+
+    Designed reads per element (the ops' docstrings): the norms and softmax
+    read a row once when it fits one chunk and twice otherwise, forward and
+    backward alike (statistics pass, then output pass); cross-entropy reads
+    its logits once forward (online logsumexp and the label's logit in one
+    pass) and once backward.
+    """
+    cases = []
+    dt = jnp.dtype(dtype).name
+    for op in ops_:
+        for f in features:
+            two_pass = _passes(f, dtype)
+            if op == "cross_entropy":
+                design = {"cross_entropy_fwd": 1, "cross_entropy_bwd": 1}
+            else:
+                design = {f"{op}_fwd": two_pass, f"{op}_bwd": two_pass}
+            fn, args, one_program = _row_call(op, f, dtype, backward)
+            cases.append(GateCase(f"{op}/-/{ROWS}x{f}/{dt}/{'fwd+bwd' if backward else 'fwd'}", fn,
+                                  args, one_program, design))
+    return cases
+
+
+def _row_call(op, features, dtype, backward):
+    """``(fn, model-size args, () -> one program's concrete args)``; fn is the
+    gradient when ``backward``, else the forward pass."""
+    problem = search.Problem(op, (ROWS, features), jnp.dtype(dtype).name)
+    forward, args = problem.function()
+    argnums = (0,) if op == "cross_entropy" else tuple(range(len(args)))
+    fn = jax.grad(lambda *a: _loss(forward(*a)), argnums) if backward else forward
+    block_rows = _rows.row_layout(ROWS, features, dtype, "triton").block_rows
+    if op in ("layer_norm", "rms_norm"):
+        block_rows = default_block_rows(ROWS, features, dtype, "triton")
+
+    def one_program():
+        return tuple(search.Problem(op, (block_rows, features), problem.dtype).make_inputs(
+            jax.random.key(features)))
+
+    return fn, tuple(args), one_program
+
+
+def attention_cases(seq=4096, head_dims=(64, 128), dtype=jnp.bfloat16) -> list[GateCase]:
+    """Forward+backward flash attention, causal and not, 16 heads over 4 key/value heads."""
+    cases = []
+    for h in head_dims:
+        for causal in (False, True):
+            def fn(q, k, v, causal=causal):
+                return _loss(ops.dot_product_attention(q, k, v, is_causal=causal,
+                                                       implementation="triton"))
+            cases.append(GateCase(
+                f"dot_product_attention/{'causal' if causal else 'full'}/1x{seq}x{seq}x16x4x{h}/"
+                f"{jnp.dtype(dtype).name}/fwd+bwd",
+                jax.grad(fn, (0, 1, 2)),
+                (_sds((1, seq, 16, h), dtype), _sds((1, seq, 4, h), dtype), _sds((1, seq, 4, h), dtype))))
+    return cases
+
+
+def tuned_cases(target: str) -> list[GateCase]:
+    """One case per entry of the packaged cache for ``target``'s GPUs (the shipped tuned
+    configs), compiled with the entry in force."""
+    kinds = TARGET_DEVICE_KINDS.get(target, ())
+    cases = []
+    for key, _ in sorted(tuning.load(tuning.PACKAGED_CACHE).items()):
+        op, impl, kind, dtype, bucket = key
+        if kind not in kinds or impl != "triton":
+            continue
+        problem = search.Problem(op, tuple(bucket), dtype, impl)
+        fn, args = problem.function()
+        cases.append(GateCase(f"{problem.name}/tuned for {kind}", fn, tuple(args), device_kind=kind))
+    return cases
+
+
+def all_cases(target: str = "sm_90") -> list[GateCase]:
+    """The full gate: issue 13's model sizes and every shipped tuned config."""
+    return matmul_cases() + row_cases() + attention_cases() + tuned_cases(target)
+
+
+def quick_cases() -> list[GateCase]:
+    """The CI subset (compiles are slow on the CI host): the tensor-core kernel with
+    its epilogue, and the forward pass of a memory-bound op whose rows take
+    several chunks (the two-pass design)."""
+    matmul = [c for c in matmul_cases(sizes=(4096,)) if c.name.startswith("fused_matmul/bias+gelu/")
+              and c.name.endswith("/fwd")]
+    return matmul + row_cases(features=(32768,), ops_=("softmax",), backward=False)
+
+
+# ----------------------------------------------------------------------------
+# Analysis
+# ----------------------------------------------------------------------------
+
+_PTX_COUNTS = {
+    "wgmma": r"\bwgmma\.mma_async\b",
+    "mma_sync": r"\bmma\.sync\b",
+    "cp_async": r"\bcp\.async\.c[ag]\b",
+    "tma": r"\bcp\.async\.bulk\.tensor\b",
+    "ld_global": r"\bld\.global\b",
+    "st_global": r"\bst\.global\b",
+}
+
+
+def ptx_counts(ptx: str) -> dict[str, int]:
+    """Instruction counts of interest in a PTX module (static: a loop body counts once)."""
+    return {name: len(re.findall(pattern, ptx)) for name, pattern in _PTX_COUNTS.items()}
+
+
+def analyze(case: GateCase, target: str = "sm_90") -> list[dict]:
+    """One row per kernel of ``case``: the compile report's figures, PTX counts, traffic."""
+    device = tuning.device_kind(case.device_kind) if case.device_kind else contextlib.nullcontext()
+    with device:
+        reports = pl.triton.compile(case.fn, *case.args, target=target)
+    traffic = {}
+    if case.traffic_args is not None:
+        jax.clear_caches()  # traced before (by compile): trace again so the counter sees the launches
+        args = case.traffic_args()
+        with count_traffic() as counted:
+            jax.block_until_ready(jax.jit(case.fn)(*args))
+        traffic = dict(counted)
+    rows = []
+    for r in reports:
+        counted = traffic.get(r["name"])
+        rows.append(dict(
+            case=case.name, kernel=r["name"], target=target, num_warps=r["num_warps"],
+            num_stages=r["num_stages"], registers=r["registers"], spill_bytes=r["spill_bytes"],
+            shared_memory_bytes=r["shared_memory_bytes"], has_dot="tt.dot" in r["asm"]["ttir"],
+            sixteen_bit=any(t in r["asm"]["ttir"] for t in ("bf16", "f16")),
+            **ptx_counts(r["asm"]["ptx"]),
+            reads_per_element=None if counted is None else counted.reads_per_element,
+            writes_per_element=None if counted is None else counted.writes_per_element,
+            design_reads=case.design_reads.get(r["name"])))
+    return rows
+
+
+def violations(row: Mapping, target: str = "sm_90") -> list[str]:
+    """Why one kernel's row fails the gate (empty when it passes)."""
+    found = []
+    if row["spill_bytes"]:
+        found.append(f"spills {row['spill_bytes']} bytes ({row['registers']} registers)")
+    if row["shared_memory_bytes"] > smem_limit(target):
+        found.append(f"{row['shared_memory_bytes']} bytes of shared memory > {smem_limit(target)}")
+    if row["has_dot"] and row["sixteen_bit"] and not row["wgmma"] and int(target[3:]) >= 90:
+        found.append("a 16-bit dot that is not wgmma.mma_async")
+    design, reads = row.get("design_reads"), row.get("reads_per_element")
+    if design is not None and (reads is None or reads > design + 1e-9):
+        found.append(f"reads each input element {reads} times, designed {design}")
+    return found
+
+
+# ----------------------------------------------------------------------------
+# Writers and CLI
+# ----------------------------------------------------------------------------
+
+COLUMNS = ("case", "kernel", "warps", "stages", "regs", "spill B", "smem KiB", "wgmma", "mma.sync",
+           "cp.async", "TMA", "ld.global", "st.global", "reads/elem", "design", "writes/elem",
+           "verdict")
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def format_row(row: Mapping) -> list[str]:
+    bad = row.get("violations", [])
+    return [row["case"], row["kernel"], _fmt(row["num_warps"]), _fmt(row["num_stages"]),
+            _fmt(row["registers"]), _fmt(row["spill_bytes"]),
+            f"{row['shared_memory_bytes'] / 1024:.1f}", _fmt(row["wgmma"]), _fmt(row["mma_sync"]),
+            _fmt(row["cp_async"]), _fmt(row["tma"]), _fmt(row["ld_global"]), _fmt(row["st_global"]),
+            _fmt(row["reads_per_element"]), _fmt(row["design_reads"]),
+            _fmt(row["writes_per_element"]), "FAIL: " + "; ".join(bad) if bad else "ok"]
+
+
+def write_markdown(path: Path, meta: Mapping, rows: Sequence[Mapping]) -> None:
+    lines = [f"# Static performance gate: {meta['target']}", "",
+             f"- Commit: {meta['commit'] or 'unknown'}; date {meta['date']}; host without a GPU "
+             "(Triton's ptxas; nothing timed).",
+             f"- Shared-memory limit per block: {smem_limit(meta['target']) // 1024} KiB.",
+             "- Instruction counts are static (a loop body counts once). reads/elem and "
+             "writes/elem: elements accessed over distinct elements accessed, counted in "
+             "Triton's interpreter on one program's rows: the passes over HBM of a memory-bound "
+             "kernel; `design` is what the op's design states (the gate fails above it).",
+             "", "| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(format_row(r)) + " |" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run(cases: Sequence[GateCase], target: str = "sm_90", log=print) -> list[dict]:
+    """Analyzes every case; each row gains ``violations``."""
+    rows = []
+    for case in cases:
+        start = time.monotonic()
+        case_rows = analyze(case, target)
+        for row in case_rows:
+            row["violations"] = violations(row, target)
+        rows += case_rows
+        failed = sum(bool(r["violations"]) for r in case_rows)
+        log(f"{case.name}: {len(case_rows)} kernel(s), {failed} failing "
+            f"({time.monotonic() - start:.1f} s)")
+    return rows
+
+
+def main(argv=None) -> int:
+    from benchmarks.__main__ import git_commit
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.static",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="sm_90")
+    parser.add_argument("--quick", action="store_true", help="the CI subset only")
+    parser.add_argument("--filter", default=None, metavar="SUBSTR", help="only cases containing SUBSTR")
+    parser.add_argument("--out", type=Path, default=RESULTS_ROOT, help="folder for the table")
+    args = parser.parse_args(argv)
+    smem_limit(args.target)  # a clear error for an unknown target, before compiling anything
+    cases = quick_cases() if args.quick else all_cases(args.target)
+    if args.filter:
+        cases = [c for c in cases if args.filter in c.name]
+    rows = run(cases, args.target)
+    meta = dict(target=args.target, commit=git_commit(),
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"static_{args.target}{'_quick' if args.quick else ''}"
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    write_markdown(args.out / f"{stem}.md", meta, rows)
+    failing = [r for r in rows if r["violations"]]
+    for r in failing:
+        print(f"FAIL {r['case']} {r['kernel']}: {'; '.join(r['violations'])}")
+    print(f"{len(rows)} kernel(s), {len(failing)} failing; table in {args.out / (stem + '.md')}")
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

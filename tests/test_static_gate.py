@@ -1,0 +1,65 @@
+"""The static performance gate (benchmarks/static.py, issue 13 section 3) in CI.
+
+CI compiles a small subset for sm_90 (compiles are slow on the CI host): the
+fused matmul with its epilogue (wgmma, shared memory, spills) and a softmax
+whose rows take several chunks, whose global-memory reads are counted in
+Triton's interpreter against its two-pass design. The gate's own failure
+conditions are checked on rows built to fail. The full sweep at every model
+size (``python -m benchmarks.static``) is behind ``--slow``.
+"""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import static
+
+_PASSING = dict(spill_bytes=0, registers=100, shared_memory_bytes=96 * 1024, has_dot=True,
+                sixteen_bit=True, wgmma=4, reads_per_element=1.0, design_reads=1)
+
+
+@pytest.fixture(scope="module")
+def quick_rows():
+    return static.run(static.quick_cases(), "sm_90", log=lambda _: None)
+
+
+def test_quick_subset_passes_the_gate(quick_rows):
+    by_kernel = {r["kernel"]: r for r in quick_rows}
+    assert set(by_kernel) == {"fused_matmul_bias_gelu", "softmax_fwd"}, sorted(by_kernel)
+    for row in quick_rows:
+        assert row["violations"] == [], (row["kernel"], row["violations"])
+    matmul = by_kernel["fused_matmul_bias_gelu"]
+    assert matmul["wgmma"] > 0 and matmul["cp_async"] > 0 and matmul["mma_sync"] == 0
+    softmax = by_kernel["softmax_fwd"]
+    # 32768 bf16 features walk four 4096-wide chunks twice: statistics, then output.
+    assert softmax["design_reads"] == 2 and softmax["reads_per_element"] == pytest.approx(2.0)
+    assert softmax["writes_per_element"] == pytest.approx(1.0)
+
+
+def test_a_kernel_reading_more_than_designed_fails(quick_rows):
+    softmax = next(r for r in quick_rows if r["kernel"] == "softmax_fwd")
+    assert "designed 1" in " ".join(static.violations(dict(softmax, design_reads=1)))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(spill_bytes=64), "spills 64 bytes"),
+    (dict(shared_memory_bytes=228 * 1024), "bytes of shared memory"),
+    (dict(wgmma=0), "not wgmma"),
+    (dict(reads_per_element=3.0, design_reads=2), "3.0 times, designed 2"),
+    (dict(reads_per_element=None), "designed 1"),
+])
+def test_gate_failure_conditions(change, message):
+    assert static.violations(_PASSING) == []
+    assert message in " ".join(static.violations({**_PASSING, **change}))
+
+
+def test_float32_dots_need_no_wgmma_and_unknown_targets_are_refused():
+    assert static.violations({**_PASSING, "sixteen_bit": False, "wgmma": 0}) == []
+    with pytest.raises(ValueError, match="target"):
+        static.main(["--target", "sm_75", "--quick"])
+
+
+@pytest.mark.slow
+def test_every_op_at_model_sizes_passes_the_gate():
+    rows = static.run(static.all_cases("sm_90"), "sm_90", log=lambda _: None)
+    failing = [(r["case"], r["kernel"], r["violations"]) for r in rows if r["violations"]]
+    assert not failing, failing

@@ -225,6 +225,10 @@ _PTX_COUNTS = {
 }
 
 
+# A tt.dot whose operands are 16-bit tensors (what sm_90 runs on wgmma).
+_SIXTEEN_BIT_DOT = re.compile(r"tt\.dot [^\n]*: tensor<[^>]*x(?:bf16|f16)> \* ")
+
+
 def ptx_counts(ptx: str) -> dict[str, int]:
     """Instruction counts of interest in a PTX module (static: a loop body counts once)."""
     return {name: len(re.findall(pattern, ptx)) for name, pattern in _PTX_COUNTS.items()}
@@ -246,15 +250,22 @@ def analyze(case: GateCase, target: str = "sm_90") -> list[dict]:
     for r in reports:
         counted = traffic.get(r["name"])
         rows.append(dict(
-            case=case.name, kernel=r["name"], target=target, num_warps=r["num_warps"],
-            num_stages=r["num_stages"], registers=r["registers"], spill_bytes=r["spill_bytes"],
-            shared_memory_bytes=r["shared_memory_bytes"], has_dot="tt.dot" in r["asm"]["ttir"],
-            sixteen_bit=any(t in r["asm"]["ttir"] for t in ("bf16", "f16")),
-            **ptx_counts(r["asm"]["ptx"]),
+            case=case.name, **kernel_row(r),
             reads_per_element=None if counted is None else counted.reads_per_element,
             writes_per_element=None if counted is None else counted.writes_per_element,
             design_reads=case.design_reads.get(r["name"])))
     return rows
+
+
+def kernel_row(report: Mapping) -> dict:
+    """The gate's figures of one :func:`pallas_core.triton.compile` report (no traffic):
+    what :func:`violations` checks, for tests that compile kernels of their own."""
+    ttir = report["asm"]["ttir"]
+    return dict(kernel=report["name"], target=report["target"], num_warps=report["num_warps"],
+                num_stages=report["num_stages"], registers=report["registers"],
+                spill_bytes=report["spill_bytes"], shared_memory_bytes=report["shared_memory_bytes"],
+                has_dot="tt.dot" in ttir, sixteen_bit=bool(_SIXTEEN_BIT_DOT.search(ttir)),
+                **ptx_counts(report["asm"]["ptx"]))
 
 
 def violations(row: Mapping, target: str = "sm_90") -> list[str]:

@@ -27,6 +27,7 @@ import numpy as np
 
 from pallas_core.memory import MemorySpace, ScratchShape
 from pallas_core.primitives import _backend
+from pallas_core.tpu_ops import jax_tpu_or_none as _native
 
 
 class SemaphoreType(enum.Enum):
@@ -44,19 +45,6 @@ class SemaphoreType(enum.Enum):
 def is_semaphore(space) -> bool:
     """Whether a scratch memory space holds semaphores (they start at 0)."""
     return isinstance(space, MemorySpace) and space.name.endswith("SEMAPHORE")
-
-
-def _native(what):
-    """JAX's TPU module on mosaic_tpu; NotImplementedError on backends without DMA."""
-    backend = _backend()
-    if backend == "mosaic_tpu":
-        from jax.experimental.pallas import tpu as jpltpu
-        return jpltpu
-    if backend != "interpret":
-        where = f"on the {backend!r} backend" if backend else "outside a kernel"
-        raise NotImplementedError(f"{what}: manual DMA and semaphores exist in kernels on the "
-                                  f"interpret and mosaic_tpu backends, not {where}.")
-    return None
 
 
 def _check_semaphore(sem, what):

@@ -26,8 +26,9 @@ from pallas_core import context
 from pallas_core.primitives import _backend
 
 
-def _native(what):
-    """JAX's TPU module on mosaic_tpu, None on the interpreter, else NotImplementedError."""
+def jax_tpu_or_none(what):
+    """JAX's ``pallas.tpu`` on mosaic_tpu (forward to it), None on the interpreter
+    (compute here), else NotImplementedError naming the backend."""
     backend = _backend()
     if backend == "mosaic_tpu":
         from jax.experimental.pallas import tpu as jpltpu
@@ -73,7 +74,7 @@ def roll(x, shift, axis: int, *, stride: int | None = None, stride_axis: int | N
                              f"got {stride_axis!r}.")
         if stride_axis == axis:
             raise ValueError(f"roll: stride_axis and axis must differ, both are {axis}.")
-    native = _native("roll")
+    native = jax_tpu_or_none("roll")
     if native is not None:
         return native.roll(x, shift, axis, stride=stride, stride_axis=stride_axis)
     amount = jnp.asarray(shift, jnp.int32)
@@ -108,7 +109,7 @@ def prng_seed(*seeds) -> None:
             raise TypeError(f"prng_seed: seed {k} must be an integer scalar, got "
                             f"{s.dtype}{list(s.shape)}.")
         values.append(s)
-    native = _native("prng_seed")
+    native = jax_tpu_or_none("prng_seed")
     if native is not None:
         native.prng_seed(*values)
         return
@@ -132,7 +133,7 @@ def prng_random_bits(shape) -> jax.Array:
         raise TypeError(f"prng_random_bits: shape must be a tuple of non-negative ints, "
                         f"got {shape!r}.")
     shape = tuple(int(d) for d in shape)
-    native = _native("prng_random_bits")
+    native = jax_tpu_or_none("prng_random_bits")
     if native is not None:
         return native.prng_random_bits(shape)
     state = _state()

@@ -198,7 +198,7 @@ def test_prefetch_scalar_grid_spec_errors():
     bad_arity = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(4,), in_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((8, 16), lambda i, p: (i, 0)))
-    with pytest.raises(ValueError, match="index_map takes 1"):
+    with pytest.raises((TypeError, ValueError), match="index_map"):  # one arg short
         call(_gathered_rows, x, pages, x, grid_spec=bad_arity)
     with pytest.raises(TypeError, match="integer array"):
         call(_gathered_rows, x, pages.astype(F32), x, grid_spec=_prefetch_spec)

@@ -11,12 +11,17 @@ grid point can read before its blocks are chosen:
 * ``in_specs`` describe the operands after the scalars only, and
   ``input_output_aliases`` count every operand, the scalars included.
 
-Paged attention and mixture-of-experts kernels are built on it. It is
-implemented as an ordinary ``pallas_call`` whose first ``n`` operands are
-whole-array SMEM blocks and whose index maps close over the scalar arrays.
-The interpreter evaluates index maps as traced values, so that is all it
-needs; our Triton lowering and JAX's lowerings need the index maps to be
-functions of the program ids alone, so they refuse it (NotImplementedError).
+Paged attention and mixture-of-experts kernels are built on it. On the
+interpreter it is an ordinary ``pallas_call`` whose first ``n`` operands are
+whole-array SMEM blocks and whose index maps close over the scalar arrays
+(the interpreter evaluates index maps as traced values, so index maps that
+read data are checked for bounds like any other when the scalars are
+concrete). On ``mosaic_tpu`` the specs go to JAX's own
+``PrefetchScalarGridSpec`` (grid axes ``"arbitrary"`` unless
+``dimension_semantics`` says otherwise: data-dependent index maps defeat the
+revisit analysis). Our Triton lowering needs index maps of the program ids
+alone, so it refuses scalar prefetch (NotImplementedError), as do the GPU
+lowerings of JAX.
 """
 from __future__ import annotations
 
@@ -31,8 +36,7 @@ import numpy as np
 from pallas_core import backends
 from pallas_core.specs import BlockSpec, _check_arity, normalize_grid
 
-# Backends whose index maps may read traced values (the prefetched scalars).
-SUPPORTED_BACKENDS = ("interpret",)
+SUPPORTED_BACKENDS = ("interpret", "mosaic_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +106,58 @@ def _whole(args, specs):
     return list(specs)
 
 
+def _scalars(args, n):
+    """The first ``n`` operands, checked to be integer arrays."""
+    if len(args) < n:
+        raise ValueError(f"pallas_call: PrefetchScalarGridSpec(num_scalar_prefetch={n}) "
+                         f"needs at least {n} operand(s), got {len(args)}.")
+    scalars = [jnp.asarray(s) for s in args[:n]]
+    for k, s in enumerate(scalars):
+        if not jnp.issubdtype(s.dtype, jnp.integer):
+            raise TypeError(f"pallas_call: scalar-prefetch operand {k} must be an integer "
+                            f"array, got {s.dtype}.")
+    return scalars
+
+
+def _on_mosaic_tpu(kernel, out_shape, grid_spec, *, input_output_aliases, compiler_params, name,
+                   cost_estimate, debug):
+    """The call through JAX's own ``PrefetchScalarGridSpec`` (one array per operand)."""
+    from pallas_core.backends import jax_pallas
+    from pallas_core.call import ResolvedCall
+    from pallas_core.cost import as_cost_estimate
+    from pallas_core.params import ARBITRARY, resolve_params
+    from pallas_core.specs import resolve_block_mapping
+
+    n = grid_spec.num_scalar_prefetch
+    grid = normalize_grid(grid_spec.grid)
+    params = resolve_params(compiler_params)
+    single = not isinstance(out_shape, (tuple, list))
+    outs = [out_shape] if single else list(out_shape)
+
+    def call(*args):
+        scalars, rest = _scalars(args, n), args[n:]
+        in_specs = _whole(rest, grid_spec.in_specs)
+        out_specs = _whole(outs, grid_spec.out_specs)
+        for what, specs, operands in (("in_specs", in_specs, rest), ("out_specs", out_specs, outs)):
+            if len(specs) != len(operands):
+                raise ValueError(f"{what}: {len(specs)} spec(s) for {len(operands)} operand(s) "
+                                 "(the scalar-prefetch operands not counted).")
+        maps = [tuple(resolve_block_mapping(s, f"{what}[{k}]", np.shape(a), a.dtype, len(grid) + n)
+                      for k, (s, a) in enumerate(zip(specs, operands)))
+                for what, specs, operands in (("in_specs", in_specs, rest),
+                                              ("out_specs", out_specs, outs))]
+        resolved = ResolvedCall(
+            kernel=kernel, name=name or getattr(kernel, "__name__", "kernel"), grid=grid,
+            in_mappings=maps[0], out_mappings=maps[1], scratch_shapes=grid_spec.scratch_shapes,
+            input_output_aliases=dict(input_output_aliases or {}),
+            semantics=params.dimension_semantics or (ARBITRARY,) * len(grid), params=params,
+            backend="mosaic_tpu", debug=debug, cost_estimate=as_cost_estimate(cost_estimate))
+        result = jax_pallas.run(resolved, [*scalars, *rest], "mosaic_tpu", num_scalar_prefetch=n)
+        return result[0] if single else type(out_shape)(result)
+
+    return call
+
+
 def prefetching_call(pallas_call, kernel, out_shape, grid_spec: PrefetchScalarGridSpec, *,
                      grid, in_specs, out_specs, scratch_shapes, backend, interpret, **kwargs):
     """``pallas_call`` with a :class:`PrefetchScalarGridSpec`; see the module docstring.
@@ -120,19 +176,14 @@ def prefetching_call(pallas_call, kernel, out_shape, grid_spec: PrefetchScalarGr
         raise NotImplementedError(
             f"PrefetchScalarGridSpec: scalar prefetch is implemented on {SUPPORTED_BACKENDS}, "
             f"not on the {chosen!r} backend; pass interpret=True.")
+    if chosen == "mosaic_tpu":
+        return _on_mosaic_tpu(kernel, out_shape, grid_spec, **kwargs)
     from pallas_core.tpu import SMEM
     n = grid_spec.num_scalar_prefetch
     grid_rank = len(normalize_grid(grid_spec.grid))
 
     def call(*args):
-        if len(args) < n:
-            raise ValueError(f"pallas_call: PrefetchScalarGridSpec(num_scalar_prefetch={n}) "
-                             f"needs at least {n} operand(s), got {len(args)}.")
-        scalars = [jnp.asarray(s) for s in args[:n]]
-        for k, s in enumerate(scalars):
-            if not jnp.issubdtype(s.dtype, jnp.integer):
-                raise TypeError(f"pallas_call: scalar-prefetch operand {k} must be an integer "
-                                f"array, got {s.dtype}.")
+        scalars = _scalars(args, n)
         rest = _whole(args[n:], grid_spec.in_specs)
         plain = dict(
             grid=grid_spec.grid,

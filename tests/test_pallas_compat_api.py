@@ -336,7 +336,8 @@ def test_dma_errors():
 # ---- forwarded to JAX's Mosaic TPU lowering -----------------------------------------------
 
 def test_tpu_names_lower_for_tpu():
-    """DMA, semaphores, roll, the PRNG, Buffered, CostEstimate and Element blocks reach
+    """DMA, semaphores, roll, the PRNG, Buffered, CostEstimate, Element blocks and scalar
+    prefetch reach
     jax.experimental.pallas.tpu on mosaic_tpu (lowered for a TPU from this host)."""
     def dma_roll_prng(x):
         def kernel(x_ref, o_ref, buf, sems):
@@ -367,6 +368,13 @@ def test_tpu_names_lower_for_tpu():
             backend="mosaic_tpu")(x)
 
     assert "tpu_custom_call" in lower_for_tpu(element_windows, jax.ShapeDtypeStruct((24, 128), F32))
+
+    def paged(pages, x):  # index maps read the page table: JAX's PrefetchScalarGridSpec
+        return call(_gathered_rows, jax.ShapeDtypeStruct((32, 16), F32), pages, x,
+                    grid_spec=_prefetch_spec, backend="mosaic_tpu")
+
+    assert "tpu_custom_call" in lower_for_tpu(paged, jax.ShapeDtypeStruct((4,), jnp.int32),
+                                              jax.ShapeDtypeStruct((40, 16), F32))
 
 
 # ---- pltriton.elementwise_inline_asm ------------------------------------------------------

@@ -126,7 +126,11 @@ def _cost_estimate(cost):
                                remote_bytes_transferred=cost.remote_bytes_transferred)
 
 
-def run(call, args, backend):
+def run(call, args, backend, num_scalar_prefetch: int = 0):
+    """``call`` on JAX's lowering for ``backend``. With ``num_scalar_prefetch = n``
+    (mosaic_tpu only, :mod:`pallas_core.tpu_prefetch`) the first ``n`` of ``args``
+    are scalar-prefetch operands, not in ``call.in_mappings``, and the index maps
+    take them after the program ids, as in JAX's ``PrefetchScalarGridSpec``."""
     jpl = _jpl()
 
     mappings = list(call.in_mappings) + list(call.out_mappings)
@@ -140,13 +144,17 @@ def run(call, args, backend):
 
     kernel.__name__ = call.name
     out_shape = [jax.ShapeDtypeStruct(m.array_shape, m.dtype) for m in call.out_mappings]
+    specs = dict(grid=call.grid,
+                 in_specs=[_block_spec(m, backend) for m in call.in_mappings],
+                 out_specs=[_block_spec(m, backend) for m in call.out_mappings],
+                 scratch_shapes=[_scratch(s, backend) for s in call.scratch_shapes])
+    if num_scalar_prefetch:
+        from jax.experimental.pallas import tpu as pltpu
+        specs = dict(grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch, **specs))
     fn = jpl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=call.grid,
-        in_specs=[_block_spec(m, backend) for m in call.in_mappings],
-        out_specs=[_block_spec(m, backend) for m in call.out_mappings],
-        scratch_shapes=[_scratch(s, backend) for s in call.scratch_shapes],
+        **specs,
         input_output_aliases=dict(call.input_output_aliases),
         compiler_params=_compiler_params(call, backend),
         name=call.name,

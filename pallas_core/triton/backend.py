@@ -44,6 +44,7 @@ def launch_grid(call) -> tuple[int]:
 
 
 def run(call, args):
+    schedule_options(call.params.triton)  # bad switches raise before the kernel is traced
     source, name, constexprs, params = codegen.generate(call)
     if call.debug:
         print(f"# pallas_core triton: kernel {name}, launch grid {launch_grid(call)}\n{source}")

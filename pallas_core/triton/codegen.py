@@ -367,8 +367,9 @@ class KernelWriter(ElementwiseWriter):
         (:mod:`pallas_core.triton.peeling`)."""
         jaxpr = closed.jaxpr
         length = self.call.grid[axis]
-        peel = peeling.plan(jaxpr, jaxpr.invars[axis], length, self.options.loop_peeling)
         neutral = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "new_ref"]
+        peel = peeling.plan(jaxpr, jaxpr.invars[axis], length, self.options.loop_peeling,
+                            self._buffers(jaxpr, refs, neutral))
         if peel.before:
             self._peeled_blocks(closed, refs, {**ids, axis: "0"}, neutral, peel.before)
         self.emit(f"for i{axis} in range(G{axis}):")
@@ -377,6 +378,17 @@ class KernelWriter(ElementwiseWriter):
         self.indent -= 1
         if peel.after:
             self._peeled_blocks(closed, refs, {**ids, axis: f"(G{axis} - 1)"}, neutral, peel.after)
+
+    def _buffers(self, jaxpr, refs, neutral) -> dict:
+        """Ref variable -> buffer id (its operand's, or the input's it is aliased to)."""
+        _, operand_vars, scratch_vars, _ = refs
+        n_in = len(self.call.in_mappings)
+        buffer = {v: k for k, v in enumerate(operand_vars)}
+        for i, o in self.call.input_output_aliases.items():
+            buffer[operand_vars[n_in + o]] = i
+        buffer.update({v: ("scratch", k) for k, v in enumerate(scratch_vars)})
+        eqns = jaxpr.eqns
+        return {eqns[i].outvars[0]: buffer.get(eqns[i].invars[0], i) for i in neutral}
 
     def _peeled_blocks(self, closed, refs, ids, neutral, conds) -> None:
         """The true branches of the ``pl.when`` equations ``conds``, outside the loop."""

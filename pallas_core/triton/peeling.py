@@ -13,10 +13,12 @@ reuse the pipeline's buffers (the fused_matmul kernel drops from 128 KiB to
 :func:`plan` finds the ``pl.when`` blocks (``cond`` equations of the kernel's
 top-level jaxpr) that may move without changing results:
 
-* a *first* block (condition ``k == 0``) runs before the loop if every
-  equation before it is free of effects (it commutes with them);
-* a *last* block (condition ``k == K - 1``) runs after the loop if every
-  equation after it is free of effects;
+* a *first* block (condition ``k == 0``) runs before the loop if it
+  commutes with every equation before it: each is free of effects or
+  touches only other buffers (the attention kernels read their query block
+  before initialising their statistics);
+* a *last* block (condition ``k == K - 1``) runs after the loop if it
+  commutes, in the same sense, with every equation after it;
 * either one only reads Refs (no value computed in the loop body), and
   ``K >= 1`` (with no iteration, neither ran).
 
@@ -49,27 +51,45 @@ class PeelPlan:
     loop: tuple[int, ...] = ()
 
 
-def plan(jaxpr, loop_var, length: int, enabled: bool = True) -> PeelPlan:
-    """The peeling of the loop over ``loop_var`` (a jaxpr input) of ``length`` iterations."""
+def plan(jaxpr, loop_var, length: int, enabled: bool = True, memory: dict | None = None) -> PeelPlan:
+    """The peeling of the loop over ``loop_var`` (a jaxpr input) of ``length`` iterations.
+
+    ``memory`` maps Ref variables to a buffer id; Refs over one buffer (an
+    input aliased to an output) must share it. Refs not in it are distinct.
+    """
     eqns = jaxpr.eqns
     if not enabled or length < 1:
         return PeelPlan(loop=tuple(range(len(eqns))))
+    memory = memory or {}
     producers = {v: e for e in eqns for v in e.outvars}
     kinds = [_iteration_guarded(e, producers, loop_var, length) for e in eqns]
-    before = []
-    for i, eqn in enumerate(eqns):
-        if kinds[i] == "first":
-            before.append(i)
-        elif _has_effects(eqn):
-            break
-    after = []
-    for i in reversed(range(len(eqns))):
-        if kinds[i] == "last" and i not in before:
-            after.append(i)
-        elif _has_effects(eqns[i]):
-            break
+
+    def movable(order, kind):
+        moved, passed = [], []  # passed: equations with effects the moved blocks go past
+        for i in order:
+            eqn = eqns[i]
+            buffers = {memory.get(r, r) for r in _refs(eqn)}
+            if kinds[i] == kind and all(_commutes(other, buffers, memory) for other in passed):
+                moved.append(i)
+            elif _has_effects(eqn):
+                passed.append(eqn)
+        return moved
+
+    before = movable(range(len(eqns)), "first")
+    after = [i for i in movable(reversed(range(len(eqns))), "last") if i not in before]
     moved = set(before) | set(after)
     return PeelPlan(tuple(before), tuple(reversed(after)), _live(jaxpr, moved))
+
+
+def _refs(eqn) -> set:
+    return {v for v in eqn.invars if not isinstance(v, jex_core.Literal) and isinstance(v.aval, AbstractRef)}
+
+
+def _commutes(eqn, buffers: set, memory: dict) -> bool:
+    """Whether ``eqn`` (with effects) touches none of ``buffers``: it then commutes with a
+    block that only touches those. An effect without a Ref operand (a callback) never does."""
+    refs = _refs(eqn)
+    return bool(refs) and not ({memory.get(r, r) for r in refs} & buffers)
 
 
 def _iteration_guarded(eqn, producers, loop_var, length) -> str | None:

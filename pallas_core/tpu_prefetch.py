@@ -194,4 +194,30 @@ def prefetching_call(pallas_call, kernel, out_shape, grid_spec: PrefetchScalarGr
         return pallas_call(kernel, out_shape, backend=backend, interpret=interpret, **plain,
                            **kwargs)(*scalars, *args[n:])
 
-    return call
+    return _one_batch_element_at_a_time(call)
+
+
+def _one_batch_element_at_a_time(call):
+    """``call`` whose vmap is a ``lax.map`` over the batch.
+
+    The interpreter's index maps close over the scalar arrays, so the batch
+    grid axis that vmap adds elsewhere (:mod:`pallas_core.batching`) would
+    see them batched; running one batch element after another keeps every
+    index map unbatched (the interpreter runs programs one at a time anyway).
+    """
+    @jax.custom_batching.custom_vmap
+    def batched(*args):
+        return call(*args)
+
+    @batched.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        del axis_size
+
+        def one(values):
+            values = iter(values)
+            return batched(*[next(values) if b else a for a, b in zip(args, in_batched)])
+
+        outs = jax.lax.map(one, [a for a, b in zip(args, in_batched) if b])
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return batched

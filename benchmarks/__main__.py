@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from benchmarks import harness
+from benchmarks.plots import write_plot
 from benchmarks.suite import collect_cases
 
 # The registry: one module per op, each with cases(platform, quick).
@@ -40,7 +41,7 @@ RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 _SETTINGS = {"cpu": (2, 20, 2.0), "accelerator": (5, 50, 10.0), "quick": (1, 5, 1.0)}
 
 COLUMNS = ("case", "shape", "dtype", "pass", "implementation", "median ms",
-           "TFLOP/s", "speed-up vs XLA", "% of ceiling", "max rel err", "peak MiB")
+           "rate", "speed-up vs XLA", "% of ceiling", "max rel err", "peak MiB")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,9 +97,16 @@ def format_row(row: dict) -> list[str]:
     peak = row.get("peak_bytes")  # only in the rows of cases with report_memory
     peak_mib = None if peak is None else peak / 2**20
     return [row["op"] + "/" + row["variant"], "x".join(map(str, row["shape"])), row["dtype"],
-            row["pass"], impl, _num(row.get("median_ms"), ".3f"), _num(row.get("tflops"), ".4g"),
+            row["pass"], impl, _num(row.get("median_ms"), ".3f"), _rate(row),
             _num(row.get("speedup_vs_xla"), ".3g"), _num(percent, ".3g"),
             _num(row.get("max_rel_error"), ".2e"), _num(peak_mib, ".4g")]
+
+
+def _rate(row: dict) -> str:
+    """GB/s for memory-bound rows (bound by the copy ceiling), TFLOP/s for the rest."""
+    if row.get("ceiling") == "copy" and row.get("gbps") is not None:
+        return _num(row["gbps"], ".4g") + " GB/s"
+    return "-" if row.get("tflops") is None else _num(row["tflops"], ".4g") + " TFLOP/s"
 
 
 def _failures(rows) -> list[str]:
@@ -132,8 +140,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         f"warm-up calls; calls under {harness.MIN_SAMPLE_SECONDS * 1e3:g} ms are batched "
         "into one sample.",
         "- Matmul shapes are M x K x N; TFLOP/s counts 2*M*N*K per product, 3 products for "
-        "fwd+bwd. % of ceiling: of the measured ceiling the op is bound by (the matmul rate "
-        "for matmuls). Max rel err: max|out - ref| / max|ref| against a float32 reference.",
+        "fwd+bwd. Rate: TFLOP/s for compute-bound ops (matmul, attention), GB/s (bytes the "
+        "op must read and write) for memory-bound ones (norms, softmax, cross-entropy). "
+        "% of ceiling: of the measured ceiling the op is bound by (the matmul rate or the copy "
+        "bandwidth). Max rel err: max|out - ref| / max|ref| against a float32 reference.",
         "- Attention shapes are B x T x S x N x K x H; TFLOP/s counts 4*B*N*T*S*H per forward "
         "(half if causal) and 3.5 times that for fwd+bwd (FlashAttention-2's convention). "
         "Peak MiB: the compiled executable's temporary plus output buffers, for the ops where "
@@ -147,41 +157,6 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     if failures:
         lines += ["", "Failures:", ""] + [f"- {f}" for f in failures]
     path.write_text("\n".join(lines) + "\n")
-
-
-def write_plot(path: Path, meta: dict, rows: list[dict]) -> None:
-    """Grouped bars: one group per case, one bar per (pass, implementation), log scale."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display on CI machines
-    import matplotlib.pyplot as plt
-
-    def group_label(r):
-        return f"{r['op']}/{r['variant']}\n{'x'.join(map(str, r['shape']))} {r['dtype']}"
-
-    ours = [r for r in rows if r["implementation"] != harness.BASELINE
-            and r.get("speedup_vs_xla") is not None]
-    groups = list(dict.fromkeys(group_label(r) for r in ours))
-    series = list(dict.fromkeys((r["pass"], r["implementation"]) for r in ours))
-    width = 0.8 / max(len(series), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 2), 4.8))
-    for i, (pass_name, impl) in enumerate(series):
-        xs, ys = [], []
-        for r in ours:
-            if (r["pass"], r["implementation"]) == (pass_name, impl):
-                xs.append(groups.index(group_label(r)) + (i - (len(series) - 1) / 2) * width)
-                ys.append(r["speedup_vs_xla"])
-        bars = ax.bar(xs, ys, width, label=f"{impl} {pass_name}")
-        ax.bar_label(bars, labels=[f"{y:.2g}x" for y in ys], fontsize=7)
-    ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="XLA (= 1)")
-    ax.set_yscale("log")  # ratios: 2x faster and 2x slower sit equally far from 1
-    ax.set_xticks(range(len(groups)), groups, fontsize=7, rotation=30, ha="right")
-    ax.set_ylabel("speed-up over XLA (higher is better)")
-    ax.set_title(f"{meta['device_kind']} ({meta['platform']}), {meta['date'][:10]}, "
-                 f"commit {meta['git_commit'] or 'unknown'}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def print_table(console: Console, meta: dict, rows: list[dict]) -> None:

@@ -35,7 +35,7 @@ MIN_SAMPLE_SECONDS = 2e-3
 MAX_CALLS_PER_SAMPLE = 100
 
 # Keys of every row that run_case returns (the results.json schema).
-ROW_KEYS = ("op", "case", "variant", "shape", "dtype", "pass", "implementation", "median_ms",
+ROW_KEYS = ("op", "case", "variant", "shape", "dtype", "pass", "implementation", "ceiling", "median_ms",
             "p10_ms", "p90_ms", "runs", "compile_ms", "tflops", "gbps", "speedup_vs_xla",
             "fraction_of_ceiling", "max_rel_error", "error", "device_kind", "platform")
 # Keys only in the rows of cases that ask for them (see Case.report_memory).
@@ -260,7 +260,8 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
     """Times every implementation of ``case``; one row (dict) per implementation.
 
     Each row has the keys in :data:`ROW_KEYS`: the case's identity (op, case,
-    variant, shape, dtype, pass, implementation), timing (median_ms, p10_ms,
+    variant, shape, dtype, pass, implementation), the ceiling it is bound by
+    ("matmul": compute-bound, rated in TFLOP/s; "copy": memory-bound, GB/s), timing (median_ms, p10_ms,
     p90_ms in ms; runs; compile_ms), tflops (TFLOP/s), gbps (GB/s, None unless
     the case counts bytes), speedup_vs_xla (the baseline's median over this
     row's; 1.0 for the baseline), fraction_of_ceiling (of the case's measured
@@ -272,7 +273,8 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
     inputs = case.make_inputs(key)
     reference = jax.jit(case.reference)(*inputs)
     base = {"op": case.op, "case": case.name, "variant": case.variant, "shape": list(case.shape),
-            "dtype": case.dtype, "pass": case.pass_name, **device_info(device)}
+            "dtype": case.dtype, "pass": case.pass_name, "ceiling": case.ceiling,
+            **device_info(device)}
     rows, baseline_ms = [], None
     for impl_name, fn in _baseline_first(case.implementations):
         row = {**dict.fromkeys(ROW_KEYS), **base, "implementation": impl_name}

@@ -67,3 +67,16 @@ def is_being_linearized(tangent) -> bool:
     """Whether a custom_jvp rule's tangent is an unknown of JAX's partial evaluation:
     the rule runs under ``jax.linearize`` / ``jax.grad`` / ``jax.vjp``, not ``jax.jvp``."""
     return isinstance(tangent, _pe.JaxprTracer) and not tangent.pval.is_known()
+
+
+def named_axes(names_and_sizes):
+    """A context in which ``lax.axis_size(name)`` / ``lax.psum(1, name)`` know the
+    given named axes (a named pallas_call grid, seen from its kernel)."""
+    return _core.extend_axis_env_nd(tuple(names_and_sizes))
+
+
+def pytree_differences(tree1, tree2):
+    """``(key path, what tree1 has, what tree2 has, why)`` for each place two
+    PyTreeDefs differ structurally (JAX's own description of a mismatch)."""
+    from jax._src import tree_util
+    return list(tree_util.equality_errors_pytreedef(tree1, tree2))

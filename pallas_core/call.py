@@ -15,11 +15,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_core import autodiff, backends, grid_analysis, validation
+from pallas_core import _jax_internals, autodiff, backends, grid_analysis, validation
 from pallas_core.cost import as_cost_estimate
 from pallas_core.memory import ScratchShape
 from pallas_core.params import InterpretParams, ResolvedParams, resolve_params
-from pallas_core.specs import BlockMapping, BlockSpec, GridSpec, normalize_grid, resolve_block_mapping
+from pallas_core.specs import (BlockMapping, BlockSpec, GridSpec, grid_axis_names, normalize_grid,
+                               resolve_block_mapping)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,10 @@ class ResolvedCall:
     interpret_params: InterpretParams = InterpretParams()
     # Leading grid axes added by vmap (pallas_core.batching): the kernel does not see them.
     num_batch_axes: int = 0
+    # What a backend traced from this call (the interpreter's grid-point body), so a
+    # second call with the same shapes does not trace the kernel again. Not copied
+    # by dataclasses.replace: a changed call is traced afresh.
+    traces: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def kernel_ids(self, ids):
         """The program ids and grid as the kernel sees them (batch axes dropped)."""
@@ -59,27 +64,47 @@ def _is_none(x):
     return x is None
 
 
-def _flatten_specs(specs, n, what):
-    """Specs as a flat list of length ``n`` (None/missing means whole-array blocks).
+def _tuples(tree):
+    """``tree`` with its lists made tuples (JAX lines specs and operands up that way)."""
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return tuple(_tuples(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _tuples(v) for k, v in tree.items()}
+    return tree
 
-    ``n`` counts operands with ``None`` leaves included, as JAX lines them up:
-    its in_specs and inputs are pytrees of one structure, ``None`` in both.
+
+def _flatten_specs(specs, operands, n, what, against):
+    """Specs as a flat list of length ``n``, one per operand leaf (None operands
+    included); None or a missing spec means a whole-array block.
+
+    As in JAX, the specs are a pytree of the operands' structure (lists and
+    tuples alike), ``None`` where an operand is None. A single BlockSpec stands
+    for a single operand, and a one-spec sequence for a single array output.
+
+    Raises:
+      ValueError: the structures differ; the message lists where, as JAX does.
     """
     if specs is None:
         return [None] * n
-    if isinstance(specs, BlockSpec):
+    if isinstance(specs, BlockSpec) or (
+            isinstance(specs, (list, tuple)) and len(specs) == 1 and n == 1
+            and _is_spec_leaf(specs[0]) and not isinstance(operands, (list, tuple))):
         if n != 1:
             raise ValueError(f"{what}: a single BlockSpec was given for {n} operands; "
                              "give one spec per operand.")
-        return [specs]
-    leaves = jax.tree.leaves(specs, is_leaf=_is_spec_leaf)
-    if specs and not leaves and n:
-        leaves = []
-    if len(leaves) != n:
-        raise ValueError(f"{what}: {len(leaves)} spec(s) for {n} operand(s) (None operands "
-                         "counted); give one BlockSpec (or None) per operand, and None for a "
-                         "None operand.")
-    return leaves
+        return [specs if isinstance(specs, BlockSpec) else specs[0]]
+    spec_tree = jax.tree.structure(_tuples(specs), is_leaf=_is_spec_leaf)
+    operand_tree = jax.tree.structure(_tuples(operands), is_leaf=lambda x: x is None or _is_shape_leaf(x))
+    if spec_tree != operand_tree:
+        errors = _jax_internals.pytree_differences(spec_tree, operand_tree)
+        where = "\n".join(f"  * at {jax.tree_util.keystr(path) or 'the top level'}, `{what}` is a {ours} but "
+                           f"`{against}` is a {theirs}, so {why}"
+                           for path, ours, theirs, why in errors[:5])
+        raise ValueError(
+            f"Pytree for `{what}` and `{against}` do not match. There are {len(errors)} "
+            f"mismatches, including:\n{where}\nGive one BlockSpec (or None) per operand, in a "
+            "pytree of the operands' structure, and None for a None operand.")
+    return jax.tree.leaves(_tuples(specs), is_leaf=_is_spec_leaf)
 
 
 def _present(specs, operands, what):
@@ -116,11 +141,26 @@ def _kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present):
     def structured(*refs):
         ins, rest = fill(refs, in_present)
         outs, scratch = fill(rest, out_present)
-        kernel(*jax.tree.unflatten(in_tree, ins), *_out_args(jax.tree.unflatten(out_tree, outs)),
-               *scratch)
+        return kernel(*jax.tree.unflatten(in_tree, ins),
+                      *_out_args(jax.tree.unflatten(out_tree, outs)), *scratch)
 
     structured.__name__ = getattr(kernel, "__name__", "kernel")
     return structured
+
+
+def _checked_body(body, kernel, names_and_sizes):
+    """``body`` run where a named grid's axis names are bound to their sizes, with
+    its return value refused (kernels write their outputs to Refs)."""
+    def checked(*refs):
+        if names_and_sizes:
+            with _jax_internals.named_axes(names_and_sizes):
+                result = body(*refs)
+        else:
+            result = body(*refs)
+        validation.check_kernel_result(kernel, result)
+
+    checked.__name__ = getattr(kernel, "__name__", "kernel")
+    return checked
 
 
 def _is_flat(tree) -> bool:
@@ -147,7 +187,10 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
       kernel: ``kernel(*in_refs, *out_refs, *scratch_refs) -> None``.
       out_shape: a pytree of objects with ``.shape`` and ``.dtype``
         (``jax.ShapeDtypeStruct`` or arrays).
-      grid: an int or tuple of ints; ``()`` runs one program.
+      grid: an int or tuple of ints; ``()`` runs one program. A named grid
+        ``(("i", 4), ("j", 2))`` names its axes: in the kernel
+        ``lax.axis_size("i")`` / ``lax.psum(1, "i")`` give a size
+        (``lax.axis_index`` is not supported: use ``program_id``).
       in_specs / out_specs: pytrees of :class:`BlockSpec` (or None for the whole
         array) matching the inputs / ``out_shape``. As in JAX, an operand may be
         None: its spec is None too and the kernel receives None in its place
@@ -191,6 +234,12 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
                              "out_specs/scratch_shapes, not both.")
         grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
         scratch_shapes = grid_spec.scratch_shapes
+    elif in_specs is not None and not isinstance(in_specs, (list, tuple)):
+        # The inputs are a tuple of operands, so their specs are a sequence (GridSpec
+        # keeps accepting a bare BlockSpec for a single input, as seed 003 writes it).
+        raise ValueError(f"`in_specs` must be a tuple or a list with one BlockSpec (or None) per "
+                         f"input, got {in_specs!r}.")
+    axis_names = grid_axis_names(grid)
     grid = normalize_grid(grid)
     params = resolve_params(compiler_params)
     if not isinstance(interpret, (bool, InterpretParams)):
@@ -214,21 +263,31 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
     kernel_name = name or getattr(kernel, "__name__", "kernel")
     aliases = dict(input_output_aliases or {})
 
-    def resolve(all_args, n_top, in_tree) -> ResolvedCall:
+    out_paths = ["outputs" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        out_shape, is_leaf=lambda x: x is None or _is_shape_leaf(x))[0]]
+
+    def resolve(args_tree, all_args, in_tree) -> ResolvedCall:
         args = [a for a in all_args if a is not None]
         in_present = [a is not None for a in all_args]
+        in_paths = ["args" + jax.tree_util.keystr(p)
+                    for p, _ in jax.tree_util.tree_flatten_with_path(args_tree, is_leaf=_is_none)[0]]
+        in_flat = _present(_flatten_specs(in_specs, args_tree, len(all_args), "in_specs", "inputs"),
+                           all_args, "in_specs")
+        out_flat = _present(_flatten_specs(out_specs, out_shape, len(out_all), "out_specs",
+                                           "out_shape"), out_all, "out_specs")
         if _needs_structure(in_tree, in_present, out_tree, out_present):
-            n_in, n_out = n_top, len(_out_args(out_tree.unflatten(out_all)))
+            n_in, n_out = len(args_tree), len(_out_args(out_tree.unflatten(out_all)))
         else:
             n_in, n_out = len(args), len(out_leaves)
         validation.check_kernel_arity(kernel, n_in, n_out, len(scratch_shapes))
-        in_flat = _present(_flatten_specs(in_specs, len(all_args), "in_specs"), all_args, "in_specs")
-        out_flat = _present(_flatten_specs(out_specs, len(out_all), "out_specs"), out_all, "out_specs")
-        in_maps = tuple(resolve_block_mapping(s, f"in_specs[{i}]", np.shape(a), a.dtype, len(grid))
+        in_maps = tuple(resolve_block_mapping(s, f"in_specs[{i}]", np.shape(a), a.dtype, len(grid),
+                                              path=in_paths[i])
                         for i, s, a in in_flat)
-        out_maps = tuple(resolve_block_mapping(s, f"out_specs[{i}]", o.shape, o.dtype, len(grid))
+        out_maps = tuple(resolve_block_mapping(s, f"out_specs[{i}]", o.shape, o.dtype, len(grid),
+                                               path=out_paths[i])
                          for i, s, o in out_flat)
-        body = _kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present)
+        body = _checked_body(_kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present),
+                             kernel, tuple(zip(axis_names or (), grid)))
         _check_aliases(aliases, args, out_leaves)
         if scratch_shapes and chosen == "pallas_triton":
             raise ValueError("scratch_shapes: the pallas_triton backend has no scratch memory.")
@@ -257,12 +316,18 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
                             cost_estimate=as_cost_estimate(cost_estimate),
                             interpret_params=interpret_params)
 
+    resolved: dict = {}
+
     def wrapped(*args):
         # None operands stay in place (the kernel receives None there), as in JAX.
         all_args, in_tree = jax.tree.flatten(args, is_leaf=_is_none)
         all_args = [a if a is None or hasattr(a, "dtype") else np.asarray(a) for a in all_args]
         flat_args = [a for a in all_args if a is not None]
-        call = resolve(all_args, len(args), in_tree)
+        key = (in_tree, tuple(None if a is None else (tuple(np.shape(a)), np.dtype(a.dtype))
+                              for a in all_args))
+        call = resolved.get(key)
+        if call is None:  # validated and traced once per shapes and dtypes
+            call = resolved[key] = resolve(args, all_args, in_tree)
 
         outs = iter(autodiff.run(call, flat_args))
         return jax.tree.unflatten(out_tree, [next(outs) if p else None for p in out_present])
@@ -270,17 +335,27 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
     return wrapped
 
 
+def _aval_text(shape, dtype) -> str:
+    return f"{np.dtype(dtype).name}[{','.join(str(int(d)) for d in shape)}]"
+
+
 def _check_aliases(aliases, args, out_leaves):
+    """Each ``{input: output}`` pair names an existing input and output of one shape and
+    dtype (worded as JAX words it, so code matching JAX's messages keeps working)."""
     for i, o in aliases.items():
-        if not (0 <= i < len(args)) or not (0 <= o < len(out_leaves)):
-            raise ValueError(f"input_output_aliases: {{{i}: {o}}} is out of range for "
-                             f"{len(args)} input(s) and {len(out_leaves)} output(s).")
+        for kind, index, count in (("input", i, len(args)), ("output", o, len(out_leaves))):
+            if not 0 <= index < count:
+                raise ValueError(
+                    f"input_output_aliases contains the mapping '{i}:{o}' with {kind} index "
+                    f"{index} outside the range [0, {count}): there are {len(args)} array "
+                    f"input(s) and {len(out_leaves)} output(s).")
         a, out = args[i], out_leaves[o]
         if tuple(np.shape(a)) != tuple(out.shape) or np.dtype(a.dtype) != np.dtype(out.dtype):
             raise ValueError(
-                f"input_output_aliases: input {i} ({np.dtype(a.dtype).name}{list(np.shape(a))}) "
-                f"and output {o} ({np.dtype(out.dtype).name}{list(out.shape)}) must have the "
-                "same shape and dtype.")
+                f"input_output_aliases contains the mapping '{i}:{o}' referring to input[{i}] "
+                f"with abstract value {_aval_text(np.shape(a), a.dtype)} and output[{o}] with a "
+                f"different abstract value {_aval_text(out.shape, out.dtype)}; an aliased "
+                "output must have the same shape and dtype as its input.")
 
 
 def _uses_atomics(kernel, mappings, scratch_shapes, grid) -> bool:

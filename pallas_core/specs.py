@@ -22,8 +22,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
+from pallas_core.signatures import arity_error, function_source
 from pallas_core.block_dims import BoundedSlice, Buffered, Element, Squeezed
 
 
@@ -148,8 +150,39 @@ def _block_dim(d):
     return int(d)
 
 
+def _is_named_dim(d) -> bool:
+    return isinstance(d, tuple) and len(d) == 2 and isinstance(d[0], str)
+
+
+def grid_axis_names(grid) -> tuple[str, ...] | None:
+    """The names of a named grid ``(("i", 4), ("j", 2))``, or None for a grid of ints.
+
+    Inside the kernel a named axis is a JAX axis name: ``lax.axis_size(name)``
+    and ``lax.psum(1, name)`` give its size.
+
+    Raises:
+      ValueError: some dims named and others not, or a name used twice.
+    """
+    if grid is None or isinstance(grid, (int, np.integer)):
+        return None
+    try:
+        dims = tuple(grid)
+    except TypeError:
+        return None
+    named = [_is_named_dim(d) for d in dims]
+    if not any(named):
+        return None
+    if not all(named):
+        raise ValueError(f"grid: name every axis, as (name, size) pairs, or none, got {grid!r}.")
+    names = tuple(d[0] for d in dims)
+    if len(set(names)) != len(names):
+        raise ValueError(f"grid: axis names must be distinct, got {names}.")
+    return names
+
+
 def normalize_grid(grid) -> tuple[int, ...]:
-    """An int grid becomes a 1-tuple; ``()``/``None`` means one program."""
+    """An int grid becomes a 1-tuple; ``()``/``None`` means one program; a named
+    grid ``(("i", 4), ...)`` gives its sizes (see :func:`grid_axis_names`)."""
     if grid is None:
         return ()
     if isinstance(grid, (int, np.integer)):
@@ -158,6 +191,8 @@ def normalize_grid(grid) -> tuple[int, ...]:
         dims = tuple(grid)
     except TypeError:
         raise TypeError(f"grid: expected an int or a tuple of ints, got {grid!r}.") from None
+    if grid_axis_names(dims) is not None:
+        dims = tuple(size for _, size in dims)
     out = []
     for d in dims:
         if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
@@ -218,14 +253,21 @@ class BlockMapping:
         return tuple(i if e else i * b for i, b, e in zip(indices, self.block_shape, self.element))
 
 
-def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int) -> BlockMapping:
+def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int,
+                          path: str | None = None) -> BlockMapping:
     """Checks a user BlockSpec against its operand and normalises it.
 
+    ``path`` names the operand as JAX's messages do (``args[0]['one']``,
+    ``outputs[1]``); ``origin`` names the spec (``in_specs[0]``).
+
     Raises:
-      ValueError: rank mismatch, non-positive block dims, bad padding rank,
-        index_map arity that does not match the grid.
-      TypeError: a spec that is not a BlockSpec or None.
+      ValueError: rank mismatch, non-positive block dims, bad padding rank; an
+        index_map that (when evaluated) returns the wrong number of indices or
+        anything but integer scalars.
+      TypeError: a spec that is not a BlockSpec or None; index_map arity that
+        does not match the grid.
     """
+    path = path or origin
     if spec is None:
         spec = BlockSpec()
     if not isinstance(spec, BlockSpec):
@@ -235,10 +277,12 @@ def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int)
     rank = len(array_shape)
     block = spec.block_shape if spec.block_shape is not None else array_shape
     if len(block) != rank:
+        # Worded as JAX words it, so code that matches JAX's message keeps working.
         raise ValueError(
-            f"{origin}: block_shape {tuple(block)} has rank {len(block)} but the "
-            f"array has rank {rank} (shape {array_shape}); a BlockSpec needs one "
-            "block dim per array dim (None squeezes a dim).")
+            f"Block shape for {path} ({origin}: block_shape {tuple(block)}, rank {len(block)}) "
+            f"must have the same number of dimensions as the array shape {array_shape} "
+            f"(rank {rank}); a BlockSpec needs one block dim per array dim (None squeezes "
+            "a dim).")
     squeezed = tuple(d is None for d in block)
     bounded = tuple(isinstance(d, BoundedSlice) for d in block)
     element = tuple(isinstance(d, (Element, BoundedSlice)) for d in block)
@@ -256,7 +300,8 @@ def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int)
                 raise ValueError(f"{origin}: Unblocked padding {mode.padding} has "
                                  f"{len(mode.padding)} pairs for an array of rank {rank}.")
             padding = mode.padding
-    index_map = _normalize_index_map(spec.index_map, origin, rank, grid_rank, bounded)
+    index_map = _normalize_index_map(spec.index_map, origin, rank, grid_rank, bounded,
+                                     f"{function_source(spec.index_map)} for {path}")
     size_map = _bounded_size_map(spec.index_map, block_ints, bounded) if any(bounded) else None
     return BlockMapping(origin=origin, array_shape=array_shape, dtype=dtype,
                         block_shape=block_ints, squeezed=squeezed,
@@ -269,7 +314,15 @@ def _is_ds(index) -> bool:
     return all(hasattr(index, a) for a in ("start", "size"))
 
 
-def _normalize_index_map(index_map, origin, rank, grid_rank, bounded):
+def _check_index(index, d, origin, what):
+    """An index_map result for one array dim must be an integer scalar."""
+    aval = jax.typeof(index)
+    if aval.shape != () or not np.issubdtype(aval.dtype, np.integer):
+        raise ValueError(f"{origin}: Index map function {what} must return integer scalars. Output[{d}] "
+                         f"has type {aval!r}; return one integer block index per array dim.")
+
+
+def _normalize_index_map(index_map, origin, rank, grid_rank, bounded, what):
     if index_map is None:
         if any(bounded):
             raise ValueError(f"{origin}: a BoundedSlice block dim needs an index_map returning "
@@ -283,14 +336,16 @@ def _normalize_index_map(index_map, origin, rank, grid_rank, bounded):
             out = (out,)  # a scalar for a rank-1 block (seed 001)
         if len(out) != rank:
             raise ValueError(
-                f"{origin}: index_map returned {len(out)} indices for an array of "
-                f"rank {rank}; it must return one index per array dim.")
+                f"{origin}: Index map function {what} must return {rank} values to match the rank of "
+                f"the array (one index per array dim). Currently returning {len(out)} values.")
         starts = []
         for d, (index, is_bounded) in enumerate(zip(out, bounded)):
             if is_bounded != _is_ds(index):
                 raise TypeError(
                     f"{origin}: index_map returned {index!r} for dim {d}; a BoundedSlice dim "
                     "takes pl.ds(start, size) and every other dim an integer index.")
+            if not is_bounded:
+                _check_index(index, d, origin, what)
             starts.append(index.start if is_bounded else index)
         return tuple(starts)
 
@@ -309,17 +364,7 @@ def _bounded_size_map(index_map, block_ints, bounded):
 
 
 def _check_arity(fn, origin, grid_rank):
-    import inspect
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
-    params = list(sig.parameters.values())
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
-        return
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    if not (len(required) <= grid_rank <= len(positional)):
-        raise ValueError(
-            f"{origin}: index_map takes {len(positional)} argument(s) but the grid has "
-            f"rank {grid_rank}; it must take one program id per grid axis.")
+    why = arity_error(fn, grid_rank)
+    if why is not None:
+        raise TypeError(f"{origin}: the index_map {function_source(fn)} is called with one program "
+                        f"id per grid axis, and the grid has rank {grid_rank}: {why}.")

@@ -1,12 +1,11 @@
 """Checks run before anything is lowered; each error names the spec and the rule."""
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 
 from pallas_core import grid_analysis
 from pallas_core.params import ARBITRARY, PARALLEL
+from pallas_core.signatures import arity_error, function_source
 from pallas_core.specs import BlockMapping
 
 TPU_BACKENDS = ("mosaic_tpu",)
@@ -18,21 +17,19 @@ NO_SEQUENTIAL_AXES = ("pallas_triton",)
 
 def check_kernel_arity(kernel, n_in: int, n_out: int, n_scratch: int) -> None:
     """The kernel takes one Ref per input, output and scratch buffer, in that order."""
-    try:
-        sig = inspect.signature(kernel)
-    except (TypeError, ValueError):
-        return
-    params = list(sig.parameters.values())
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
-        return
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
     expected = n_in + n_out + n_scratch
-    if not (len(required) <= expected <= len(positional)):
-        name = getattr(kernel, "__name__", "kernel")
-        raise TypeError(
-            f"kernel {name}: takes {len(positional)} positional Ref(s) but pallas_call "
-            f"passes {expected} ({n_in} input(s), {n_out} output(s), {n_scratch} scratch).")
+    why = arity_error(kernel, expected)
+    if why is not None:
+        raise TypeError(f"The kernel function {function_source(kernel)} is called with one Ref per "
+                        f"input ({n_in}), output ({n_out}) and scratch buffer ({n_scratch}): {why}.")
+
+
+def check_kernel_result(kernel, result) -> None:
+    """Kernels write their outputs to Refs; a returned value is a mistake."""
+    if result is not None:
+        raise ValueError(f"The kernel function of pallas_call {function_source(kernel)} should "
+                         f"return None (it "
+                         f"writes its outputs to the output Refs), but it returned {result!r}.")
 
 
 def check_tpu_tiling(m: BlockMapping) -> None:

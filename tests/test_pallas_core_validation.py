@@ -28,17 +28,18 @@ def test_block_rank_vs_array_rank():
 
 
 def test_index_map_arity_vs_grid_rank():
-    with pytest.raises(ValueError, match=r"in_specs\[0\].*index_map takes 1.*grid has rank 2"):
+    with pytest.raises(TypeError, match=r"in_specs\[0\].*grid has rank 2.*takes 1 positional argument "
+                                        r"but 2 were given"):
         call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), grid=(2, 2))
 
 
 def test_index_map_return_count():
-    with pytest.raises(ValueError, match=r"in_specs\[0\].*returned 3 indices.*rank 2"):
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*must return 2 values.*Currently returning 3"):
         call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0, 0)), grid=(2,))
 
 
 def test_index_map_non_integer():
-    with pytest.raises(TypeError, match=r"in_specs\[0\].*integers"):
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*must return integer scalars.*float32"):
         call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i * 0.5, 0)), grid=(2,))
 
 
@@ -124,7 +125,7 @@ def test_out_shape_not_array_like():
 
 
 def test_kernel_arity():
-    with pytest.raises(TypeError, match=r"kernel copy_kernel.*takes 2.*passes 3"):
+    with pytest.raises(TypeError, match=r"copy_kernel.*takes 2 positional arguments but 3 were given"):
         pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct(X.shape, X.dtype),
                        scratch_shapes=[pl.tpu.VMEM((8, 128), jnp.float32)], interpret=True)(X)
 

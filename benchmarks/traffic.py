@@ -12,10 +12,13 @@ interpreter's masked load and store (the ones every ``tl.load`` /
 mask keeps, as a GPU would access them) and the distinct addresses among
 them.
 
-``reads_per_element = elements loaded / distinct elements loaded``: 1 for a
-kernel that reads each input element once, 2 for two passes. One program's
-worth of rows is enough (the count per element is the same for every
-program), which keeps model-size rows (128256 classes) cheap to count.
+Accesses are attributed to the kernel's operands by address (each operand is
+one buffer the runtime hands the interpreter). ``reads_per_element`` is,
+for the kernel's largest input (the activations, not a ``[features]`` scale
+or a per-row statistic), elements loaded over distinct elements loaded: 1
+for a kernel that reads its input once, 2 for two passes. One program's worth
+of rows is enough (the count per element is the same for every program),
+which keeps model-size rows (128256 classes) cheap to count.
 """
 from __future__ import annotations
 
@@ -27,13 +30,9 @@ import numpy as np
 
 
 @dataclasses.dataclass
-class KernelTraffic:
-    """Global-memory accesses of one kernel (summed over its launches).
-
-    Attributes:
-      loads, stores: elements accessed (masked-off lanes not counted).
-      load_addresses, store_addresses: arrays of the distinct addresses seen.
-    """
+class OperandTraffic:
+    """Accesses to one operand buffer: elements loaded / stored (masked-off lanes not
+    counted) and the distinct addresses among them."""
 
     loads: int = 0
     stores: int = 0
@@ -41,18 +40,36 @@ class KernelTraffic:
     store_addresses: list = dataclasses.field(default_factory=list)
 
     @staticmethod
-    def _distinct(chunks) -> int:
+    def distinct(chunks) -> int:
         return int(np.unique(np.concatenate(chunks)).size) if chunks else 0
+
+
+@dataclasses.dataclass
+class KernelTraffic:
+    """Global-memory accesses of one kernel (summed over its launches), per operand
+    index (inputs first, then outputs, in the kernel's parameter order)."""
+
+    operands: dict = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(OperandTraffic))
+
+    def _per_element(self, kind: str) -> float | None:
+        touched = {i: OperandTraffic.distinct(getattr(o, f"{kind}_addresses"))
+                   for i, o in self.operands.items()}
+        largest = max(touched.values(), default=0)
+        if not largest:
+            return None
+        return max(getattr(self.operands[i], f"{kind}s") / n for i, n in touched.items()
+                   if n == largest)
 
     @property
     def reads_per_element(self) -> float | None:
-        distinct = self._distinct(self.load_addresses)
-        return self.loads / distinct if distinct else None
+        """Loads per distinct element loaded, of the largest operand(s) read."""
+        return self._per_element("load")
 
     @property
     def writes_per_element(self) -> float | None:
-        distinct = self._distinct(self.store_addresses)
-        return self.stores / distinct if distinct else None
+        """Stores per distinct element stored, of the largest operand(s) written."""
+        return self._per_element("store")
 
 
 @contextlib.contextmanager
@@ -70,21 +87,35 @@ def count_traffic():
     builder = interpreter.InterpreterBuilder
     traffic: dict[str, KernelTraffic] = collections.defaultdict(KernelTraffic)
     current: list[str] = []
+    buffers: list[tuple[int, int]] = []  # (start, end) address of each operand of the launch
     original_load, original_store = builder.create_masked_load, builder.create_masked_store
-    original_launch = runtime.launch_interpreted
+    original_launch, original_to_torch = runtime.launch_interpreted, runtime._to_torch
+
+    def owners(lanes):
+        """The operand index each address falls in (-1: none of the launch's buffers)."""
+        starts = np.array([b[0] for b in buffers], np.uint64)
+        ends = np.array([b[1] for b in buffers], np.uint64)
+        order = np.argsort(starts)
+        pos = np.clip(np.searchsorted(starts[order], lanes, side="right") - 1, 0, None)
+        inside = (lanes >= starts[order][pos]) & (lanes < ends[order][pos])
+        return np.where(inside, order[pos], -1)
 
     def record(kind, ptrs, mask):
-        if not current:
+        if not current or not buffers:
             return
         keep = np.broadcast_to(np.asarray(mask.data, bool), np.shape(ptrs.data))
-        addresses = np.asarray(ptrs.data)[keep].astype(np.uint64).ravel()
-        entry = traffic[current[-1]]
-        if kind == "load":
-            entry.loads += addresses.size
-            entry.load_addresses.append(np.unique(addresses))
-        else:
-            entry.stores += addresses.size
-            entry.store_addresses.append(np.unique(addresses))
+        lanes = np.asarray(ptrs.data)[keep].astype(np.uint64).ravel()
+        owner = owners(lanes)
+        kernel = traffic[current[-1]]
+        for i in np.unique(owner[owner >= 0]):
+            mine = lanes[owner == i]
+            entry = kernel.operands[int(i)]
+            if kind == "load":
+                entry.loads += mine.size
+                entry.load_addresses.append(np.unique(mine))
+            else:
+                entry.stores += mine.size
+                entry.store_addresses.append(np.unique(mine))
 
     def load(self, ptrs, mask, other, *args):
         record("load", ptrs, mask)
@@ -94,17 +125,25 @@ def count_traffic():
         record("store", ptrs, mask)
         return original_store(self, ptrs, value, mask, *args)
 
+    def to_torch(array):
+        tensor = original_to_torch(array)
+        if current:
+            start = tensor.data_ptr()
+            buffers.append((start, start + tensor.numel() * tensor.element_size()))
+        return tensor
+
     def launch(kernel, **kwargs):
         current.append(getattr(getattr(kernel, "fn", kernel), "__name__", "kernel"))
+        buffers.clear()
         try:
             return original_launch(kernel, **kwargs)
         finally:
             current.pop()
 
     builder.create_masked_load, builder.create_masked_store = load, store
-    runtime.launch_interpreted = launch
+    runtime.launch_interpreted, runtime._to_torch = launch, to_torch
     try:
         yield traffic
     finally:
         builder.create_masked_load, builder.create_masked_store = original_load, original_store
-        runtime.launch_interpreted = original_launch
+        runtime.launch_interpreted, runtime._to_torch = original_launch, original_to_torch

@@ -341,6 +341,11 @@ def _dz_call(g, z, *, activation, want_dbias, blocks, backend):
         functools.partial(_dz_kernel, activation=activation, want_dz=want_dz,
                           want_dbias=want_dbias, rows=m, block_rows=bm),
         out_shape=out_shapes, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        # Twice the forward's warps, one stage (no loop): at a 128 x 128 float32 tile,
+        # act' and the dbias column sums spill on sm_90 with 4 warps (4 KiB) and 8
+        # (128 bytes), and take 60 registers with 16 (benchmarks.static).
+        compiler_params=pl.triton.CompilerParams(num_warps=2 * _num_warps(bm, bn), num_stages=1)
+        if backend in pl.TRITON_BACKENDS else None,
         backend=backend, name="fused_matmul_dz")(*operands)
     outs = list(outs)
     dz = outs.pop(0) if want_dz else g

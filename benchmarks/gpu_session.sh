@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Everything a lent GPU is for, in one call: install, check every op on the GPU,
-# then time the benchmark suite. Run from the repository root, e.g. through the
-# device tool with carry [".whl"] (wheels the image lacks, jax-triton above all):
+# Everything a lent GPU is for, in one call of under 10 minutes: install, check every
+# op on the GPU, tune block sizes on the main shapes, then time the benchmark suite.
+# Run from the repository root, e.g. through the device tool with carry [".whl"]
+# (wheels the image lacks, jax-triton above all; README "Running on a GPU"):
 #
-#   bash benchmarks/gpu_session.sh            # pytest -m gpu, then python -m benchmarks
-#   QUICK=1 bash benchmarks/gpu_session.sh    # the same with one tiny case per op
-#   FILTER=dot_product_attention bash benchmarks/gpu_session.sh   # only the matching cases
+#   bash benchmarks/gpu_session.sh            # pytest -m gpu, the tuner, python -m benchmarks
+#   QUICK=1 bash benchmarks/gpu_session.sh    # the same with one tiny case per op / problem per family
+#   FILTER=dot_product_attention bash benchmarks/gpu_session.sh   # only the matching benchmark cases
 #
 # Environment: PYTHON (default python3), OUT (default benchmarks/results/latest),
 # COMMIT (recorded in env.txt; the device's copy of the tree has no .git),
-# INSTALL=0 to use what is installed as is.
-# Writes under $OUT: env.txt, pytest_gpu.txt, benchmarks.txt and the benchmark
-# folder bench/ (results.json, results.md, results.png). Copy that folder to
-# benchmarks/results/<date>-gpu-<device>/ and commit it.
+# INSTALL=0 to use what is installed as is, TUNE=0 to skip the tuner.
+# Time budgets in seconds, so that the call ends within 10 minutes: SESSION_BUDGET_S
+# (default 540) for the whole script; TESTS_BUDGET_S (150) cuts pytest; the tuner starts
+# no new problem after TUNE_BUDGET_S (120) and is cut at TUNE_LIMIT_S (170), trying at
+# most TUNE_CANDIDATES (8) configs per problem; the benchmarks get what is left.
+# Writes under $OUT: env.txt, pytest_gpu.txt, tune.txt, tuned_configs.json (the winners,
+# a cache file: python -m benchmarks.tune --merge $OUT/tuned_configs.json installs them
+# into ops/tuning/configs.json), tune_report.json (every candidate's verdict and time),
+# benchmarks.txt and the benchmark folder bench/ (results.json, results.md, results.png).
+# Copy $OUT to benchmarks/results/<date>-gpu-<device>/ and commit it with the merged cache.
 # The device image has no registry: nothing is downloaded, so the project is
 # installed without its dependencies, on the image's own JAX, Flax and Triton.
 set -uo pipefail
 py="${PYTHON:-python3}"
 out="${OUT:-benchmarks/results/latest}"
 mkdir -p "$out"
+start=$SECONDS
 
 if [[ "${INSTALL:-1}" != "0" ]]; then
   if compgen -G ".whl/*.whl" > /dev/null; then
@@ -37,14 +45,31 @@ fi
 cat "$out/env.txt"
 
 # Correctness on the hardware first: a failure here makes the timings meaningless.
-"$py" -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/pytest_gpu.txt" | tail -25
+# One process (-o addopts= drops the CI's two xdist workers, which would share the GPU).
+timeout "${TESTS_BUDGET_S:-150}" "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= 2>&1 \
+  | tee "$out/pytest_gpu.txt" | tail -25
 tests_status=${PIPESTATUS[0]}
+echo "pytest -m gpu: exit ${tests_status} after $(( SECONDS - start )) s"
+
+tune_status=0
+if [[ "${TUNE:-1}" != "0" ]]; then
+  tune_args=(--out "$out/tuned_configs.json" --report "$out/tune_report.json"
+             --budget-s "${TUNE_BUDGET_S:-120}" --max-candidates "${TUNE_CANDIDATES:-8}")
+  if [[ -n "${QUICK:-}" ]]; then tune_args+=(--quick); fi
+  timeout "${TUNE_LIMIT_S:-170}" "$py" -m benchmarks.tune "${tune_args[@]}" 2>&1 \
+    | tee "$out/tune.txt" | tail -30
+  tune_status=${PIPESTATUS[0]}
+  echo "tuner: exit ${tune_status} after $(( SECONDS - start )) s"
+fi
 
 bench_args=(--out "$out/bench")
 if [[ -n "${QUICK:-}" ]]; then bench_args+=(--quick); fi
 if [[ -n "${FILTER:-}" ]]; then bench_args+=(--filter "$FILTER"); fi
-"$py" -m benchmarks "${bench_args[@]}" 2>&1 | tee "$out/benchmarks.txt" | tail -60
+bench_budget=$(( ${SESSION_BUDGET_S:-540} - (SECONDS - start) ))
+timeout "$(( bench_budget > 30 ? bench_budget : 30 ))" "$py" -m benchmarks "${bench_args[@]}" 2>&1 \
+  | tee "$out/benchmarks.txt" | tail -60
 bench_status=${PIPESTATUS[0]}
 
-echo "pytest -m gpu exit ${tests_status}; benchmarks exit ${bench_status}"
-exit $(( tests_status != 0 || bench_status != 0 ))
+echo "pytest -m gpu exit ${tests_status}; tuner exit ${tune_status}; benchmarks exit ${bench_status};" \
+     "$(( SECONDS - start )) s in all"
+exit $(( tests_status != 0 || tune_status != 0 || bench_status != 0 ))

@@ -19,8 +19,9 @@ import pytest
 
 import ops
 import pallas_core as pl
+from ops.tuning.targets import smem_limit
 
-SMEM_LIMIT = 227 * 1024  # bytes of shared memory one sm_90 block may use
+SMEM_LIMIT = smem_limit("sm_90")  # bytes of shared memory one sm_90 block may use
 
 
 def _compile(h, dtype, **kw):

@@ -187,12 +187,10 @@ def test_prefetch_scalar_grid_spec_like_jax():
     np.testing.assert_array_equal(ours, want)
     expect = jnp.concatenate([2 * x[8 * p:8 * p + 8] + p for p in pages.tolist()][::-1])
     np.testing.assert_array_equal(ours, expect)
-    jitted = jax.jit(lambda pg, x: call(_gathered_rows, out_shape, pg, x,
-                                        grid_spec=_prefetch_spec))
-    np.testing.assert_array_equal(jitted(pages, x), expect)
-    # vmap over the page tables too: one batch element after another.
+    # Under jit and vmap over the page tables (one batch element after another).
     tables = jnp.stack([pages, pages[::-1]])
-    batched = jax.vmap(lambda pg: call(_gathered_rows, out_shape, pg, x, grid_spec=_prefetch_spec))
+    batched = jax.jit(jax.vmap(lambda pg: call(_gathered_rows, out_shape, pg, x,
+                                               grid_spec=_prefetch_spec)))
     per_table = batched(tables)
     np.testing.assert_array_equal(per_table[0], expect)
     np.testing.assert_array_equal(per_table[1], jnp.concatenate(

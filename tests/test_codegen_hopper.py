@@ -146,14 +146,16 @@ def test_peeling_leaves_blocks_that_may_not_move(guard):
 
 
 def test_peeling_moves_blocks_past_other_buffers():
-    """The attention kernels' shape: a read of another Ref before the k == 0 block."""
+    """The attention kernels' shape: the k == 0 block's value made, and another Ref read,
+    before it."""
     def kernel(x_ref, y_ref, o_ref):
         k = pl.program_id(1)
+        start = jnp.full(o_ref.shape, 1.5, jnp.float32) + pl.program_id(0).astype(jnp.float32)
         y = y_ref[...]  # touches y only: the k == 0 block (o only) may go before it
 
         @pl.when(k == 0)
         def _():
-            o_ref[...] = jnp.full(o_ref.shape, 1.5, o_ref.dtype)
+            o_ref[...] = start  # computed again before the loop
         o_ref[...] += x_ref[...] - y
 
     x, y = _inputs((24, 48), (24, 16))

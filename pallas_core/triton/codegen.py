@@ -371,13 +371,14 @@ class KernelWriter(ElementwiseWriter):
         peel = peeling.plan(jaxpr, jaxpr.invars[axis], length, self.options.loop_peeling,
                             self._buffers(jaxpr, refs, neutral))
         if peel.before:
-            self._peeled_blocks(closed, refs, {**ids, axis: "0"}, neutral, peel.before)
+            self._peeled_blocks(closed, refs, {**ids, axis: "0"}, neutral + list(peel.before_values), peel.before)
         self.emit(f"for i{axis} in range(G{axis}):")
         self.indent += 1
         self._program_body(closed, refs, {**ids, axis: f"i{axis}"}, peel.loop)
         self.indent -= 1
         if peel.after:
-            self._peeled_blocks(closed, refs, {**ids, axis: f"(G{axis} - 1)"}, neutral, peel.after)
+            self._peeled_blocks(closed, refs, {**ids, axis: f"(G{axis} - 1)"}, neutral + list(peel.after_values),
+                                peel.after)
 
     def _buffers(self, jaxpr, refs, neutral) -> dict:
         """Ref variable -> buffer id (its operand's, or the input's it is aliased to)."""
@@ -390,11 +391,12 @@ class KernelWriter(ElementwiseWriter):
         eqns = jaxpr.eqns
         return {eqns[i].outvars[0]: buffer.get(eqns[i].invars[0], i) for i in neutral}
 
-    def _peeled_blocks(self, closed, refs, ids, neutral, conds) -> None:
-        """The true branches of the ``pl.when`` equations ``conds``, outside the loop."""
+    def _peeled_blocks(self, closed, refs, ids, prelude, conds) -> None:
+        """The true branches of the ``pl.when`` equations ``conds``, outside the loop, after the
+        equations ``prelude`` (Refs and the blocks' operand values)."""
         env: dict = {}
         self._bind_refs(refs, ids, env)
-        self.body(closed.jaxpr, closed.consts, env, only=frozenset(neutral))
+        self.body(closed.jaxpr, closed.consts, env, only=frozenset(prelude))
         for i in conds:
             eqn = closed.jaxpr.eqns[i]
             self.eqn_stack.append(eqn)

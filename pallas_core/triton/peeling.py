@@ -19,8 +19,10 @@ top-level jaxpr) that may move without changing results:
   before initialising their statistics);
 * a *last* block (condition ``k == K - 1``) runs after the loop if it
   commutes, in the same sense, with every equation after it;
-* either one only reads Refs (no value computed in the loop body), and
-  ``K >= 1`` (with no iteration, neither ran).
+* either one reads only Refs and values computed without effects from the
+  grid ids and constants (``jnp.zeros``, ``jnp.full(..., -inf)``), which are
+  computed again where the block goes; and ``K >= 1`` (with no iteration,
+  neither ran).
 
 Everything else stays in the loop as written, so peeling never changes
 which stores happen or in which order.
@@ -42,13 +44,17 @@ class PeelPlan:
     """Indices into the kernel jaxpr's equations.
 
     ``before`` / ``after``: the ``cond`` equations whose true branch runs
-    before / after the loop (in this order); ``loop``: the equations written
-    in the loop body (the rest, less predicates nothing reads any more).
+    before / after the loop (in this order); ``before_values`` /
+    ``after_values``: the effect-free equations computing their operands
+    (written there too, in jaxpr order); ``loop``: the equations written in
+    the loop body (the rest, less predicates nothing reads any more).
     """
 
     before: tuple[int, ...] = ()
     after: tuple[int, ...] = ()
     loop: tuple[int, ...] = ()
+    before_values: tuple[int, ...] = ()
+    after_values: tuple[int, ...] = ()
 
 
 def plan(jaxpr, loop_var, length: int, enabled: bool = True, memory: dict | None = None) -> PeelPlan:
@@ -62,7 +68,10 @@ def plan(jaxpr, loop_var, length: int, enabled: bool = True, memory: dict | None
         return PeelPlan(loop=tuple(range(len(eqns))))
     memory = memory or {}
     producers = {v: e for e in eqns for v in e.outvars}
-    kinds = [_iteration_guarded(e, producers, loop_var, length) for e in eqns]
+    position = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    values = {i: _pure_slice(e.invars[1:], eqns, position) for i, e in enumerate(eqns)}
+    kinds = [_iteration_guarded(e, producers, loop_var, length) if values[i] is not None else None
+             for i, e in enumerate(eqns)]
 
     def movable(order, kind):
         moved, passed = [], []  # passed: equations with effects the moved blocks go past
@@ -78,7 +87,29 @@ def plan(jaxpr, loop_var, length: int, enabled: bool = True, memory: dict | None
     before = movable(range(len(eqns)), "first")
     after = [i for i in movable(reversed(range(len(eqns))), "last") if i not in before]
     moved = set(before) | set(after)
-    return PeelPlan(tuple(before), tuple(reversed(after)), _live(jaxpr, moved))
+    return PeelPlan(tuple(before), tuple(reversed(after)), _live(jaxpr, moved),
+                    tuple(sorted(set().union(*(values[i] for i in before)))),
+                    tuple(sorted(set().union(*(values[i] for i in after)))))
+
+
+def _pure_slice(operands, eqns, position) -> set[int] | None:
+    """Indices of the equations that compute ``operands`` (besides Refs and literals), or None
+    if one of them has effects or touches a Ref: a moved block's values are computed again
+    where it goes, from the grid ids and constants alone."""
+    slice_, stack, seen = set(), list(operands), set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, jex_core.Literal) or v in seen or isinstance(v.aval, AbstractRef):
+            continue
+        seen.add(v)
+        if v not in position:  # a grid id or a constant
+            continue
+        i = position[v]
+        if _has_effects(eqns[i]) or eqns[i].primitive.name in _NEUTRAL or _refs(eqns[i]):
+            return None
+        slice_.add(i)
+        stack.extend(eqns[i].invars)
+    return slice_
 
 
 def _refs(eqn) -> set:
@@ -93,10 +124,8 @@ def _commutes(eqn, buffers: set, memory: dict) -> bool:
 
 
 def _iteration_guarded(eqn, producers, loop_var, length) -> str | None:
-    """"first" / "last" for ``pl.when(k == 0)`` / ``pl.when(k == length - 1)`` over Refs only."""
+    """"first" / "last" for ``pl.when(k == 0)`` / ``pl.when(k == length - 1)``."""
     if eqn.primitive.name != "cond" or eqn.outvars or len(eqn.params["branches"]) != 2:
-        return None
-    if not all(isinstance(v, jex_core.Literal) or isinstance(v.aval, AbstractRef) for v in eqn.invars[1:]):
         return None
     # pl.when(c) is lax.cond(c, ...): the branch index is convert_element_type(c, int32).
     index = producers.get(eqn.invars[0])

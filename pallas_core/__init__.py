@@ -6,10 +6,17 @@ Backend-neutral names (``import pallas_core as pl``), as in the Pallas seeds::
     pl.program_id, pl.num_programs, pl.cdiv, pl.when, pl.loop, pl.ds,
     pl.load, pl.store, pl.multiple_of, pl.dot, pl.run_scoped, pl.CompilerParams
 
-Backend-specific modules: ``pallas_core.tpu`` (VMEM, SMEM, CompilerParams),
-``pallas_core.triton`` (CompilerParams, atomics, JAX's ``pallas.triton`` load / store /
-dot / debug_barrier / max_contiguous / approx_tanh), ``pallas_core.gpu`` (SMEM,
-CompilerParams). See docs/pallas_core.md.
+JAX 0.10.2's other names: block dims ``pl.Element``, ``pl.Squeezed`` / ``pl.squeezed``,
+``pl.BoundedSlice``, ``pl.Blocked(b)``; ``pl.Buffered`` (a BlockSpec's pipeline_mode),
+``pl.CostEstimate``, ``pl.ANY`` / ``pl.MemorySpace``, ``pl.no_block_spec``,
+``pl.debug_print``, ``pl.semaphore_signal`` / ``semaphore_wait`` / ``semaphore_read``.
+
+Backend-specific modules: ``pallas_core.tpu`` (VMEM, SMEM, HBM, CompilerParams,
+PrefetchScalarGridSpec, roll, prng_seed / prng_random_bits, make_async_copy /
+async_copy / sync_copy, SemaphoreType), ``pallas_core.triton`` (CompilerParams,
+atomics, JAX's ``pallas.triton`` load / store / dot / debug_barrier / max_contiguous /
+approx_tanh / elementwise_inline_asm), ``pallas_core.gpu`` (SMEM, CompilerParams).
+See docs/pallas_core.md (section 13 lists what stays absent, and why).
 """
 from pallas_core import gpu, tpu, triton
 from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend

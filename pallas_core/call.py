@@ -293,7 +293,8 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
             raise ValueError("scratch_shapes: the pallas_triton backend has no scratch memory.")
         for m in in_maps + out_maps:
             if m.unblocked and chosen not in ("interpret", "mosaic_tpu"):
-                raise ValueError(f"{m.origin}: Unblocked indexing is only supported on the "
+                raise ValueError(f"{m.origin}: element offsets (Unblocked indexing, Element or "
+                                 f"BoundedSlice block dims) are only supported on the "
                                  f"interpret and mosaic_tpu backends, not {chosen!r}.")
             if chosen in validation.TPU_BACKENDS:
                 validation.check_tpu_tiling(m)

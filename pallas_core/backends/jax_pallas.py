@@ -72,7 +72,8 @@ def _scratch(s: ScratchShape, backend):
 def _block_spec(m: BlockMapping, backend):
     jpl = _jpl()
     if m.unblocked and backend != "mosaic_tpu":
-        raise ValueError(f"{m.origin}: Unblocked indexing is only supported on the "
+        raise ValueError(f"{m.origin}: element offsets (Unblocked indexing, Element or "
+                         f"BoundedSlice block dims) are only supported on the "
                          f"interpret and mosaic_tpu backends, not {backend!r}.")
     block = []
     for b, sq, el, bd, pad in zip(m.block_shape, m.squeezed, m.element,

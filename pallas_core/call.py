@@ -292,10 +292,12 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         if scratch_shapes and chosen == "pallas_triton":
             raise ValueError("scratch_shapes: the pallas_triton backend has no scratch memory.")
         for m in in_maps + out_maps:
-            if m.unblocked and chosen not in ("interpret", "mosaic_tpu"):
+            if m.unblocked and (chosen not in ("interpret", "mosaic_tpu", "triton")
+                                or (chosen == "triton" and any(m.bounded))):
                 raise ValueError(f"{m.origin}: element offsets (Unblocked indexing, Element or "
                                  f"BoundedSlice block dims) are only supported on the "
-                                 f"interpret and mosaic_tpu backends, not {chosen!r}.")
+                                 f"interpret and mosaic_tpu backends (and triton but for "
+                                 f"BoundedSlice), not {chosen!r}.")
             if chosen in validation.TPU_BACKENDS:
                 validation.check_tpu_tiling(m)
             if chosen in validation.POW2_BACKENDS:

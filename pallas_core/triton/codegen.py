@@ -116,13 +116,17 @@ class Gather:
     axes: tuple[int, ...]
 
 
+BOTH_EDGES = 2  # a RefView.masked entry: the dim's index may be < 0 as well as past the end
+
+
 @dataclasses.dataclass(frozen=True)
 class RefView:
     """A Ref: an operand's pointer seen through its block and ``.at`` views.
 
     ``dims`` has one entry per array dim: a Range (kept), a str (fixed index) or,
     after a gather, a Gather. ``masked`` marks array dims a block may run past
-    (loads/stores get masks).
+    (loads/stores get masks): past the end (True), or past either edge
+    (:data:`BOTH_EDGES`: element offsets into a padded array may be negative).
     """
 
     ptr: str
@@ -420,14 +424,21 @@ class KernelWriter(ElementwiseWriter):
         block_idx = self._index_map(m, ids)
         dims, masked = [], []
         for d in range(rank):
-            start = _mul(block_idx[d], blocks[d])
+            if m.element[d]:  # pl.Element / Unblocked: an offset into the array padded by `low`
+                low = m.padding[d][0]
+                start = f"({block_idx[d]} - {low})" if low else block_idx[d]
+                masked.append(BOTH_EDGES if low else True)  # padding reads as `other` (0)
+            else:
+                start = _mul(block_idx[d], blocks[d])
+                masked.append(m.array_shape[d] % m.block_shape[d] != 0)
             if m.squeezed[d]:
                 dims.append(start)
             else:
                 dims.append(Range(start, m.block_shape[d], 1))
-            masked.append(m.array_shape[d] % m.block_shape[d] != 0)
         numel = int(np.prod(m.array_shape)) if rank else 1
-        origin_last = dims[-1].start if rank and isinstance(dims[-1], Range) else None
+        # A descriptor (TMA) box must start at a block origin; element offsets need not.
+        origin_last = dims[-1].start if rank and isinstance(dims[-1], Range) and not m.element[-1] \
+            else None
         return RefView(ptr=f"p{k}", array_shape=m.array_shape, dim_names=names, dims=tuple(dims),
                        masked=tuple(masked), dtype=np.dtype(m.dtype), wide=numel > INT32_MAX,
                        origin_last=origin_last)
@@ -555,7 +566,9 @@ class KernelWriter(ElementwiseWriter):
             else:
                 index_wide = index
             offsets.append(_mul(index_wide, strides[d]))
-            if ref.masked[d]:
+            if ref.masked[d] == BOTH_EDGES:
+                masks.append(f"(({index} >= 0) & ({index} < {ref.dim_names[d]}))")
+            elif ref.masked[d]:
                 masks.append(f"({index} < {ref.dim_names[d]})")
         offset = " + ".join(offsets) if offsets else "0"
         mask = " & ".join(masks) if masks else None

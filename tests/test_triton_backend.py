@@ -158,6 +158,27 @@ def test_dot_general_with_transposes_and_precision():
                 a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_dot_over_a_padded_contraction_masks_only_unknown_padding():
+    """A 24-long contraction runs on 32 lanes. Loaded tiles read their padding as 0
+    (masked loads) and go to tl.dot as they are; a computed tile (exp: padding 1)
+    is re-masked, so its padding cannot leak into the sum."""
+    a = jax.random.normal(jax.random.key(16), (16, 24))
+    b = jax.random.normal(jax.random.key(17), (24, 16))
+
+    def kernel(a_ref, b_ref, o_ref):
+        hi = jax.lax.Precision.HIGHEST
+        o_ref[...] = (jnp.dot(a_ref[...], b_ref[...], precision=hi)
+                      + jnp.dot(jnp.exp(a_ref[...]), b_ref[...], precision=hi))
+
+    out = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    call = lambda a, b: pl.pallas_call(kernel, out_shape=out, backend="triton")(a, b)
+    want = np.asarray(a) @ np.asarray(b) + np.exp(np.asarray(a)) @ np.asarray(b)
+    np.testing.assert_allclose(call(a, b), want, rtol=1e-5, atol=1e-5)
+    (src,) = pl.triton.source(call, a, b)
+    dot_lines = [line for line in src.splitlines() if "tl.dot(" in line]
+    assert sum("tl.where(" in line for line in dot_lines) == 1, src
+
+
 @pytest.mark.parametrize("precision, expected", [
     (jax.lax.Precision.HIGHEST, 'input_precision="ieee"'),
     (jax.lax.DotAlgorithmPreset.F32_F32_F32, 'input_precision="ieee"'),

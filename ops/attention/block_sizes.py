@@ -51,9 +51,10 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
       (power-of-two rounded) sequence. 16-bit inputs at every head dim 32..256 compile for
       sm_90 without register spills (tests/test_attention_static.py). float32
       inputs multiply at IEEE precision on FMA units, not tensor cores, which
-      needs far more registers: 16 x 16 tiles, and the dK/dV kernel still
-      spills a few hundred bytes at some head dims (float32 attention is a
-      correctness path on GPUs, not a fast one).
+      needs far more registers: 16 x 16 tiles, 4 warps up to head dim 64 and
+      8 above, and one pipeline stage (two hold a second float32 K/V tile in
+      registers and spill at head dims >= 128). float32 attention is a
+      correctness path on GPUs, not a fast one.
     * mosaic_tpu: 128 x 128 (the MXU and lane width), or the whole sequence
       when shorter.
     * interpret: 64 x 64, or the whole (rounded) sequence when shorter.
@@ -62,8 +63,9 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
     if backend in pl.TRITON_BACKENDS:
         padded_h = pl.next_power_of_2(head_dim)
         if wide:  # float32 products run on FMA units (IEEE precision): the smallest tiles
-            bq, bk, bq_dkv, bk_dkv = 16, 16, 16, 16
-        elif padded_h <= 128:
+            return BlockSizes(16, 16, block_q_dkv=16, block_k_dkv=16,
+                              num_warps=4 if padded_h <= 64 else 8, num_stages=1)
+        if padded_h <= 128:
             bq, bk, bq_dkv, bk_dkv = 128, 64, 32, 128
         else:
             bq, bk, bq_dkv, bk_dkv = 64, 32, 32, 64

@@ -328,7 +328,7 @@ class ElementwiseWriter:
     def _mask_padding(self, x: Val, axes, fill: str) -> str:
         """``x`` with the padding lanes of ``axes`` replaced by ``fill``, as an expression."""
         masks = [lane_mask(a, x.shape[a], len(x.shape)) for a in axes if next_power_of_2(x.shape[a]) != x.shape[a]]
-        if not masks:
+        if not masks or (x.zero_padding and fill in ("0", "0.0")):
             return as_code(x)
         return f"tl.where({' & '.join(masks)}, {as_code(x)}, {fill})"
 

@@ -36,11 +36,18 @@ def tl_dtype(dtype) -> str:
 
 @dataclasses.dataclass
 class Val:
-    """A Triton value: an expression (usually a local name) with its JAX type."""
+    """A Triton value: an expression (usually a local name) with its JAX type.
+
+    ``zero_padding``: the lanes past the logical shape (the padding up to
+    powers of two) are known to hold 0, as a masked ``tl.load`` with
+    ``other=0`` leaves them; consumers that need zero padding (dots) then skip
+    re-masking it. False unless a writer proves it.
+    """
 
     expr: str
     shape: tuple[int, ...]
     dtype: Any
+    zero_padding: bool = False
 
 
 

@@ -332,7 +332,11 @@ def test_bad_switches_raise(bad, match):
         call(x)
 
 
-def test_fused_matmul_uses_grouped_order():
+def test_fused_matmul_defaults():
+    """Grouped order (fused_matmul asks for it) and peeling on; pointers, not descriptors, and
+    one program per tile (the tma and persistent defaults)."""
     x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
     (source,) = pl.triton.source(lambda a, b: ops.fused_matmul(a, b, implementation="triton"), x, x)
     assert "GROUP" in source and "band_rows" in source
+    assert "if " not in _loop_body(source)
+    assert "make_tensor_descriptor" not in source and "NUM_PROGRAMS" not in source

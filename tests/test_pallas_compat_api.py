@@ -137,10 +137,13 @@ def test_block_dim_errors():
         pl.Buffered(0)
     with pytest.raises(ValueError, match="Unblocked"):
         pl.BlockSpec((pl.Element(4), 8), lambda i: (i, 0), indexing_mode=pl.Unblocked())
+    bounded = [pl.BlockSpec((pl.BoundedSlice(8), 16), lambda: (pl.ds(0, 8), 0))]
     with pytest.raises(ValueError, match="BoundedSlice"):  # no bounded slices on triton
         call(_copy, jax.ShapeDtypeStruct((8, 16), F32), jnp.zeros((8, 16), F32),
-             backend="triton", in_specs=[pl.BlockSpec((pl.BoundedSlice(8), 16),
-                                                      lambda: (pl.ds(0, 8), 0))])
+             backend="triton", in_specs=bounded)
+    with pytest.raises(NotImplementedError, match="BoundedSlice"):  # nor in JAX's lowerings
+        call(_copy, jax.ShapeDtypeStruct((8, 16), F32), jnp.zeros((8, 16), F32),
+             backend="mosaic_tpu", in_specs=bounded)
 
 
 def test_cost_estimate_errors():

@@ -75,29 +75,24 @@ def _block_spec(m: BlockMapping, backend):
         raise ValueError(f"{m.origin}: element offsets (Unblocked indexing, Element or "
                          f"BoundedSlice block dims) are only supported on the "
                          f"interpret and mosaic_tpu backends, not {backend!r}.")
+    if any(m.bounded):
+        raise NotImplementedError(f"{m.origin}: BoundedSlice block dims run on the interpret "
+                                  f"backend; JAX 0.10.2's {backend} pallas_call lowering has none.")
     block = []
-    for b, sq, el, bd, pad in zip(m.block_shape, m.squeezed, m.element,
-                                  m.bounded or (False,) * len(m.block_shape), m.padding):
-        if bd:
-            block.append(jpl.BoundedSlice(b))
-        elif el and sq:
+    for b, sq, el, pad in zip(m.block_shape, m.squeezed, m.element, m.padding):
+        if el and sq:
             raise NotImplementedError(f"{m.origin}: squeezed dims with Unblocked indexing are "
                                       f"not supported on {backend}.")
         elif el:
             block.append(jpl.Element(b, pad))
         else:
             block.append(jpl.squeezed if sq else b)
-    index_map = m.index_map
-    if m.size_map is not None:  # BoundedSlice dims take pl.ds(start, size) again
-        def index_map(*ids, starts=m.index_map, sizes=m.size_map, bounded=m.bounded):
-            return tuple(jpl.ds(i, n) if b else i
-                         for i, n, b in zip(starts(*ids), sizes(*ids), bounded))
     pipeline_mode = None
     if m.pipeline_mode is not None and backend == "mosaic_tpu":
         p = m.pipeline_mode
         revisit = None if p.revisit is None else jpl.RevisitMode(p.revisit.value)
         pipeline_mode = jpl.Buffered(p.buffer_count, use_lookahead=p.use_lookahead, revisit=revisit)
-    return jpl.BlockSpec(tuple(block), index_map, pipeline_mode=pipeline_mode,
+    return jpl.BlockSpec(tuple(block), m.index_map, pipeline_mode=pipeline_mode,
                          memory_space=_memory_space(m.memory_space, backend, m.origin))
 
 

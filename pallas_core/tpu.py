@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pallas_core.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy,  # noqa: F401
-                             make_async_copy, sync_copy)
-from pallas_core.tpu_ops import prng_random_bits, prng_seed, roll  # noqa: F401
-from pallas_core.memory import ANY, MemorySpace  # noqa: F401 - ANY: pl.ANY, as pltpu.ANY
-from pallas_core.params import ARBITRARY, PARALLEL, ResolvedParams, check_semantics  # noqa: F401
-from pallas_core.tpu_prefetch import PrefetchScalarGridSpec  # noqa: F401 - pltpu's names
+from pallas_core.dma import AsyncCopyDescriptor, SemaphoreType, async_copy, make_async_copy, sync_copy
+from pallas_core.memory import ANY, MemorySpace
+from pallas_core.params import ARBITRARY, PARALLEL, ResolvedParams, check_semantics
+from pallas_core.tpu_ops import prng_random_bits, prng_seed, roll
+from pallas_core.tpu_prefetch import PrefetchScalarGridSpec
+
+__all__ = ["ANY", "ARBITRARY", "AsyncCopyDescriptor", "CompilerParams", "HBM", "MemorySpace",
+           "PARALLEL", "PrefetchScalarGridSpec", "SMEM", "SemaphoreType", "VMEM", "async_copy",
+           "make_async_copy", "prng_random_bits", "prng_seed", "roll", "sync_copy"]
 
 VMEM = MemorySpace("tpu", "VMEM")
 SMEM = MemorySpace("tpu", "SMEM")

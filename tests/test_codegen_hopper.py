@@ -340,3 +340,26 @@ def test_fused_matmul_defaults():
     assert "GROUP" in source and "band_rows" in source
     assert "if " not in _loop_body(source)
     assert "make_tensor_descriptor" not in source and "NUM_PROGRAMS" not in source
+
+
+def test_tma_keeps_pointers_for_outputs_read_back():
+    """An output block accumulated across grid axis 1 (loaded after being stored) keeps
+    pointers: a TMA store completes asynchronously and is not ordered with later loads.
+    The input, only read, still goes through a descriptor."""
+    def kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        o_ref[...] += x_ref[...]
+
+    x = _inputs((16, 96))[0]
+
+    def call(backend, **params):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 32), jnp.float32), grid=(2, 3),
+                              in_specs=[pl.BlockSpec((8, 32), lambda i, k: (i, k))],
+                              out_specs=pl.BlockSpec((8, 32), lambda i, k: (i, 0)), backend=backend,
+                              compiler_params=params or None)
+    source = pl.triton.source(call("triton", triton=dict(tma=True)), x)[0]
+    assert "tl.make_tensor_descriptor(p0," in source and "tl.make_tensor_descriptor(p1," not in source
+    np.testing.assert_array_equal(np.asarray(call("triton", triton=dict(tma=True))(x)),
+                                  np.asarray(call("interpret")(x)))

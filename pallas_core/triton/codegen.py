@@ -237,6 +237,14 @@ class _ScratchNeedsMemory(Exception):
         self.index = index
 
 
+class _DescriptorsNeedPointers(Exception):
+    """Raised after writing when operands read and written by one kernel got descriptors."""
+
+    def __init__(self, pointers: set[str]):
+        super().__init__(sorted(pointers))
+        self.pointers = pointers
+
+
 class KernelWriter(ElementwiseWriter):
     """Writes the Triton source of one resolved pallas_call.
 
@@ -245,9 +253,13 @@ class KernelWriter(ElementwiseWriter):
         other scratch buffer is a loop-carried value (see :meth:`_scratch_ref`).
     """
 
-    def __init__(self, call, memory_scratch: frozenset[int] = frozenset()):
+    def __init__(self, call, memory_scratch: frozenset[int] = frozenset(),
+                 pointer_only: frozenset[str] = frozenset()):
         self.call = call
         self.memory_scratch = memory_scratch
+        self.pointer_only = pointer_only  # operands kept off tensor descriptors (see _check_descriptors)
+        self.reads: set[str] = set()  # operand pointers loaded from / stored to, by any means
+        self.writes: set[str] = set()
         self.name = _identifier(call.name)
         self.lines: list[str] = []
         self.indent = 1
@@ -317,6 +329,7 @@ class KernelWriter(ElementwiseWriter):
             self._program_body(closed, refs, ids, range(len(jaxpr.eqns)))
         else:
             self._peeled_loop(closed, refs, ids, arbitrary[-1])
+        self._check_descriptors()
         header = self._header(n_operands)
         helpers = "".join(jit_helpers.combiner_source(n) for n in sorted(self.combiners))
         helpers += "".join(jit_helpers.math_source(n) for n in jit_helpers.with_dependencies(self.math))
@@ -574,10 +587,26 @@ class KernelWriter(ElementwiseWriter):
         mask = " & ".join(masks) if masks else None
         return offset, mask, shape
 
+    def _check_descriptors(self) -> None:
+        """Descriptors only for buffers a kernel reads or writes, not both.
+
+        A TMA store completes asynchronously and a pointer store is not
+        ordered with TMA reads (another memory proxy), so a buffer read back
+        after a write (an output block revisited along a grid axis, an input
+        aliased to an output) keeps pointer loads and stores throughout.
+        """
+        n_in = len(self.call.in_mappings)
+        buffer = {f"p{n_in + o}": f"p{i}" for i, o in self.call.input_output_aliases.items()}
+        both = {buffer.get(p, p) for p in self.reads} & {buffer.get(p, p) for p in self.writes}
+        conflicts = {ptr for ptr, _ in self.descriptors if buffer.get(ptr, ptr) in both}
+        if conflicts:
+            raise _DescriptorsNeedPointers(conflicts)
+
     def _descriptor(self, ref: RefView, access: dict) -> tuple[str, tuple[int, ...]] | None:
         """``(descriptor name, box)`` if ``tma`` is on and the view can move as one TMA box
         (:mod:`pallas_core.triton.descriptors`); the descriptor is made on first use."""
-        if not self.options.tma or ref.register is not None or ref.origin_last is None:
+        if (not self.options.tma or ref.register is not None or ref.origin_last is None
+                or ref.ptr in self.pointer_only):
             return None
         user = access.get("mask")
         plain = (user is None or user.expr == "True") and not access.get("hints")
@@ -597,6 +626,7 @@ class KernelWriter(ElementwiseWriter):
     def _load(self, ref: RefView, access: dict | None = None) -> Val:
         """``tl.load`` of a view; ``access`` (a masked load): ``mask``, ``other`` Vals and hints."""
         access = access or {}
+        self.reads.add(ref.ptr)
         if tma := self._descriptor(ref, access):
             name, box = tma
             value = self.assign(f"{name}.load({self._box_offsets(ref)})", box, ref.dtype)
@@ -618,6 +648,7 @@ class KernelWriter(ElementwiseWriter):
 
     def _store(self, ref: RefView, val: Val, access: dict | None = None) -> None:
         access = access or {}
+        self.writes.add(ref.ptr)
         if tma := self._descriptor(ref, access):
             name, box = tma
             value = fit(val, ref.shape, ref.dtype)
@@ -763,6 +794,8 @@ class KernelWriter(ElementwiseWriter):
         get = next(e for e in jaxpr.eqns if e.primitive.name == "get")
         guarded = mask.expr != "True"  # the mask guards lanes past the edge
         view = self._view(ref, jax.tree.unflatten(get.params["tree"], get.invars[1:]), inner, guarded)
+        self.reads.add(view.ptr)
+        self.writes.add(view.ptr)
         offset, bounds, shape = self._addresses(view)
         masks = [m for m in (bounds, as_code(mask) if mask.expr != "True" else None) if m]
         where = f", mask={' & '.join(masks)}" if masks else ""
@@ -955,11 +988,15 @@ def generate(call) -> tuple[str, str, dict[str, int], list[str]]:
     """
     closed = trace_kernel(call)
     memory: set[int] = set()
+    pointer_only: set[str] = set()
     while True:
-        writer = KernelWriter(call, frozenset(memory))
+        writer = KernelWriter(call, frozenset(memory), frozenset(pointer_only))
         try:
             source = writer.write(closed)
         except _ScratchNeedsMemory as needs:
             memory.add(needs.index)
+            continue
+        except _DescriptorsNeedPointers as needs:
+            pointer_only |= needs.pointers
             continue
         return source, writer.name, dict(writer.constexprs), list(writer.params)

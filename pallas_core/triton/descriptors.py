@@ -12,7 +12,11 @@ tensor-memory accelerator can move it as one box (CUDA programming guide,
   (Triton tensors have power-of-two dims, TMA boxes at most 256 per dim) and
   fixed indices (box size 1); the last array dim a Range of at least 16 bytes
   starting at its block's origin, so the box start is 16-byte aligned;
-* no gather, no user mask, no cache hints (a descriptor access takes none).
+* no gather, no user mask, no cache hints (a descriptor access takes none);
+* a buffer the kernel only reads or only writes (the writer's
+  ``_check_descriptors``: TMA stores complete asynchronously and pointer
+  stores are not ordered with TMA reads, so a revisited output block or an
+  aliased operand keeps pointers).
 
 Blocks that run past the array's edge qualify: the descriptor knows the
 array's shape and the hardware zero-fills reads and drops writes outside it,

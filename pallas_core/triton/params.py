@@ -34,7 +34,8 @@ class CompilerParams:
         through tensor descriptors (``tl.make_tensor_descriptor``; the
         tensor-memory accelerator, ``cp.async.bulk.tensor``, on sm_90 and
         newer; Triton rewrites them to pointer accesses on older GPUs).
-        Strided, gathered, user-masked or padded-lane accesses keep pointers.
+        Strided, gathered, user-masked or padded-lane accesses, and buffers
+        the kernel both reads and writes, keep pointers.
         Off by default: a descriptor made inside the kernel needs Triton's
         global scratch buffer, which ``jax_triton`` 0.3.1 does not allocate
         at launch (see docs/pallas_core.md).

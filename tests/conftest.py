@@ -1,7 +1,16 @@
 """Shared test set-up: GPU-only tests are skipped on machines without one, and
 long sweeps (marked ``slow``) unless ``--slow`` is given or ``-m`` selects them."""
-import jax
-import pytest
+import os
+
+# numpy's BLAS on one thread, set before numpy loads here and in every pytest-xdist
+# worker (they inherit this environment). Triton's CPU interpreter multiplies each
+# tile with np.matmul; with two workers on two cores a multi-threaded OpenBLAS
+# oversubscribes them: a 128x32x128 float32 tile product measured 40 ms instead of
+# 0.03 ms on the CI-like host.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -68,7 +68,7 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["run", "Rule", "psum", "reduced_axes"]
+__all__ = ["run", "rowwise", "explicit_sharding", "with_sharding", "reshape", "Rule", "psum", "reduced_axes", "ROW", "STAT", "PARAM", "PER_ROW"]
 
 _ONE = "one"
 _NAME = re.compile(r"[a-z][a-z0-9]*")
@@ -170,16 +170,19 @@ class Rule:
         return f"{side(self.operands)} -> {side(self.results)}"
 
     def shardy_kwargs(self) -> dict:
-        factors = {f for arr in self.operands + self.results for dim in arr for f in dim}
+        # Shardy wants special factors listed in the order the rule first names them.
+        order = list(dict.fromkeys(f for arr in self.operands + self.results for dim in arr
+                                   for f in dim))
         minor = {f for arr in self.operands + self.results for dim in arr for f in dim[1:]}
         alone = {dim[0] for arr in self.operands + self.results for dim in arr if len(dim) == 1}
-        replicate = tuple(sorted(f for f in factors if not self._shardable(f) or f in minor))
-        kwargs = {f: self.sizes[f] for f in factors if f not in alone}
         in_results = {f for arr in self.results for dim in arr for f in dim}
+        kwargs = {f: self.sizes[f] for f in order if f not in alone}
         # Shardy's reduction factors are those absent from every result; a reduced
         # factor that some result keeps (rows, for a norm's dscale) is a plain one to it.
-        kwargs.update(need_replication_factors=replicate,
-                      reduction_factors=tuple(sorted((self.reduce & factors) - in_results)))
+        kwargs.update(
+            need_replication_factors=tuple(f for f in order
+                                           if not self._shardable(f) or f in minor),
+            reduction_factors=tuple(f for f in order if f in self.reduce and f not in in_results))
         return kwargs
 
 
@@ -257,6 +260,24 @@ def run(op: str, fn: Callable, args: Sequence, in_dims: Sequence[str], out_dims:
     return _partitioned_call(rule, local)(*arrays)
 
 
+# The row-wise family (norms, softmax family, cross_entropy): arrays are
+# ``[rows, features]`` (ROW), per-row statistics ``[rows, 1]`` (STAT) or
+# ``[rows]`` (PER_ROW), parameters ``[features]`` (PARAM).
+ROW, STAT, PER_ROW, PARAM = "r f", "r one", "r", "f"
+
+
+def rowwise(op: str, fn: Callable, args: Sequence, in_dims: Sequence[str], out_dims: Sequence[str],
+            *, sums_over_rows: bool = False, out_like: Sequence[int | None] = ()) -> tuple:
+    """:func:`run` for a row-wise kernel: rows ("r") run where they live, a sharded
+    feature dim ("f") is gathered (a row's statistics need all of it).
+
+    ``sums_over_rows``: some result (a parameter's gradient) sums over rows;
+    ``fn`` then finishes it with ``psum(value, reduced, "r")``.
+    """
+    return run(op, fn, args, in_dims, out_dims, gather=("f",),
+               reduce=("r",) if sums_over_rows else (), out_like=out_like)
+
+
 # --------------------------------------------------------------------------
 # Explicit sharding: the rule at trace time, the local function under shard_map
 # --------------------------------------------------------------------------
@@ -283,6 +304,81 @@ def _run_shard_map(rule: Rule, local, mesh, arrays):
     body = functools.partial(local, reduced=rule.reduced(assignment))
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                          out_specs=rule.result_specs(assignment), check_vma=False)(*arrays)
+
+
+def explicit_sharding(x) -> NamedSharding | None:
+    """``x``'s sharding when its type carries one (explicit mesh axes), else None.
+
+    A static, hashable value: an op keeps it in its custom_vjp config so that a
+    gradient built by XLA ops alone can be given its primal's type
+    (:func:`with_sharding`).
+    """
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
+        return None
+    return sharding
+
+
+def with_sharding(x, sharding: NamedSharding | None):
+    """``x`` resharded to ``sharding`` (from :func:`explicit_sharding`) where it differs."""
+    if sharding is None or jax.typeof(x).sharding == sharding:
+        return x
+    return jax.sharding.reshard(x, sharding)
+
+
+def reshape(x, shape):
+    """``x.reshape(shape)`` that also works on explicitly sharded ``x``.
+
+    JAX's explicit-sharding rule refuses reshapes whose output layout it cannot
+    infer (merging two sharded dims into one, say). Here each group of dims
+    the reshape merges or splits keeps the sharding of its major dim (whose
+    blocks stay contiguous: the layout JAX itself gives where it has a rule),
+    and a sharded minor dim is gathered first: the documented price of such a
+    layout, never a wrong result.
+    """
+    shape = tuple(int(d) for d in shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        shape = tuple(x.size // max(known, 1) if d == -1 else d for d in shape)
+    sharding = explicit_sharding(x)
+    if sharding is None or tuple(x.shape) == shape:
+        return x.reshape(shape)
+    mesh, spec = sharding.mesh, _pad(sharding.spec, x.ndim)
+    in_spec, out_spec = [None] * x.ndim, [None] * len(shape)
+    for ins, outs in _reshape_groups(tuple(x.shape), shape):
+        axes = _axes(spec[ins[0]]) if ins else ()
+        if axes and outs and shape[outs[0]] % math.prod(mesh.shape[a] for a in axes) == 0:
+            in_spec[ins[0]] = out_spec[outs[0]] = spec[ins[0]]
+    x = jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*in_spec)))
+    return jax.lax.reshape(x, shape, out_sharding=NamedSharding(mesh, PartitionSpec(*out_spec)))
+
+
+def _reshape_groups(old, new):
+    """Pairs ``(old dims, new dims)`` of equal total size, in order (size-1 dims alone)."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        if i < len(old) and old[i] == 1 and (j >= len(new) or new[j] != 1):
+            groups.append(((i,), ()))
+            i += 1
+            continue
+        if j < len(new) and new[j] == 1 and (i >= len(old) or old[i] != 1):
+            groups.append(((), (j,)))
+            j += 1
+            continue
+        ins, outs, a, b = [i], [j], old[i], new[j]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b:
+                a *= old[i]
+                ins.append(i)
+                i += 1
+            else:
+                b *= new[j]
+                outs.append(j)
+                j += 1
+        groups.append((tuple(ins), tuple(outs)))
+    return groups
 
 
 def _reshard_like(out, target, mesh):

@@ -267,5 +267,7 @@ def test_family_lowers(impl, width, mode):
 def test_reduce_lowers(impl, kind, shape, axis):
     f = lambda x: REDUCE[kind](x, axis, implementation=impl)
     assert lowered(f, impl, shape, jnp.bfloat16) == 1
+    # The backward is XLA; only max's needs the forward's result, so for sum and
+    # mean the forward kernel is dead under grad and JAX drops it.
     assert lowered(jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32))), impl, shape,
-                   jnp.bfloat16) == 1
+                   jnp.bfloat16) == (1 if kind == "max" else 0)

@@ -45,6 +45,7 @@ import pallas_core as pl
 from ops._checks import check_array, check_matmul_operands, check_same_dtype
 from ops import tuning
 from ops._implementation import resolve_implementation
+from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.activations import resolve_activation
 
 _OP = "fused_matmul"
@@ -98,10 +99,10 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
     if impl == "xla":
         return reference(x, w, bias, act)
     lead = x.shape[:-1]
-    x2 = x.reshape((-1, x.shape[-1]))
+    x2 = reshape(x, (-1, x.shape[-1]))
     config = _Config(backend=impl, block_sizes=blocks)
     out = _fused_matmul(x2, w, bias, config, act)
-    return out.reshape(*lead, w.shape[1])
+    return reshape(out, (*lead, w.shape[1]))
 
 
 def _check_block_sizes(block_sizes):
@@ -359,28 +360,69 @@ def _dz_call(g, z, *, activation, want_dbias, blocks, backend):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _fused_matmul(x, w, bias, config: _Config, activation):
-    tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
-                         config.block_sizes)
-    return _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
-                        out_dtype=x.dtype, bias=bias, activation=activation,
-                        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return _partitioned_forward(x, w, bias, config, activation, want_preact=False)[0]
 
 
 def _fused_matmul_fwd(x, w, bias, config, activation):
-    tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
-                         config.block_sizes)
-    launch = dict(blocks=tiles.blocks, backend=config.backend, out_dtype=x.dtype, bias=bias,
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if activation is None:
-        out, z = _matmul_call(x, w, ca=1, cb=0, **launch), None
-    else:
-        out, z = _matmul_call(x, w, ca=1, cb=0, activation=activation, want_preact=True,
-                              **launch)
-    return out, (x, w, z, bias)
+    want_preact = activation is not None
+    out, *z = _partitioned_forward(x, w, bias, config, activation, want_preact=want_preact)
+    return out, (x, w, z[0] if want_preact else None, bias)
 
 
 def _fused_matmul_bwd(config, activation, residuals, g):
     x, w, z, bias = residuals
+
+    def local(x, w, z, bias, g, *, reduced):
+        dx, dw, dbias = _backward(x, w, z, bias, g, config, activation)
+        # dx sums over N, dw and dbias over M: partial sums where those are split.
+        return (psum(dx, reduced, "n"), psum(dw, reduced, "m"),
+                *(() if bias is None else (psum(dbias, reduced, "m"),)))
+
+    dx, dw, *dbias = run(_OP, local, (x, w, z, bias, g), ("m k", "k n", "m n", "n", "m n"),
+                         ("m k", "k n") + (() if bias is None else ("n",)),
+                         reduce=("m", "n"), out_like=(0, 1, 3))
+    return dx, dw, (dbias[0].astype(bias.dtype) if bias is not None else None)
+
+
+def _partitioned_forward(x, w, bias, config: _Config, activation, *, want_preact: bool) -> tuple:
+    """``(out,)`` or ``(out, z)`` on a mesh (:mod:`ops._partitioning`).
+
+    Rows of x ("m") and columns of w and bias ("n") run where they live. A
+    contraction dim ("k") split on both operands gives each device a partial
+    product: the kernel runs without its epilogue, one psum in float32 sums
+    the partials, and bias and activation (not linear) are applied after it.
+    """
+    def local(x, w, bias, *, reduced):
+        if not reduced_axes(reduced, "k"):
+            return _forward(x, w, bias, config, activation, want_preact=want_preact)
+        tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
+                             config.block_sizes)
+        partial = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
+                               out_dtype=jnp.float32, num_warps=tiles.num_warps,
+                               num_stages=tiles.num_stages)
+        z = psum(partial, reduced, "k")
+        if bias is not None:
+            z = z + bias.astype(jnp.float32)
+        out = (z if activation is None else activation(z)).astype(x.dtype)
+        return (out, z.astype(x.dtype)) if want_preact else (out,)
+
+    return run(_OP, local, (x, w, bias), ("m k", "k n", "n"),
+               ("m n", "m n") if want_preact else ("m n",), reduce=("k",))
+
+
+def _forward(x, w, bias, config: _Config, activation, *, want_preact: bool) -> tuple:
+    """One device: ``(act(x @ w + bias),)``, with ``z = x @ w + bias`` too if ``want_preact``."""
+    tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
+                         config.block_sizes)
+    outs = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
+                        out_dtype=x.dtype, bias=bias, activation=activation,
+                        want_preact=want_preact, num_warps=tiles.num_warps,
+                        num_stages=tiles.num_stages)
+    return tuple(outs) if want_preact else (outs,)
+
+
+def _backward(x, w, z, bias, g, config: _Config, activation):
+    """One device: ``(dx, dw, dbias float32 or None)``."""
     m, k = x.shape
     n = w.shape[1]
     # The backward kernels reuse the forward's tiles by role; their warps and
@@ -396,7 +438,7 @@ def _fused_matmul_bwd(config, activation, residuals, g):
     dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, bn), backend=backend, out_dtype=x.dtype)
     # dw[K, N] = x[M, K]^T @ dz[M, N]: output tiles (bk, bn), contraction over M by bm.
     dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, bm), backend=backend, out_dtype=w.dtype)
-    return dx, dw, (None if bias is None else dbias.astype(bias.dtype))
+    return dx, dw, dbias
 
 
 _fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)

@@ -33,6 +33,7 @@ import pallas_core as pl
 from ops import tuning
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import resolve_implementation
+from ops._partitioning import reshape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,7 @@ def select_row_layout(op: str, rows: int, features: int, dtype, backend: str, *,
 def as_rows(x) -> tuple[jax.Array, tuple[int, ...]]:
     """``x [..., features]`` as ``[rows, features]``, with the leading shape to undo it."""
     lead = x.shape[:-1]
-    return x.reshape((-1, x.shape[-1])), lead
+    return reshape(x, (-1, x.shape[-1])), lead
 
 
 def chunk_slice(layout: RowLayout, c):
@@ -297,7 +298,7 @@ class AxesView:
 
     def restore(self, y2) -> jax.Array:
         """A ``[rows, features]`` result back in x's layout (the inverse transpose)."""
-        y = y2.reshape(self.moved_shape)
+        y = reshape(y2, self.moved_shape)
         if self.perm == tuple(range(len(self.perm))):
             return y
         return jnp.transpose(y, np.argsort(self.perm))
@@ -311,7 +312,7 @@ def rows_over_axes(x, axes: tuple[int, ...]) -> AxesView:
     kept_shape = tuple(x.shape[d] for d in kept)
     features = int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
     rows = int(np.prod(kept_shape, dtype=np.int64))
-    return AxesView(x2=moved.reshape(rows, features), axes=tuple(axes), kept_shape=kept_shape,
+    return AxesView(x2=reshape(moved, (rows, features)), axes=tuple(axes), kept_shape=kept_shape,
                     moved_shape=tuple(moved.shape), perm=perm)
 
 

@@ -44,6 +44,7 @@ from jax import lax
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import resolve_implementation
+from ops._partitioning import ROW, STAT, reshape, rowwise
 from ops.reduction import _rows
 
 _OP = "cross_entropy"
@@ -92,9 +93,9 @@ def cross_entropy(logits, labels, *, implementation: str | None = None,
     if impl == "xla":
         return reference(logits, labels)
     x2, lead = _rows.as_rows(logits)
-    labels2 = labels.reshape(-1, 1).astype(jnp.int32)
+    labels2 = reshape(labels, (-1, 1)).astype(jnp.int32)
     loss = _cross_entropy(x2, labels2, _Config(impl, max_chunk))
-    return loss.reshape(lead)
+    return reshape(loss, lead)
 
 
 def check_labels(expected_shape, labels, ref_name: str, op: str) -> None:
@@ -225,20 +226,28 @@ def _backward_call(x2, labels2, m, log_s, g, config: _Config):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _cross_entropy(x2, labels2, config: _Config):
-    loss, _, _ = _forward_call(x2, labels2, config)
+    loss, _, _ = _partitioned_forward(x2, labels2, config)
     return loss[:, 0].astype(x2.dtype)
 
 
 def _cross_entropy_fwd(x2, labels2, config):
-    loss, m, log_s = _forward_call(x2, labels2, config)
+    loss, m, log_s = _partitioned_forward(x2, labels2, config)
     return loss[:, 0].astype(x2.dtype), (x2, labels2, m, log_s)
 
 
 def _cross_entropy_bwd(config, residuals, g):
     x2, labels2, m, log_s = residuals
-    g2 = g.astype(jnp.float32).reshape(-1, 1)
-    dlogits = _backward_call(x2, labels2, m, log_s, g2, config)
+    g2 = reshape(g.astype(jnp.float32), (-1, 1))
+    (dlogits,) = rowwise(_OP, lambda *a, reduced: (_backward_call(*a, config),),
+                         (x2, labels2, m, log_s, g2), (ROW, STAT, STAT, STAT, STAT), (ROW,),
+                         out_like=(0,))
     return dlogits, None  # labels are integers: no cotangent
+
+
+def _partitioned_forward(x2, labels2, config: _Config):
+    """:func:`_forward_call` on each device's rows; a sharded class dim is gathered."""
+    return rowwise(_OP, lambda x2, labels2, *, reduced: tuple(_forward_call(x2, labels2, config)),
+                   (x2, labels2), (ROW, STAT), (STAT,) * 3)
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

@@ -75,6 +75,7 @@ from jax import lax
 import pallas_core as pl
 from ops._checks import check_array, check_matmul_operands
 from ops._implementation import resolve_implementation
+from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.matmul.fused_matmul import _dot, _matmul_call, _strategy
 from ops.matmul.fused_matmul import default_block_sizes as matmul_block_sizes
 from ops.reduction import _rows
@@ -133,11 +134,11 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
     if impl == "xla":
         return reference(x, w, labels)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    labels2 = labels.reshape(-1, 1).astype(jnp.int32)
+    x2 = reshape(x, (-1, x.shape[-1]))
+    labels2 = reshape(labels, (-1, 1)).astype(jnp.int32)
     config = _Config(backend=impl, block_sizes=blocks,
                      vocab_chunk=None if vocab_chunk is None else int(vocab_chunk))
-    return _linear_cross_entropy(x2, w, labels2, config).reshape(lead)
+    return reshape(_linear_cross_entropy(x2, w, labels2, config), lead)
 
 
 def _check_block_sizes(block_sizes):
@@ -444,25 +445,87 @@ def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config
 # custom_vjp wiring
 # --------------------------------------------------------------------------
 
-def _loss_and_stats(x2, w, labels2, config):
-    m, log_s, picked = _merge_stats(*_forward_call(x2, w, labels2, config))
-    valid = (labels2 >= 0) & (labels2 < w.shape[1])
-    loss = jnp.where(valid, (m - picked) + log_s, jnp.nan)
-    return loss[:, 0].astype(x2.dtype), (m, log_s)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _linear_cross_entropy(x2, w, labels2, config: _Config):
-    return _loss_and_stats(x2, w, labels2, config)[0]
+    return _partitioned_forward(x2, w, labels2, config)[0]
 
 
 def _linear_cross_entropy_fwd(x2, w, labels2, config):
-    loss, (m, log_s) = _loss_and_stats(x2, w, labels2, config)
+    loss, m, log_s = _partitioned_forward(x2, w, labels2, config)
     return loss, (x2, w, labels2, m, log_s)
 
 
 def _linear_cross_entropy_bwd(config, residuals, g):
     x2, w, labels2, m, log_s = residuals
+
+    def local(x2, w, labels2, m, log_s, g, *, reduced):
+        local_labels = _shard_labels(labels2, w.shape[1], reduced)
+        dx, dw = _backward(x2, w, local_labels, m, log_s, g, config)
+        # dx sums over the vocabulary, dw over rows: partial sums where those are split.
+        return psum(dx, reduced, "v"), psum(dw, reduced, "m")
+
+    dx, dw = run(_OP, local, (x2, w, labels2, m, log_s, g), _OPERANDS + ("m one", "m one", "m"),
+                 ("m d", "d v"), gather=("d",), reduce=("m", "v"), out_like=(0, 1))
+    return dx, dw, None  # labels are integers: no cotangent
+
+
+# Multi-device (ops._partitioning): rows ("m") run where they live; a
+# vocabulary-sharded w ("v", vocab-parallel cross-entropy as in Megatron-LM)
+# gives each device the statistics of its own columns, combined with a pmax
+# and two psums of [rows] values, so w is never gathered; a sharded hidden dim
+# ("d") is gathered (the logits feed a softmax, so partial products cannot be
+# summed after it).
+_OPERANDS = ("m d", "d v", "m one")
+
+
+def _partitioned_forward(x2, w, labels2, config: _Config):
+    """``(loss [rows] in x's dtype, m, log_s float32 [rows, 1])`` on a mesh."""
+    def local(x2, w, labels2, *, reduced):
+        global_vocab = w.shape[1] * _vocab_shards(reduced)
+        local_labels = _shard_labels(labels2, w.shape[1], reduced)
+        m, log_s, picked = _combine_vocab_shards(
+            *_merge_stats(*_forward_call(x2, w, local_labels, config)), reduced)
+        valid = (labels2 >= 0) & (labels2 < global_vocab)
+        loss = jnp.where(valid, (m - picked) + log_s, jnp.nan)
+        return loss[:, 0].astype(x2.dtype), m, log_s
+
+    return run(_OP, local, (x2, w, labels2), _OPERANDS, ("m", "m one", "m one"),
+               gather=("d",), reduce=("v",))
+
+
+def _vocab_shards(reduced) -> int:
+    axes = reduced_axes(reduced, "v")
+    return lax.psum(1, axes) if axes else 1
+
+
+def _shard_labels(labels2, local_vocab: int, reduced):
+    """Labels relative to this device's vocabulary shard; -1 for those another
+    device holds (the kernels would otherwise match them to padding columns)."""
+    axes = reduced_axes(reduced, "v")
+    if not axes:
+        return labels2
+    local = labels2 - lax.axis_index(axes) * local_vocab
+    return jnp.where((local >= 0) & (local < local_vocab), local, -1)
+
+
+def _combine_vocab_shards(m, log_s, picked, reduced):
+    """Per-shard ``(max, log_s, picked)`` -> the whole vocabulary's, by collectives.
+
+    The same merge as :func:`_merge_stats` across devices: the largest shift,
+    each shard's sum rescaled to it, the label's logit from the one shard that
+    holds it (the others picked 0).
+    """
+    axes = reduced_axes(reduced, "v")
+    if not axes:
+        return m, log_s, picked
+    big = lax.pmax(m, axes)
+    shift = jnp.where(jnp.isfinite(big), big, 0.0)
+    total = lax.psum(jnp.exp(log_s + (m - shift)), axes)
+    return shift, jnp.log(total), lax.psum(picked, axes)
+
+
+def _backward(x2, w, labels2, m, log_s, g, config: _Config):
+    """One device: ``(dx, dw)`` for the columns of ``w`` (``labels2`` relative to them)."""
     n, d = x2.shape
     v = w.shape[1]
     g2 = g.astype(jnp.float32).reshape(-1, 1)
@@ -486,7 +549,7 @@ def _linear_cross_entropy_bwd(config, residuals, g):
         dx_c, dw_c = grads(num_full * chunk, tail)
         dx = dx + dx_c
         dw = lax.dynamic_update_slice_in_dim(dw, dw_c, num_full * chunk, axis=1)
-    return dx.astype(x2.dtype), dw, None  # labels are integers: no cotangent
+    return dx.astype(x2.dtype), dw
 
 
 _linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)

@@ -130,7 +130,7 @@ from jax import lax
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import resolve_implementation
-from ops._partitioning import psum, run
+from ops._partitioning import PARAM, ROW, STAT, psum, reshape, rowwise
 from ops.reduction._rows import (RowLayout, check_max_chunk, as_rows, chunk_slice, column_mask, for_each_chunk,
                                  load_chunk, row_compiler_params, row_layout, select_row_layout, row_mask)
 
@@ -253,7 +253,7 @@ def _normalize(op, x, scale, bias, *, epsilon, center, fast_variance, implementa
     config = _Config(op=op, backend=impl, center=center, epsilon=epsilon,
                      fast_variance=fast_variance,
                      max_chunk=None if max_chunk is None else int(max_chunk))
-    return _norm(x2, scale, bias, config).reshape(*lead, features)
+    return reshape(_norm(x2, scale, bias, config), (*lead, features))
 
 
 def _check_flag(value, name: str, op: str) -> bool:
@@ -631,8 +631,8 @@ def _partitioned_forward(x, scale, bias, config: _Config, *, want_stats: bool):
         y, stats = _forward_call(x, scale, bias, config, want_stats=True)
         return (y, *(stats[n] for n in names))
 
-    y, *stats = run(config.op, local, (x, scale, bias), ("r f", "f", "f"),
-                    ("r f",) + ("r one",) * len(names), gather=("f",))
+    y, *stats = rowwise(config.op, local, (x, scale, bias), (ROW, PARAM, PARAM),
+                        (ROW,) + (STAT,) * len(names), out_like=(0,))
     return y, dict(zip(names, stats))
 
 
@@ -646,10 +646,10 @@ def _partitioned_backward(x, scale, g, stats, config: _Config, *, want_dscale, w
         return (dx, *(psum(d, reduced, "r") for d in (dscale, dbias) if d is not None))
 
     n_param_grads = int(want_dscale) + int(want_dbias)
-    dx, *param_grads = run(config.op, local, (x, scale, g, *(stats[n] for n in names)),
-                           ("r f", "f", "r f") + ("r one",) * len(names),
-                           ("r f",) + ("f",) * n_param_grads, gather=("f",), reduce=("r",),
-                           out_like=(0, 1) if want_dscale else (0,))
+    dx, *param_grads = rowwise(config.op, local, (x, scale, g, *(stats[n] for n in names)),
+                               (ROW, PARAM, ROW) + (STAT,) * len(names),
+                               (ROW,) + (PARAM,) * n_param_grads, sums_over_rows=True,
+                               out_like=(0, 1) if want_dscale else (0,))
     dscale = param_grads.pop(0) if want_dscale else None
     dbias = param_grads.pop(0) if want_dbias else None
     return dx, dscale, dbias

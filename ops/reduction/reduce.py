@@ -43,8 +43,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
 
 import pallas_core as pl
+from ops._partitioning import (ROW, STAT, explicit_sharding, reduced_axes, reshape, run,
+                               with_sharding)
 from ops.reduction._rows import (RowLayout, check_axis_op, for_each_chunk, load_chunk,
                                  row_compiler_params, rows_over_axes, select_row_layout)
 
@@ -107,7 +111,7 @@ def _reduce(x, axis, kind, implementation, max_chunk):
         # Empty arrays: nothing to compute; XLA gives jnp's answer (or error).
         return reference(x, axes, kind)
     config = _Config(kind=kind, axes=axes, shape=tuple(x.shape), backend=impl,
-                     max_chunk=max_chunk)
+                     max_chunk=max_chunk, x_sharding=explicit_sharding(x))
     return _reduce_vjp(jnp.asarray(x), config)
 
 
@@ -132,6 +136,8 @@ class _Config:
     shape: tuple[int, ...]
     backend: str
     max_chunk: int | None = None
+    # x's explicit sharding, if any: the XLA backward's dx must have x's type.
+    x_sharding: NamedSharding | None = None
 
     @property
     def combine(self) -> str:
@@ -158,7 +164,23 @@ def _reduce_kernel(x_ref, out_ref, *, layout: RowLayout, combine: str):
 
 
 def _row_partials(x2, config: _Config):
-    """``[rows, features]`` -> float32 ``[rows, 1]``: each row's sum or max."""
+    """``[rows, features]`` -> float32 ``[rows, 1]``: each row's sum or max.
+
+    Multi-device (:mod:`ops._partitioning`): rows stay where they live; a
+    sharded feature dim is reduced locally and the per-device results are
+    combined by the matching collective (``psum`` / ``pmax``), never gathered.
+    """
+    def local(x2, *, reduced):
+        partial = _local_row_partials(x2, config)
+        axes = reduced_axes(reduced, "f")
+        if axes:
+            partial = lax.pmax(partial, axes) if config.combine == "max" else lax.psum(partial, axes)
+        return (partial,)
+
+    return run(config.kind, local, (x2,), (ROW,), (STAT,), reduce=("f",))[0]
+
+
+def _local_row_partials(x2, config: _Config):
     rows, features = x2.shape
     layout = _layout(rows, features, x2.dtype, config)
     return pl.pallas_call(
@@ -178,7 +200,7 @@ def _forward(x, config: _Config):
     segments, width, pad = _feature_split(rows, features)
     if pad:
         x2 = jnp.pad(x2, ((0, 0), (0, pad)), constant_values=_identity(config.combine))
-    partials = _row_partials(x2.reshape(rows * segments, width), config).reshape(rows, segments)
+    partials = reshape(_row_partials(reshape(x2, (rows * segments, width)), config), (rows, segments))
     if segments == 1:
         total = partials[:, 0]
     elif config.combine == "max":
@@ -187,7 +209,7 @@ def _forward(x, config: _Config):
         total = jnp.sum(partials, axis=1)
     if config.kind == "mean":
         total = total / np.float32(features)
-    return total.astype(x.dtype).reshape(view.kept_shape)
+    return reshape(total.astype(x.dtype), view.kept_shape)
 
 
 # --------------------------------------------------------------------------
@@ -211,10 +233,12 @@ def _reduce_bwd(config, residuals, g):
         x, y = residuals
         ties = x == jnp.expand_dims(y, axes)
         count = jnp.sum(ties, axis=axes, keepdims=True, dtype=jnp.float32)
-        return (jnp.where(ties, g32 / count, 0.0).astype(x.dtype),)
-    if config.kind == "mean":
-        g32 = g32 / np.float32(_count(shape, axes))
-    return (jnp.broadcast_to(g32, shape).astype(g.dtype),)
+        dx = jnp.where(ties, g32 / count, 0.0).astype(x.dtype)
+    else:
+        if config.kind == "mean":
+            g32 = g32 / np.float32(_count(shape, axes))
+        dx = jnp.broadcast_to(g32, shape).astype(g.dtype)
+    return (with_sharding(dx, config.x_sharding),)
 
 
 _reduce_vjp.defvjp(_reduce_fwd, _reduce_bwd)

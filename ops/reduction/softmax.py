@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_core as pl
+from ops._partitioning import PER_ROW, ROW, STAT, reshape, rowwise
 from ops.reduction._rows import (RowLayout, check_axis_op, chunk_slice, for_each_chunk, load_chunk,
                                  logsumexp_shift, online_logsumexp_update,
                                  row_compiler_params, rows_over_axes, select_row_layout)
@@ -115,7 +116,7 @@ def _softmax_family(x, axis, mode, implementation, max_chunk):
     view = rows_over_axes(jnp.asarray(x), axes)
     out2 = _family(view.x2, _Config(mode=mode, backend=impl, max_chunk=max_chunk))
     if mode == "logsumexp":
-        return out2.reshape(view.kept_shape)
+        return reshape(out2, view.kept_shape)
     return view.restore(out2)
 
 
@@ -294,7 +295,7 @@ def _backward_call(config: _Config, residuals, g):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _family(x2, config: _Config):
     """``[rows, features]`` -> the same shape, or ``[rows]`` for logsumexp (x's dtype)."""
-    out = _forward_call(x2, config, want_stats=False)
+    out = _partitioned_forward(x2, config, want_stats=False)[0]
     if config.mode == "logsumexp":
         return out[:, 0].astype(x2.dtype)
     return out
@@ -302,14 +303,30 @@ def _family(x2, config: _Config):
 
 def _family_fwd(x2, config):
     if config.mode == "logsumexp":
-        lse, m, s = _forward_call(x2, config, want_stats=True)
+        lse, m, s = _partitioned_forward(x2, config, want_stats=True)
         return lse[:, 0].astype(x2.dtype), (x2, m, s)
-    y2 = _forward_call(x2, config, want_stats=False)
+    (y2,) = _partitioned_forward(x2, config, want_stats=False)
     return y2, (y2,)
 
 
 def _family_bwd(config, residuals, g):
-    return (_backward_call(config, residuals, g),)
+    # Multi-device: rows stay where they are, a sharded feature dim is gathered.
+    dims = (ROW, STAT, STAT, PER_ROW) if config.mode == "logsumexp" else (ROW, ROW)
+    return rowwise(config.mode, lambda *a, reduced: (_backward_call(config, a[:-1], a[-1]),),
+                   (*residuals, g), dims, (ROW,), out_like=(0,))
+
+
+def _partitioned_forward(x2, config: _Config, want_stats: bool) -> tuple:
+    """:func:`_forward_call` on each device's rows (a sharded feature dim gathered), as a tuple.
+    A gathered softmax output goes back to x's layout (a local slice, no communication)."""
+    def local(x2, *, reduced):
+        out = _forward_call(x2, config, want_stats)
+        return out if isinstance(out, tuple) else (out,)
+
+    if config.mode == "logsumexp":
+        return rowwise(config.mode, local, (x2,), (ROW,), (STAT,) * (3 if want_stats else 1))
+    # Under explicit sharding y keeps x's layout (the custom_vjp's dx must have it too).
+    return rowwise(config.mode, local, (x2,), (ROW,), (ROW,), out_like=(0,))
 
 
 _family.defvjp(_family_fwd, _family_bwd)

@@ -17,7 +17,7 @@ import numpy as np
 
 from pallas_core import _jax_internals, autodiff, backends, grid_analysis, validation
 from pallas_core.cost import as_cost_estimate
-from pallas_core.memory import ScratchShape
+from pallas_core.memory import ScratchShape, as_scratch_shape
 from pallas_core.params import InterpretParams, ResolvedParams, resolve_params
 from pallas_core.specs import (BlockMapping, BlockSpec, GridSpec, grid_axis_names, normalize_grid,
                                resolve_block_mapping)
@@ -255,7 +255,7 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         if not _is_shape_leaf(o):
             raise TypeError(f"out_shape: leaf {i} is {type(o).__name__}; expected "
                             "jax.ShapeDtypeStruct or an array-like with .shape and .dtype.")
-    scratch_shapes = tuple(scratch_shapes or ())
+    scratch_shapes = tuple(as_scratch_shape(s) for s in scratch_shapes or ())
     for s in scratch_shapes:
         if not isinstance(s, ScratchShape):
             raise TypeError("scratch_shapes: expected e.g. pallas_core.tpu.VMEM(shape, dtype), "

@@ -41,6 +41,10 @@ class SemaphoreType(enum.Enum):
         return ScratchShape(tuple(int(d) for d in shape), np.dtype(np.int32),
                             MemorySpace("tpu", self.value))
 
+    def scratch_shape(self) -> ScratchShape:
+        """A bare member in ``scratch_shapes`` / ``run_scoped``: one scalar semaphore."""
+        return self(())
+
 
 def is_semaphore(space) -> bool:
     """Whether a scratch memory space holds semaphores (they start at 0)."""

@@ -42,6 +42,16 @@ class ScratchShape:
     memory_space: MemorySpace
 
 
+def as_scratch_shape(s):
+    """A ``scratch_shapes`` / ``run_scoped`` entry as a :class:`ScratchShape`.
+
+    Besides ScratchShapes, JAX takes a bare ``pltpu.SemaphoreType.DMA`` (one
+    scalar semaphore); anything else is returned as is, for the caller's check.
+    """
+    to_shape = getattr(s, "scratch_shape", None)
+    return to_shape() if callable(to_shape) and not isinstance(s, ScratchShape) else s
+
+
 def garbage_fill_value(dtype):
     """What the interpreter puts where contents are unspecified.
 

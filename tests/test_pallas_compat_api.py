@@ -332,6 +332,28 @@ def test_sync_copy_and_semaphores():
     assert int(count[0]) == int(want_count[0]) == 1
 
 
+def test_bare_semaphore_type_is_one_semaphore_like_jax():
+    """``scratch_shapes=[T.SemaphoreType.DMA]`` and ``run_scoped(body, T.SemaphoreType.DMA)``."""
+    x = jax.random.normal(jax.random.key(11), (8, 128), F32)
+
+    def kernel(x_ref, o_ref, sem, P, T):
+        copy = T.make_async_copy(x_ref, o_ref, sem)
+        copy.start()
+        copy.wait()
+
+        def scoped(inner):
+            again = T.make_async_copy(x_ref, o_ref, inner)
+            again.start(add=False)
+            again.wait()
+        P.run_scoped(scoped, T.SemaphoreType.DMA)
+
+    ours, want = both(kernel, x, x, in_specs=lambda P, T: [P.BlockSpec(memory_space=P.ANY)],
+                      out_specs=lambda P, T: P.BlockSpec(memory_space=P.ANY),
+                      scratch_shapes=lambda P, T: [T.SemaphoreType.DMA])
+    np.testing.assert_array_equal(ours, want)
+    np.testing.assert_array_equal(ours, x)
+
+
 def test_sync_copy_add():  # JAX's interpreter cannot discharge add=True: checked against x + x
     x = jax.random.normal(jax.random.key(9), (8, 128), F32)
 

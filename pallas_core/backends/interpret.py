@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from pallas_core import _jax_internals, context, grid_analysis
-from pallas_core.memory import ScratchShape, garbage_fill_value
+from pallas_core.memory import ScratchShape, as_scratch_shape, garbage_fill_value
 from pallas_core.specs import BlockMapping
 
 
@@ -47,7 +47,7 @@ class InterpretContext(context.KernelContext):
         return self._grid[axis]
 
     def run_scoped(self, body, scratch_shapes):
-        refs = [jax.new_ref(_fresh_scratch(s)) for s in scratch_shapes]
+        refs = [jax.new_ref(_fresh_scratch(as_scratch_shape(s))) for s in scratch_shapes]
         return body(*refs)
 
 
@@ -185,10 +185,3 @@ def run(call, args):
               f"{table.shape[0]} program(s)\n{pure}")
     outs, _ = lax.fori_loop(0, n, step, (outputs, scratch))
     return [_crop(o, m) for o, m in zip(outs, call.out_mappings)]
-
-
-def check_scratch(scratch_shapes) -> None:
-    for s in scratch_shapes:
-        if not isinstance(s, ScratchShape):
-            raise TypeError(f"scratch_shapes: expected shapes such as "
-                            f"pallas_core.tpu.VMEM(shape, dtype), got {s!r}.")

@@ -16,7 +16,7 @@ from pallas_core import context
 from pallas_core.backends import edge_masks
 from pallas_core.cost import as_cost_estimate
 from pallas_core.dma import SemaphoreType, is_semaphore
-from pallas_core.memory import ScratchShape
+from pallas_core.memory import ScratchShape, as_scratch_shape
 from pallas_core.specs import BlockMapping
 
 
@@ -56,6 +56,7 @@ def _memory_space(space, backend, origin):
 
 
 def _scratch(s: ScratchShape, backend):
+    s = as_scratch_shape(s)
     if backend == "pallas_triton":
         raise ValueError("scratch_shapes / run_scoped: the pallas_triton backend has no "
                          "scratch memory; carry values in the kernel instead.")

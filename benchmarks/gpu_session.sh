@@ -12,8 +12,8 @@
 # COMMIT (recorded in env.txt; the device's copy of the tree has no .git),
 # INSTALL=0 to use what is installed as is, TUNE=0 to skip the tuner.
 # Time budgets in seconds, so that the call ends within 10 minutes: SESSION_BUDGET_S
-# (default 540) for the whole script; TESTS_BUDGET_S (150) cuts pytest; the tuner starts
-# no new problem after TUNE_BUDGET_S (120) and is cut at TUNE_LIMIT_S (170), trying at
+# (default 540) for the whole script; TESTS_BUDGET_S (120) cuts pytest; the tuner starts
+# no new problem after TUNE_BUDGET_S (90) and is cut at TUNE_LIMIT_S (140), trying at
 # most TUNE_CANDIDATES (8) configs per problem; the benchmarks get what is left.
 # Writes under $OUT: env.txt, pytest_gpu.txt, tune.txt, tuned_configs.json (the winners,
 # a cache file: python -m benchmarks.tune --merge $OUT/tuned_configs.json installs them
@@ -45,8 +45,11 @@ fi
 cat "$out/env.txt"
 
 # Correctness on the hardware first: a failure here makes the timings meaningless.
-# One process (-o addopts= drops the CI's two xdist workers, which would share the GPU).
-timeout "${TESTS_BUDGET_S:-150}" "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= 2>&1 \
+# One process (-o addopts= drops the CI's two xdist workers, which would share the GPU),
+# over the files that hold GPU tests only: collecting the whole suite costs minutes.
+gpu_files=$(grep -l "mark.gpu" tests/*.py benchmarks/*.py 2>/dev/null)
+# shellcheck disable=SC2086  # one argument per file
+timeout "${TESTS_BUDGET_S:-120}" "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= $gpu_files 2>&1 \
   | tee "$out/pytest_gpu.txt" | tail -25
 tests_status=${PIPESTATUS[0]}
 echo "pytest -m gpu: exit ${tests_status} after $(( SECONDS - start )) s"
@@ -54,9 +57,9 @@ echo "pytest -m gpu: exit ${tests_status} after $(( SECONDS - start )) s"
 tune_status=0
 if [[ "${TUNE:-1}" != "0" ]]; then
   tune_args=(--out "$out/tuned_configs.json" --report "$out/tune_report.json"
-             --budget-s "${TUNE_BUDGET_S:-120}" --max-candidates "${TUNE_CANDIDATES:-8}")
+             --budget-s "${TUNE_BUDGET_S:-90}" --max-candidates "${TUNE_CANDIDATES:-8}")
   if [[ -n "${QUICK:-}" ]]; then tune_args+=(--quick); fi
-  timeout "${TUNE_LIMIT_S:-170}" "$py" -m benchmarks.tune "${tune_args[@]}" 2>&1 \
+  timeout "${TUNE_LIMIT_S:-140}" "$py" -m benchmarks.tune "${tune_args[@]}" 2>&1 \
     | tee "$out/tune.txt" | tail -30
   tune_status=${PIPESTATUS[0]}
   echo "tuner: exit ${tune_status} after $(( SECONDS - start )) s"

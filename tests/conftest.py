@@ -8,6 +8,12 @@ import os
 # oversubscribes them: a 128x32x128 float32 tile product measured 40 ms instead of
 # 0.03 ms on the CI-like host.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Every worker sees 8 CPU devices (tests/test_sharding.py partitions over a mesh of
+# them). The flag must be set before JAX initialises its backends; the default
+# device, and so every single-device test, is unchanged.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -85,6 +85,9 @@ def test_packaged_cache_is_valid_and_current():
     ('{"version": 1, "entries": [{"op": "fused_matmul", "implementation": "triton", '
      '"device_kind": "x", "dtype": "float32", "bucket": [8, 8, 8], "config": {"block_m": -8}}]}',
      "'block_m' must be a positive int"),
+    ('{"version": 1, "entries": [{"op": "softmax", "implementation": "triton", '
+     '"device_kind": "x", "dtype": "float32", "bucket": [8, 8], "config": {"chunk": 100}}]}',
+     "chunk must be a power of two >= 128"),
     ('{"version": 1, "entries": [{"op": "fused_matmul", "implementation": "triton", '
      '"device_kind": "x", "dtype": "float32", "bucket": [8, 8, 8], "config": {"tile": 8}}]}',
      "unknown config field 'tile'"),

@@ -87,9 +87,11 @@ def _check_positive_ints(config, fields, where):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise TuningCacheError(f"{where}: config field {name!r} must be a positive int, got "
                                    f"{value!r}.")
-    if "num_warps" in config and config["num_warps"] & (config["num_warps"] - 1):
-        raise TuningCacheError(f"{where}: num_warps must be a power of two, got "
-                               f"{config['num_warps']}.")
+    for name, floor in (("num_warps", 1), ("chunk", 128)):  # what the kernels accept
+        value = config.get(name)
+        if value is not None and (value < floor or value & (value - 1)):
+            raise TuningCacheError(f"{where}: {name} must be a power of two >= {floor}, got "
+                                   f"{value}.")
 
 
 def validate_entry(entry, where: str = "entry") -> tuple[tuple, dict]:

@@ -19,6 +19,7 @@ approx_tanh / elementwise_inline_asm), ``pallas_core.gpu`` (SMEM, CompilerParams
 See docs/pallas_core.md (section 13 lists what stays absent, and why).
 """
 from pallas_core import gpu, tpu, triton
+from pallas_core.arith import align_to, reciprocal
 from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
 from pallas_core.block_dims import BoundedSlice, Buffered, Element, RevisitMode, Squeezed, squeezed
 from pallas_core.call import pallas_call
@@ -28,7 +29,7 @@ from pallas_core.dma import semaphore_read, semaphore_signal, semaphore_wait
 from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
 from pallas_core.primitives import (cdiv, dot, ds, dslice, load, loop, multiple_of, next_power_of_2,
                                     num_programs, program_id, run_scoped, store, when)
-from pallas_core.memory import ANY, MemorySpace
+from pallas_core.memory import ANY, MemorySpace, empty, empty_like
 from pallas_core.primitives import _RefSlice as Slice  # what pl.ds makes: JAX's own Slice
 from pallas_core.specs import BlockDim, Blocked, BlockSpec, GridSpec, Unblocked
 
@@ -38,7 +39,7 @@ no_block_spec = None
 
 __all__ = [
     "ANY", "BlockDim", "BoundedSlice", "Buffered", "CostEstimate", "Element", "MemorySpace", "RevisitMode", "Squeezed",
-    "debug_print", "no_block_spec", "semaphore_read", "semaphore_signal", "semaphore_wait",
+    "align_to", "debug_print", "empty", "empty_like", "no_block_spec", "reciprocal", "semaphore_read", "semaphore_signal", "semaphore_wait",
     "Slice", "squeezed",
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",

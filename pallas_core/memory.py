@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -50,6 +51,17 @@ def as_scratch_shape(s):
     """
     to_shape = getattr(s, "scratch_shape", None)
     return to_shape() if callable(to_shape) and not isinstance(s, ScratchShape) else s
+
+
+def empty(shape, dtype):
+    """An array whose contents are unspecified (JAX's ``pl.empty``): NaN for floats,
+    the integer minimum for ints, so reading it before writing shows up."""
+    return jnp.full(tuple(shape), garbage_fill_value(dtype), dtype)
+
+
+def empty_like(x):
+    """:func:`empty` for every leaf of the pytree ``x`` (objects with ``.shape`` / ``.dtype``)."""
+    return jax.tree.map(lambda leaf: empty(leaf.shape, leaf.dtype), x)
 
 
 def garbage_fill_value(dtype):

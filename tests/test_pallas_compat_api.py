@@ -186,6 +186,29 @@ def test_debug_print_prints_like_jax(capsys):
         call(kernel, x, x, backend="triton")
 
 
+def test_reciprocal_align_to_and_empty_like_jax():
+    x = jax.random.uniform(jax.random.key(12), (8, 128), F32, 0.5, 2.0)
+
+    def kernel(x_ref, o_ref, i_ref, P, T):
+        scratch = P.empty_like(x_ref)  # unspecified values, overwritten before use
+        assert scratch.shape == x_ref.shape and scratch.dtype == x_ref.dtype
+        assert P.align_to(5, 4) == 8 and P.empty((2, 3), jnp.int32).shape == (2, 3)
+        scratch = jnp.where(True, P.reciprocal(x_ref[...]), scratch)
+        o_ref[...] = scratch + P.reciprocal(x_ref[...], approx=True)
+        i_ref[...] = P.align_to(jax.lax.broadcasted_iota(jnp.int32, (8, 128), 1), 8)
+
+    out_shape = (jax.ShapeDtypeStruct((8, 128), F32), jax.ShapeDtypeStruct((8, 128), jnp.int32))
+    (ours, ours_i), (want, want_i) = both(kernel, out_shape, x)
+    np.testing.assert_allclose(ours, 2 / x, rtol=1e-6)
+    np.testing.assert_allclose(want, 2 / x, rtol=1e-2)  # JAX emulates an approximate one
+    np.testing.assert_array_equal(ours_i, want_i)
+    tri, tri_i = call(kernel, out_shape, x, backend="triton")
+    np.testing.assert_allclose(tri, 2 / x, rtol=1e-6)
+    np.testing.assert_array_equal(tri_i, want_i)
+    with pytest.raises(TypeError, match="floating"):
+        pl.reciprocal(jnp.arange(3))
+
+
 # ---- scalar prefetch ----------------------------------------------------------------------
 
 def _gathered_rows(pages, x_ref, o_ref, P, T):

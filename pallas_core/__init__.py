@@ -39,7 +39,8 @@ no_block_spec = None
 
 __all__ = [
     "ANY", "BlockDim", "BoundedSlice", "Buffered", "CostEstimate", "Element", "MemorySpace", "RevisitMode", "Squeezed",
-    "align_to", "debug_print", "empty", "empty_like", "no_block_spec", "reciprocal", "semaphore_read", "semaphore_signal", "semaphore_wait",
+    "align_to", "debug_print", "empty", "empty_like", "no_block_spec", "reciprocal",
+    "semaphore_read", "semaphore_signal", "semaphore_wait",
     "Slice", "squeezed",
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",

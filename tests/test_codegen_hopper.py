@@ -277,7 +277,11 @@ def test_switches_keep_results_bit_identical(n, switches, monkeypatch):
     assert source.count(".load([") + source.count(".store([") == len(described)
 
 
-def test_tma_keeps_pointers_for_strided_masked_and_misaligned_views():
+RUN = [False, pytest.param(True, marks=pytest.mark.slow)]  # results too (the source alone in CI)
+
+
+@pytest.mark.parametrize("run", RUN)
+def test_tma_keeps_pointers_for_strided_masked_and_misaligned_views(run):
     def kernel(x_ref, o_ref):
         every_other = x_ref[:, pl.ds(0, 16, stride=2)]  # strided: pointers
         shifted = pl.load(x_ref, (slice(None), pl.ds(0, 16)), mask=jnp.arange(16)[None, :] < 9, other=0.0)
@@ -289,6 +293,8 @@ def test_tma_keeps_pointers_for_strided_masked_and_misaligned_views():
                           compiler_params=pl.triton.CompilerParams(tma=True))
     source = pl.triton.source(call, x)[0]
     assert source.count(".load([") == 1 and source.count("tl.load(") == 2
+    if not run:
+        return
     got = call(x)
     want = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 64), jnp.float32), grid=(2,),
                           in_specs=[pl.BlockSpec((16, 32), lambda i: (0, i))],
@@ -342,7 +348,8 @@ def test_fused_matmul_defaults():
     assert "make_tensor_descriptor" not in source and "NUM_PROGRAMS" not in source
 
 
-def test_tma_keeps_pointers_for_outputs_read_back():
+@pytest.mark.parametrize("run", RUN)
+def test_tma_keeps_pointers_for_outputs_read_back(run):
     """An output block accumulated across grid axis 1 (loaded after being stored) keeps
     pointers: a TMA store completes asynchronously and is not ordered with later loads.
     The input, only read, still goes through a descriptor."""
@@ -361,5 +368,6 @@ def test_tma_keeps_pointers_for_outputs_read_back():
                               compiler_params=params or None)
     source = pl.triton.source(call("triton", triton=dict(tma=True)), x)[0]
     assert "tl.make_tensor_descriptor(p0," in source and "tl.make_tensor_descriptor(p1," not in source
-    np.testing.assert_array_equal(np.asarray(call("triton", triton=dict(tma=True))(x)),
-                                  np.asarray(call("interpret")(x)))
+    if run:
+        np.testing.assert_array_equal(np.asarray(call("triton", triton=dict(tma=True))(x)),
+                                      np.asarray(call("interpret")(x)))

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import ops
-import pallas_core as pl
 import ops.tuning as tuning
 from ops.attention.block_sizes import default_block_sizes as attention_defaults
 from ops.attention.block_sizes import select_block_sizes
@@ -135,14 +134,16 @@ def test_matmul_precedence_explicit_then_cache_then_heuristic():
                      FORWARD[jnp.float32], "cached tiles")
 
 
-def test_cached_warps_and_stages_reach_the_triton_kernel():
+def test_cached_launch_parameters_reach_the_triton_kernel():
+    from pallas_core.triton import backend
     entry = _entry("fused_matmul", "triton", "bfloat16", (64, 64, 64), block_m=32, block_n=64,
-                   block_k=32, num_warps=2, num_stages=2)
-    shapes = [jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)] * 2
-    with tuning.override([entry]):
-        (report,) = pl.triton.compile(
-            lambda x, w: ops.fused_matmul(x, w, implementation="triton"), *shapes)
-    assert (report["num_warps"], report["num_stages"]) == (2, 2)
+                   block_k=32, num_warps=2, num_stages=2, group_size=4)
+    shapes = [jax.ShapeDtypeStruct((64, 48), jnp.bfloat16), jax.ShapeDtypeStruct((48, 64), jnp.bfloat16)]
+    with tuning.override([entry]), backend.capturing() as records:
+        jax.make_jaxpr(lambda x, w: ops.fused_matmul(x, w, implementation="triton"))(*shapes)
+    (record,) = records
+    assert (record["num_warps"], record["num_stages"]) == (2, 2)
+    assert record["constexprs"]["GROUP"] == 4  # grouped program ordering, bands of 4
 
 
 def test_row_op_precedence_and_cached_layout_runs():

@@ -211,14 +211,16 @@ def _pad_axis(x, axis, size):
 
 
 def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=None,
-                 activation=None, want_preact=False, num_warps=None, num_stages=None):
+                 activation=None, want_preact=False, num_warps=None, num_stages=None,
+                 group_size=None):
     """``act(A @ B + bias)`` with A = a contracting dim ca, B = b contracting dim cb.
 
     ``blocks = (block_rows, block_cols, block_k)`` for the output's two dims
-    and the contraction; ``num_warps`` / ``num_stages`` (Triton backends) None
-    for the heuristic's. The contraction dim is zero-padded to a multiple of
-    block_k (exact for a sum; a copy only when K does not divide); the free
-    dims use edge blocks, whose out-of-bounds rows are discarded.
+    and the contraction; ``num_warps`` / ``num_stages`` / ``group_size`` (Triton
+    backends; the last on ``triton`` only) None for the heuristic's. The
+    contraction dim is zero-padded to a multiple of block_k (exact for a sum; a
+    copy only when K does not divide); the free dims use edge blocks, whose
+    out-of-bounds rows are discarded.
     """
     bm, bn, bk = blocks
     m, n, k = a.shape[1 - ca], b.shape[1 - cb], a.shape[ca]
@@ -231,6 +233,7 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
     strategy = _strategy(backend)
     num_warps = num_warps or _num_warps(bm, bn)
     num_stages = num_stages or 3
+    group_size = group_size or 8  # bands of 8 row blocks: L2 reuse
 
     out_shapes = [jax.ShapeDtypeStruct((m, n), out_dtype)]
     if want_preact:
@@ -260,7 +263,7 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
             out_specs=[out_spec] * len(out_shapes),
             scratch_shapes=[pl.tpu.VMEM((bm, bn), jnp.float32)],
             compiler_params=pl.triton.CompilerParams(
-                num_warps=num_warps, num_stages=num_stages, group_size=8,  # bands of 8 row blocks: L2 reuse
+                num_warps=num_warps, num_stages=num_stages, group_size=group_size,
                 dimension_semantics=("parallel", "parallel", "arbitrary"))
             if backend == "triton" else pl.CompilerParams(("parallel", "parallel", "arbitrary")),
             backend=backend, name=_kernel_name(activation, bias))
@@ -399,7 +402,7 @@ def _partitioned_forward(x, w, bias, config: _Config, activation, *, want_preact
                              config.block_sizes)
         partial = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
                                out_dtype=jnp.float32, num_warps=tiles.num_warps,
-                               num_stages=tiles.num_stages)
+                               num_stages=tiles.num_stages, group_size=tiles.group_size)
         z = psum(partial, reduced, "k")
         if bias is not None:
             z = z + bias.astype(jnp.float32)
@@ -417,7 +420,7 @@ def _forward(x, w, bias, config: _Config, activation, *, want_preact: bool) -> t
     outs = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
                         out_dtype=x.dtype, bias=bias, activation=activation,
                         want_preact=want_preact, num_warps=tiles.num_warps,
-                        num_stages=tiles.num_stages)
+                        num_stages=tiles.num_stages, group_size=tiles.group_size)
     return tuple(outs) if want_preact else (outs,)
 
 
@@ -487,12 +490,15 @@ class Tiles:
       blocks: ``(block_m, block_n, block_k)``.
       num_warps, num_stages: Triton launch parameters; None: the heuristic's
         (8 warps from a 128 x 128 tile, 3 stages).
+      group_size: grouped program ordering on ``triton``
+        (:class:`pallas_core.triton.CompilerParams`); None: 8.
       source: where it came from: "argument", "cache" or "heuristic".
     """
 
     blocks: tuple[int, int, int]
     num_warps: int | None = None
     num_stages: int | None = None
+    group_size: int | None = None
     source: str = "heuristic"
 
 
@@ -512,5 +518,6 @@ def select_tiles(m: int, n: int, k: int, dtype, backend: str,
         heuristic = default_block_sizes(m, n, k, dtype, backend)
         blocks = tuple(tuned.get(name, h) for name, h in zip(("block_m", "block_n", "block_k"),
                                                              heuristic))
-        return Tiles(blocks, tuned.get("num_warps"), tuned.get("num_stages"), source="cache")
+        return Tiles(blocks, tuned.get("num_warps"), tuned.get("num_stages"),
+                     tuned.get("group_size"), source="cache")
     return Tiles(default_block_sizes(m, n, k, dtype, backend))

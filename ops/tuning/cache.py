@@ -57,7 +57,7 @@ PACKAGED_CACHE = Path(__file__).resolve().parent / "configs.json"
 _ROW_FIELDS = ("block_rows", "chunk", "num_warps", "num_stages")
 # The tunable fields of each op's config; every one is a positive int.
 CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
-    "fused_matmul": ("block_m", "block_n", "block_k", "num_warps", "num_stages"),
+    "fused_matmul": ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_size"),
     "dot_product_attention": ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "num_warps",
                               "num_stages"),
     **{op: _ROW_FIELDS for op in ("layer_norm", "rms_norm", "softmax", "log_softmax", "logsumexp",

@@ -71,13 +71,12 @@ class Problem:
         dt = jnp.dtype(self.dtype)
         impl = self.implementation
         sds = jax.ShapeDtypeStruct
+        import ops  # here: ops imports this package, so not at module import time
         if self.op == "fused_matmul":
-            import ops
             m, n, k = self.shape
             return (lambda x, w: ops.fused_matmul(x, w, implementation=impl),
                     [sds((m, k), dt), sds((k, n), dt)])
         if self.op == "dot_product_attention":
-            import ops
             t, s, h = self.shape
             return (lambda q, k, v: ops.dot_product_attention(q, k, v, is_causal=t == s,
                                                               implementation=impl),
@@ -128,12 +127,15 @@ def _unique(configs: Sequence[dict]) -> list[dict]:
     return out
 
 
-# (block_m, block_n, block_k, num_warps, num_stages): the shapes tensor-core
-# matmuls run well (Triton's matmul tutorial searches the same region).
-_MATMUL_SPACE = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3),
-                 (128, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4),
-                 (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 128, 8, 3),
-                 (128, 256, 64, 8, 4), (64, 256, 64, 4, 4), (128, 128, 64, 8, 4))
+# (block_m, block_n, block_k, num_warps, num_stages, group_size): the shapes
+# tensor-core matmuls run well (Triton's matmul tutorial searches the same
+# region), with the default grouped ordering (bands of 8 row blocks), then two
+# other bands on the default tile.
+_MATMUL_SPACE = ((128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8),
+                 (128, 128, 64, 4, 4, 8), (128, 128, 32, 4, 4, 8), (128, 64, 64, 4, 4, 8),
+                 (64, 128, 64, 4, 4, 8), (64, 64, 64, 4, 4, 8), (128, 128, 128, 8, 3, 8),
+                 (128, 256, 64, 8, 4, 8), (64, 256, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8),
+                 (128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 16))
 # (block_q, block_k, num_warps, num_stages) of the attention kernels.
 _ATTENTION_SPACE = tuple(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
 
@@ -144,7 +146,8 @@ def candidates(problem: Problem) -> list[dict]:
         m, n, k = problem.shape
         cap_k = 32 if problem.dtype == "float32" else 128
         configs = [dict(block_m=_clamp(bm, m), block_n=_clamp(bn, n), block_k=_clamp(min(bk, cap_k), k),
-                        num_warps=w, num_stages=s) for bm, bn, bk, w, s in _MATMUL_SPACE]
+                        num_warps=w, num_stages=s, group_size=g)
+                   for bm, bn, bk, w, s, g in _MATMUL_SPACE]
     elif problem.op == "dot_product_attention":
         t, s, _ = problem.shape
         configs = [dict(block_q=_clamp(bq, t), block_k=_clamp(bk, s), num_warps=w, num_stages=st)

@@ -35,7 +35,11 @@ from pallas_core import _jax_internals, backends
 
 
 def _has_tangent(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
+    """Floating and complex buffers have tangents (not ints, bools or semaphores)."""
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:  # a dtype numpy does not know, such as a semaphore's
+        return False
 
 
 def _is_zero(tangent) -> bool:

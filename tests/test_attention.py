@@ -19,7 +19,8 @@ from hypothesis import given, settings, strategies as st
 import ops
 from ops.attention import BlockSizes
 from ops.attention import dropout as dropout_lib
-from ops.attention.masking import MaskSpec, block_ranges, block_visibility
+from ops.attention.masking import (RANGE_FIELDS, MaskSpec, block_full_visibility, block_ranges,
+                                   block_visibility, masked_sides)
 from tests.tolerances import BACKWARD, FORWARD, assert_close
 
 B, T, S, N, K, H = 2, 37, 45, 4, 2, 32
@@ -235,14 +236,85 @@ def test_skipped_blocks_are_never_read(impl, case):
         assert np.all(np.isfinite(np.asarray(g)))
 
 
+def _table(vis, full=None, rows=16, sides=(True, True)):
+    """block_ranges' first ``rows`` rows as ``[rows, RANGE_FIELDS]``: lo, hi, full_lo, full_hi."""
+    flat = np.asarray(block_ranges(vis, 1, full=full, sides=sides))
+    return flat[:rows * RANGE_FIELDS].reshape(rows, RANGE_FIELDS)
+
+
 def test_causal_visits_about_half_the_blocks():
     spec = MaskSpec(T=1024, S=1024, causal=True)
-    ranges = np.asarray(block_ranges(block_visibility(spec, 64, 64), 1))[:2 * 16].reshape(16, 2)
+    ranges = _table(block_visibility(spec, 64, 64))
     visited = int(np.sum(ranges[:, 1] - ranges[:, 0]))
     assert visited == 16 * 17 // 2  # the lower triangle of the 16 x 16 block grid
     window = MaskSpec(T=1024, S=1024, left=64, right=0)
-    ranges = np.asarray(block_ranges(block_visibility(window, 64, 64), 1))[:32].reshape(16, 2)
+    ranges = _table(block_visibility(window, 64, 64))
     assert np.all(ranges[1:, 1] - ranges[1:, 0] == 2)  # a band of two blocks
+
+
+def test_fully_visible_block_ranges():
+    """Causal: every block left of the diagonal is fully visible, the diagonal one is not."""
+    spec = MaskSpec(T=1024, S=1000, causal=True)  # the last key block overhangs S
+    table = _table(block_visibility(spec, 64, 64), block_full_visibility(spec, 64, 64))
+    i = np.arange(16)
+    np.testing.assert_array_equal(table[:, 0], 0)
+    np.testing.assert_array_equal(table[:, 1], i + 1)
+    assert tuple(table[0, 2:]) == (1, 1)  # only the diagonal block: nothing to skip (full_lo = hi)
+    np.testing.assert_array_equal(table[1:15, 2:], np.stack([0 * i, i], 1)[1:15])
+    assert tuple(table[15, 2:]) == (0, 15)  # block 15 overhangs S: masked
+    # The forward walks causal rows as FlashAttention-2 does: fully visible blocks, then
+    # the masked diagonal; a row without full blocks is all "trailing" (full range lo, lo).
+    sides = masked_sides(spec, 64, 64)
+    assert sides == (False, True)
+    table = _table(block_visibility(spec, 64, 64), block_full_visibility(spec, 64, 64), sides=sides)
+    assert tuple(table[0]) == (0, 1, 0, 0) and tuple(table[7]) == (0, 8, 0, 7)
+    # Walking query blocks per key block (dK/dV), the diagonal comes first.
+    assert masked_sides(MaskSpec(T=1024, S=1024, causal=True), 64, 64, transpose=True,
+                        bound_q=True) == (True, False)
+    # A causal window reaching 200 back: queries 320..383 see keys from 120 (block 1)
+    # on; keys 192..319 (blocks 3, 4) are seen by every one of them.
+    window = MaskSpec(T=1024, S=1024, left=200, right=0)
+    table = _table(block_visibility(window, 64, 64), block_full_visibility(window, 64, 64))
+    assert tuple(table[5]) == (1, 6, 3, 5)
+
+
+def test_full_ranges_with_gaps_are_not_split():
+    """Segments whose fully visible blocks are not contiguous: no unmasked sub-range."""
+    spec = MaskSpec(T=16, S=48, segments=True)
+    q_seg = jnp.zeros((1, 16), jnp.int32)
+    kv_seg = jnp.asarray(np.repeat([0, 1, 0], 16)[None], jnp.int32)
+    table = _table(block_visibility(spec, 16, 16, q_seg, kv_seg),
+                   block_full_visibility(spec, 16, 16, q_seg, kv_seg), rows=1)
+    assert tuple(table[0]) == (0, 3, 3, 3)
+
+
+@pytest.mark.parametrize("option", [pytest.param("causal", marks=pytest.mark.slow),
+                                    pytest.param("window", marks=pytest.mark.slow),
+                                    "window_causal", "lengths", "segments", "mask"])
+def test_loop_strategy_on_interpret(option, monkeypatch):
+    """The Triton backends' loop strategy (masked / fully visible / masked sub-loops)
+    run by the interpreter, forward and gradients: the same kernels as on triton,
+    at the interpreter's speed. T = 70 and S = 90 give each query block fully
+    visible key blocks as well as ones a boundary crosses."""
+    from ops.attention import kernels
+    monkeypatch.setattr(kernels.Config, "strategy", property(lambda self: "loop"))
+    q, k, v, do = _inputs(11, t=70, s=90)
+    kw = {"causal": dict(is_causal=True), "window": dict(local_window_size=(20, 10)),
+          "window_causal": dict(local_window_size=30, is_causal=True),
+          "lengths": dict(query_seq_lengths=jnp.array([70, 33], jnp.int32),
+                          key_value_seq_lengths=jnp.array([50, 90], jnp.int32)),
+          "segments": dict(query_segment_ids=_segments(B, 70, [40, 30]),
+                           key_value_segment_ids=_segments(B, 90, [50, 40]), is_causal=True),
+          "mask": dict(mask=jax.random.bernoulli(jax.random.key(2), 0.8, (B, 1, 70, 90)),
+                       is_causal=True)}[option]
+    f = lambda q, k, v: ops.dot_product_attention(q, k, v, implementation="interpret",
+                                                  block_sizes=(16, 16), **kw)
+    ref = lambda q, k, v: ops.dot_product_attention(q, k, v, implementation="xla", **kw)
+    assert_close(f(q, k, v), ref(q, k, v), FORWARD[jnp.float32], option)
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) * do), (0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(ref(*a) * do), (0, 1, 2))(q, k, v)
+    for name, g, w in zip("qkv", grads, want):
+        assert_close(g, w, BACKWARD[jnp.float32], f"{option} d{name}")
 
 
 # --------------------------------------------------------------------------

@@ -509,4 +509,5 @@ def test_shipped_fused_matmul_training_step(cuda):
     text, records = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1, 2)), *args)
     check_launches(cuda, text, records)
     assert len(records) == 4
-    assert all(k.num_warps in (4, 8) for k in cuda.kernels)
+    # The element-wise dz kernel runs at twice the matmuls' warps (16: no spills on sm_90).
+    assert all(k.num_warps in (4, 8, 16) for k in cuda.kernels)

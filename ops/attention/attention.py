@@ -20,7 +20,8 @@ from ops._implementation import resolve_implementation
 from ops.attention import dropout as dropout_lib
 from ops.attention import kernels
 from ops.attention.block_sizes import BlockSizes, select_block_sizes
-from ops.attention.masking import MaskSpec, block_ranges, block_visibility, fold_lengths
+from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
+                                   fold_lengths, masked_sides)
 from ops.attention.reference import attention_reference
 
 _OP = "dot_product_attention"
@@ -305,10 +306,18 @@ def _check_block_sizes(block_sizes, T, S, H, dtype, backend) -> BlockSizes:
 
 def _tables(cfg: kernels.Config, q_seg, kv_seg, seed):
     """The scalar tables of the forward/dQ kernels and of the dK/dV kernel."""
-    fwd = block_visibility(cfg.spec, cfg.block_q, cfg.block_k, q_seg, kv_seg)
-    dkdv = block_visibility(cfg.spec, cfg.block_q_dkv, cfg.block_k_dkv, q_seg, kv_seg)
-    return (kernels.scalar_table(seed, block_ranges(fwd, cfg.batch)),
-            kernels.scalar_table(seed, block_ranges(dkdv, cfg.batch, transpose=True)))
+    def ranges(bq, bk, transpose=False, bound_q=False):
+        vis = block_visibility(cfg.spec, bq, bk, q_seg, kv_seg)
+        # Only the loop strategy skips masks on fully visible blocks (kernels._walk_blocks).
+        # A kernel must walk with masks every side the table was built with: the dQ
+        # kernel's sides (bound_q) include the forward's, so one table serves both.
+        full = block_full_visibility(cfg.spec, bq, bk, q_seg, kv_seg) if cfg.strategy == "loop" else None
+        sides = masked_sides(cfg.spec, bq, bk, transpose=transpose, bound_q=bound_q)
+        table = block_ranges(vis, cfg.batch, transpose=transpose, full=full, sides=sides)
+        return kernels.scalar_table(seed, table)
+
+    return (ranges(cfg.block_q, cfg.block_k),
+            ranges(cfg.block_q_dkv, cfg.block_k_dkv, transpose=True, bound_q=True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))

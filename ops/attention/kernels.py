@@ -13,7 +13,9 @@ sequence, chosen by backend (as fused_matmul's contraction walk):
   blocks, the carries in registers. Our Triton lowering emits that loop as
   ``for j in range(lo, hi)``, which Triton software-pipelines (cp.async /
   TMA stages), and JAX's Pallas Triton lowering runs programs concurrently,
-  so it cannot walk a grid axis.
+  so it cannot walk a grid axis. Where a mask can hide pairs, the range is
+  walked as three loops: the fully visible blocks in the middle skip the
+  mask (:func:`_walk_blocks`).
 
 Forward (Algorithm 1): programs over (batch, query head, query block); for
 each visible key/value block, ``s = q k^T`` scaled into log2 units (the scale
@@ -51,7 +53,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops.attention import dropout as dropout_lib
-from ops.attention.masking import MaskSpec, visible
+from ops.attention.masking import RANGE_FIELDS, masked_sides, MaskSpec, visible
 from ops.reduction._rows import logsumexp_shift
 
 LOG2E = math.log2(math.e)
@@ -148,9 +150,16 @@ class Tile:
     k_seg: jax.Array | None = None  # [1, bk]
 
 
-def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False):
+def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False,
+                masked: bool = True):
     """``(s2, capped)``: masked logits in log2 units ``[bq, bk]`` (-inf where not visible)
-    and ``tanh(scores / cap)`` for the soft cap's derivative (None without one)."""
+    and ``tanh(scores / cap)`` for the soft cap's derivative (None without one).
+
+    ``masked=False``: the tile is known to be fully visible (a block of the
+    ``full_lo .. full_hi`` range of :func:`ops.attention.masking.block_ranges`),
+    so the positional, segment and edge conditions are not evaluated; an
+    explicit ``mask`` operand still is.
+    """
     s = _dot(tile.q, tile.k, 1, 1)
     capped = None
     if cfg.softcap is not None:
@@ -160,11 +169,13 @@ def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = Fa
         s2 = s * (cfg.scale * LOG2E)
     if tile.bias is not None:
         s2 = s2 + tile.bias.astype(jnp.float32) * LOG2E
-    shape = (bq, bk)
-    q_pos, k_pos = _positions(tile.i, bq, shape, 0), _positions(tile.j, bk, shape, 1)
-    vis = visible(cfg.spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=cfg.spec.S % bk != 0)
-    if bound_q and cfg.spec.T % bq:
-        vis = (q_pos < cfg.spec.T) if vis is None else vis & (q_pos < cfg.spec.T)
+    vis = None
+    if masked:
+        shape = (bq, bk)
+        q_pos, k_pos = _positions(tile.i, bq, shape, 0), _positions(tile.j, bk, shape, 1)
+        vis = visible(cfg.spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=cfg.spec.S % bk != 0)
+        if bound_q and cfg.spec.T % bq:
+            vis = (q_pos < cfg.spec.T) if vis is None else vis & (q_pos < cfg.spec.T)
     if tile.mask is not None:
         m = tile.mask != 0
         vis = m if vis is None else vis & m
@@ -187,10 +198,10 @@ def _apply_dropout(cfg: Config, x, keep):
     return jnp.where(keep, x * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
 
 
-def forward_update(cfg: Config, carry, tile: Tile, v, seed, bq: int, bk: int):
+def forward_update(cfg: Config, carry, tile: Tile, v, seed, bq: int, bk: int, masked: bool = True):
     """One online-softmax step (FA-2 Algorithm 1, lines 8-10) for one key/value block."""
     m, l, acc = carry
-    s2, _ = logits_log2(cfg, tile, bq, bk)
+    s2, _ = logits_log2(cfg, tile, bq, bk, masked=masked)
     m_new = jnp.maximum(m, jnp.max(s2, axis=1, keepdims=True))
     shift = logsumexp_shift(m_new)
     p = jnp.exp2(s2 - shift)
@@ -209,13 +220,14 @@ def forward_finish(m, l, acc):
     return out, lse
 
 
-def backward_tile(cfg: Config, tile: Tile, v, do, lse, delta, seed, bq: int, bk: int):
+def backward_tile(cfg: Config, tile: Tile, v, do, lse, delta, seed, bq: int, bk: int,
+                  masked: bool = True):
     """``(p_dropped, dscores, dbias)`` of one tile (FA-2 Algorithm 2, lines 11-14).
 
     ``dscores`` is the gradient of the scaled scores ``scale * q.k`` (before the
     soft cap); ``dbias`` that of the logits after it, i.e. of the bias.
     """
-    s2, capped = logits_log2(cfg, tile, bq, bk, bound_q=True)
+    s2, capped = logits_log2(cfg, tile, bq, bk, bound_q=True, masked=masked)
     p = jnp.exp2(s2 - logsumexp_shift(lse * LOG2E))
     keep = dropout_keep(cfg, tile, seed, bq, bk)
     dp = _apply_dropout(cfg, _dot(do, v, 1, 1), keep)
@@ -349,16 +361,51 @@ class _QueryProgram:
     i: jax.Array
     head: jax.Array  # b * N + n
     seed: jax.Array
-    lo: jax.Array  # the visible key/value blocks are [lo, hi)
+    lo: jax.Array  # the visible key/value blocks are [lo, hi),
     hi: jax.Array
+    full_lo: jax.Array  # the fully visible ones [full_lo, full_hi) (masking.block_ranges)
+    full_hi: jax.Array
     q_seg: jax.Array | None
+
+    @property
+    def ranges(self):
+        return self.lo, self.hi, self.full_lo, self.full_hi
 
 
 def _query_program(cfg: Config, table_ref, qs_ref) -> _QueryProgram:
     b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row = 1 + 2 * (b * pl.cdiv(cfg.spec.T, cfg.block_q) + i)
+    row = 1 + RANGE_FIELDS * (b * pl.cdiv(cfg.spec.T, cfg.block_q) + i)
     return _QueryProgram(i=i, head=b * cfg.heads + n, seed=table_ref[0], lo=table_ref[row],
-                         hi=table_ref[row + 1], q_seg=None if qs_ref is None else qs_ref[...])
+                         hi=table_ref[row + 1], full_lo=table_ref[row + 2], full_hi=table_ref[row + 3],
+                         q_seg=None if qs_ref is None else qs_ref[...])
+
+
+def _walk_blocks(ranges, loop, init, sides: tuple[bool, bool]):
+    """Loop strategy: ``loop(first, last, carry, masked)`` over the visible blocks ``[lo, hi)``.
+
+    ``sides`` (:func:`ops.attention.masking.masked_sides`, the same the table
+    was built with) says where masked blocks may lie. Up to three loops in
+    block order: ``[lo, full_lo)`` masked, the fully visible ``[full_lo,
+    full_hi)`` without evaluating the conditions, ``[full_hi, hi)`` masked. For
+    causal attention that is FlashAttention-2's split of the loop into
+    off-diagonal and diagonal blocks (Dao, 2023, section 3.1.1); windows,
+    segments and ragged edges get the same: only the blocks a boundary crosses
+    pay for the mask. Without sides, one loop with the conditions evaluated
+    (they are then None: nothing is masked).
+    """
+    lo, hi, full_lo, full_hi = ranges
+    leading, trailing = sides
+    if not (leading or trailing):
+        return loop(lo, hi, init, True)
+    carry = loop(lo, full_lo, init, True) if leading else init
+    carry = loop(full_lo, full_hi, carry, False)
+    return loop(full_hi, hi, carry, True) if trailing else carry
+
+
+def _each_block(step):
+    """``loop`` for :func:`_walk_blocks`: ``carry = step(j, carry, masked)`` for j in ``[first, last)``."""
+    return lambda first, last, carry, masked: lax.fori_loop(
+        first, last, lambda j, c: step(j, c, masked), carry)
 
 
 def _kv_tile(cfg: Config, prog: _QueryProgram, q, j, k_ref, v_ref, ks_ref, bias_ref, mask_ref):
@@ -388,9 +435,9 @@ def _forward_kernel(*refs, cfg: Config):
     q, seed, lo, hi = q_ref[...], prog.seed, prog.lo, prog.hi
     kv_refs = (k_ref, v_ref, ks_ref, bias_ref, mask_ref)
 
-    def step(j, carry):
+    def step(j, carry, masked=True):
         tile, v = _kv_tile(cfg, prog, q, j, *kv_refs)
-        return forward_update(cfg, carry, tile, v, seed, bq, bk)
+        return forward_update(cfg, carry, tile, v, seed, bq, bk, masked)
 
     def finish(m, l, acc):
         out, lse = forward_finish(m, l, acc)
@@ -400,7 +447,7 @@ def _forward_kernel(*refs, cfg: Config):
     init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
             jnp.zeros((bq, cfg.head_dim), jnp.float32))
     if not grid_walk:
-        finish(*lax.fori_loop(lo, hi, step, init))
+        finish(*_walk_blocks(prog.ranges, _each_block(step), init, masked_sides(cfg.spec, bq, bk)))
         return
     m_ref, l_ref, acc_ref = scratch
     j = pl.program_id(3)
@@ -530,9 +577,9 @@ def _dq_kernel(*refs, cfg: Config, want_dbias: bool):
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     kv_refs = (k_ref, v_ref, ks_ref, bias_ref, mask_ref)
 
-    def step(j, dq):
+    def step(j, dq, masked=True):
         tile, v = _kv_tile(cfg, prog, q, j, *kv_refs)
-        _, dscores, dbias = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk)
+        _, dscores, dbias = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk, masked)
         if dbias_ref is not None:
             if grid_walk:
                 dbias_ref[...] = dbias
@@ -542,7 +589,9 @@ def _dq_kernel(*refs, cfg: Config, want_dbias: bool):
 
     zeros = jnp.zeros((bq, cfg.head_dim), jnp.float32)
     if not grid_walk:
-        dq_ref[...] = (lax.fori_loop(lo, hi, step, zeros) * cfg.scale).astype(dq_ref.dtype)
+        sides = masked_sides(cfg.spec, bq, bk, bound_q=True)
+        dq = _walk_blocks(prog.ranges, _each_block(step), zeros, sides)
+        dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
         return
     (acc_ref,) = rest
     j = pl.program_id(3)
@@ -627,11 +676,12 @@ def _dkdv_kernel(*refs, cfg: Config):
     nk = pl.cdiv(cfg.spec.S, bk)
     nq = pl.cdiv(cfg.spec.T, bq)
     seed = table_ref[0]
-    lo, hi = table_ref[1 + 2 * (b * nk + j)], table_ref[2 + 2 * (b * nk + j)]
+    row = 1 + RANGE_FIELDS * (b * nk + j)
+    lo, hi = table_ref[row], table_ref[row + 1]
     k, v = k_ref[...], v_ref[...]
     k_seg = None if ks_ref is None else ks_ref[...]
 
-    def step(gi, i, carry):
+    def step(gi, i, carry, masked=True):
         """Query head ``kh * G + gi``, query block ``i``."""
         dk, dv = carry
         n = kh * g + gi
@@ -654,7 +704,7 @@ def _dkdv_kernel(*refs, cfg: Config):
         delta = _zero_rows_past(delta, i, bq, cfg.spec.T)
         tile = Tile(q=q, k=k, i=i, j=j, head=b * cfg.heads + n, q_seg=q_seg, k_seg=k_seg,
                     bias=bias, mask=mask)
-        p, dscores, _ = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk)
+        p, dscores, _ = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk, masked)
         dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
         dk = dk + _dot(dscores.astype(q.dtype), q, 0, 0)
         return dk, dv
@@ -665,12 +715,17 @@ def _dkdv_kernel(*refs, cfg: Config):
 
     zeros = jnp.zeros((bk, cfg.head_dim), jnp.float32)
     if not grid_walk:
-        count = hi - lo
+        def blocks(first, last, carry, masked):  # every query head of the group, blocks [first, last)
+            count = last - first
 
-        def flat_step(t, carry):  # t walks (query head of the group, visible query block)
-            return step(_div(t, count), lo + _rem(t, count), carry)
+            def flat_step(t, carry):  # t walks (query head of the group, query block)
+                return step(_div(t, count), first + _rem(t, count), carry, masked)
 
-        finish(*lax.fori_loop(0, g * count, flat_step, (zeros, zeros)))
+            return lax.fori_loop(0, g * count, flat_step, carry)
+
+        ranges = (lo, hi, table_ref[row + 2], table_ref[row + 3])
+        sides = masked_sides(cfg.spec, bq, bk, transpose=True, bound_q=True)
+        finish(*_walk_blocks(ranges, blocks, (zeros, zeros), sides))
         return
     dk_acc, dv_acc = scratch
     t = pl.program_id(3)

@@ -22,6 +22,9 @@ in XLA (exactly for the positional conditions, conservatively from per-block
 id ranges for segments); kernels visit only that range. The transposed table
 serves the dK/dV kernel, which walks query blocks for a key/value block.
 An explicit ``mask`` array is applied elementwise but not used to skip.
+Inside ``[lo, hi)`` the table also gives the range ``[full_lo, full_hi)``
+of blocks every pair of which is visible (:func:`block_full_visibility`):
+the Triton kernels walk it without evaluating the conditions at all.
 """
 from __future__ import annotations
 
@@ -140,6 +143,33 @@ def block_visibility(spec: MaskSpec, block_q: int, block_k: int, q_seg=None, kv_
     return out
 
 
+def block_full_visibility(spec: MaskSpec, block_q: int, block_k: int, q_seg=None, kv_seg=None):
+    """``[B or 1, nq, nk]`` bool: whether every pair of query block i and key block j is
+    visible, so a kernel may skip :func:`visible` there.
+
+    Both blocks must be whole (no rows past T or S), every offset ``k - q`` in the
+    pair inside the window / causal reach, and with segments one id throughout
+    both blocks. (An explicit ``mask`` array is applied on every block anyway.)
+    """
+    nq, nk = pl.cdiv(spec.T, block_q), pl.cdiv(spec.S, block_k)
+    q_first = np.arange(nq) * block_q
+    k_first = np.arange(nk) * block_k
+    q_last, k_last = q_first + block_q - 1, k_first + block_k - 1
+    full = (q_last < spec.T)[:, None] & (k_last < spec.S)[None, :]
+    if spec.right_reach is not None:
+        full &= (k_last[None, :] - q_first[:, None]) <= spec.right_reach
+    if spec.left is not None:
+        full &= (k_first[None, :] - q_last[:, None]) >= -spec.left
+    out = jnp.asarray(full)[None]
+    if spec.segments:
+        q_min, q_max = _block_id_range(q_seg, block_q)
+        k_min, k_max = _block_id_range(kv_seg, block_k)
+        one_id = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
+                  & (q_min[:, :, None] == k_min[:, None, :]))
+        out = out & one_id
+    return out
+
+
 def _first_last(vis):
     """``[..., n]`` bool -> int32 ``(lo, hi)``: the range from the first to the last True (0, 0 if none)."""
     n = vis.shape[-1]
@@ -149,20 +179,70 @@ def _first_last(vis):
     return jnp.where(any_, lo, 0).astype(jnp.int32), jnp.where(any_, hi, 0).astype(jnp.int32)
 
 
-def block_ranges(vis, batch: int, *, transpose: bool = False):
+RANGE_FIELDS = 4  # entries per block in a block_ranges table: lo, hi, full_lo, full_hi
+
+
+def masked_sides(spec: MaskSpec, block_q: int, block_k: int, *, transpose: bool = False,
+                 bound_q: bool = False) -> tuple[bool, bool]:
+    """``(leading, trailing)``: whether a walk over a block's visible range may meet
+    tiles a mask boundary crosses before / after its fully visible blocks.
+
+    Walking key blocks for a query block (``transpose=False``) a left window
+    or segments cut the start and a causal or right reach, segments or a
+    ragged key edge the end; walking query blocks for a key block
+    (``transpose=True``) the roles of the reaches swap and the ragged edge is
+    the queries' (``bound_q``: rows past T are masked, as in the backward).
+    (False, False): no tile needs a mask at all.
+    """
+    right, left = spec.right_reach is not None, spec.left is not None
+    ragged_k, ragged_q = spec.S % block_k != 0, bound_q and spec.T % block_q != 0
+    if transpose:
+        leading, trailing = right, left or ragged_q
+        ragged_row = ragged_k  # the walking key block itself is cut: no full blocks
+    else:
+        leading, trailing = left, right or ragged_k
+        ragged_row = ragged_q
+    leading |= spec.segments
+    trailing |= spec.segments or (ragged_row and not leading)
+    return leading, trailing
+
+
+def block_ranges(vis, batch: int, *, transpose: bool = False, full=None,
+                 sides: tuple[bool, bool] = (True, True)):
     """The per-block loop ranges as a flat int32 table.
 
-    ``vis`` is :func:`block_visibility`'s ``[B or 1, nq, nk]``. Without
-    ``transpose`` entry ``2 * (b * nq + i)`` is the first key/value block
-    query block ``i`` of batch ``b`` visits and the next entry one past the
-    last; with ``transpose`` the roles swap (query blocks per key/value block,
-    ``2 * (b * nk + j)``). The table is padded to a power-of-two length, so
-    it is one whole-array block on every backend.
+    ``vis`` is :func:`block_visibility`'s ``[B or 1, nq, nk]``, ``full``
+    :func:`block_full_visibility`'s (None: no block is known to be fully
+    visible). Without ``transpose``, row ``r = b * nq + i`` (entries
+    ``RANGE_FIELDS * r ...``) describes query block ``i`` of batch ``b``:
+    ``lo, hi``, the key/value blocks it visits, and ``full_lo, full_hi``, a
+    sub-range ``lo <= full_lo <= full_hi <= hi`` of blocks every pair of which
+    is visible. ``sides`` (:func:`masked_sides`) says which of ``[lo, full_lo)``
+    and ``[full_hi, hi)`` a kernel walks with masks; the sub-range is emptied
+    (set to ``hi, hi`` or, without a leading side, ``lo, lo``) when there is
+    none, when it has gaps, or when it would leave masked blocks on a side the
+    kernel does not walk. With ``transpose`` the roles swap
+    (query blocks per key/value block, ``r = b * nk + j``). The table is padded
+    to a power-of-two length, so it is one whole-array block on every backend.
     """
     if transpose:
         vis = jnp.swapaxes(vis, 1, 2)
+        full = None if full is None else jnp.swapaxes(full, 1, 2)
     vis = jnp.broadcast_to(vis, (batch, *vis.shape[1:]))
     lo, hi = _first_last(vis)
-    flat = jnp.stack([lo, hi], axis=-1).reshape(-1)
+    leading, trailing = sides
+    empty = hi if leading else lo
+    if full is None:
+        full_lo, full_hi = empty, empty
+    else:
+        full = jnp.broadcast_to(full, vis.shape)
+        first, last = _first_last(full)
+        # Only a run without gaps may skip masking: count the full blocks in [first, last).
+        inside = (jnp.arange(full.shape[-1]) >= first[..., None]) & (jnp.arange(full.shape[-1]) < last[..., None])
+        ok = (first < last) & (jnp.sum(full & inside, axis=-1) == last - first)
+        ok &= (first == lo) | leading
+        ok &= (last == hi) | trailing
+        full_lo, full_hi = jnp.where(ok, first, empty), jnp.where(ok, last, empty)
+    flat = jnp.stack([lo, hi, full_lo, full_hi], axis=-1).reshape(-1)
     size = pl.next_power_of_2(max(flat.shape[0], 2))
     return jnp.pad(flat, (0, size - flat.shape[0]))

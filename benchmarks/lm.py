@@ -75,6 +75,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import layers
 import ops
@@ -283,27 +285,71 @@ def make_steps(graphdef, tx):
     return train_step, eval_loss
 
 
-def train(model: ByteLM, tx, batches: np.ndarray, val_batches: np.ndarray) -> dict:
+def train(model: ByteLM, tx, batches: np.ndarray, val_batches: np.ndarray, mesh=None) -> dict:
     """Trains ``model`` on ``batches``; returns its loss curve, step times and val loss.
 
     Every step is timed to ``block_until_ready``: step 0 includes compilation
-    and is reported separately, the rest give the median.
+    and is reported separately, the rest give the median. With ``mesh`` the
+    parameters are placed by :func:`tensor_parallel_specs` and every batch is
+    split over the ``data`` axis; jit and our ops' partitioning rules do the rest.
     """
     graphdef, params = nnx.split(model)
+    place = lambda batch: jnp.asarray(batch)
+    if mesh is not None:
+        params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                                     tensor_parallel_specs(params)))
+        place = lambda batch: jax.device_put(batch, NamedSharding(mesh, P("data")))
     train_step, eval_loss = make_steps(graphdef, tx)
     opt_state = tx.init(params)
     losses, times = [], []
     for batch in batches:
         t0 = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, jnp.asarray(batch))
+        params, opt_state, loss = train_step(params, opt_state, place(batch))
         loss = float(jax.block_until_ready(loss))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-    val = float(np.mean([eval_loss(params, jnp.asarray(b)) for b in val_batches]))
+    val = float(np.mean([eval_loss(params, place(b)) for b in val_batches]))
     steady = times[1:] or times
     return {"losses": losses, "step_times_ms": [1e3 * t for t in times],
             "first_step_ms": 1e3 * times[0], "median_step_ms": 1e3 * statistics.median(steady),
             "val_loss": val}
+
+
+def tensor_parallel_specs(params):
+    """Megatron-style PartitionSpecs over a ``("data", "model")`` mesh, per parameter.
+
+    MLP: ``up`` column-parallel (kernel ``[D, 4D]`` split by columns, gelu
+    epilogue local), ``down`` row-parallel (its contraction split: partial
+    products + one all-reduce inside ops.fused_matmul). Attention: query/key/
+    value kernels ``[D, heads, head_dim]`` split by heads (flash attention runs
+    each device's heads), the output projection by its heads dim (one
+    all-reduce). Embeddings, norms and the head are replicated; the batch is
+    split over "data".
+    """
+    def spec(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if ".mlp" in name and ".up" in name:
+            return P(None, "model") if "kernel" in name else P("model")
+        if ".mlp" in name and ".down" in name and "kernel" in name:
+            return P("model", None)
+        if ".attn" in name and any(f".{p}" in name for p in ("query", "key", "value")):
+            return P(None, "model", None) if "kernel" in name else P("model", None)
+        if ".attn" in name and ".out" in name and "kernel" in name:
+            return P("model", None, None)
+        return P()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=4,model=2"`` -> ``{"data": 4, "model": 2}`` (a missing axis is 1)."""
+    shape = {"data": 1, "model": 1}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if name.strip() not in shape or not size.strip().isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--mesh takes data=N,model=M (positive ints), got {text!r}")
+        shape[name.strip()] = int(size)
+    return shape
 
 
 # --------------------------------------------------------------------------
@@ -368,6 +414,10 @@ def parse_args(argv=None):
                    help=f"mean loss of the last {FINAL_WINDOW} steps must be below this")
     p.add_argument("--no-learning-check", action="store_true",
                    help="skip the --max-final-loss check (for very short runs)")
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="data=N,model=M",
+                   help="also train the ops model data- and tensor-parallel over an N x M "
+                        "device mesh and compare its curve to the single-device ops run "
+                        "(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N*M)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--json", metavar="OUT", default=None,
                    help="write the config, both curves and step times to this JSON file")
@@ -376,6 +426,13 @@ def parse_args(argv=None):
         p.error(f"--width ({args.width}) must be a multiple of --heads ({args.heads})")
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.mesh:
+        if args.heads % args.mesh["model"]:
+            p.error(f"--heads ({args.heads}) must be a multiple of the model axis "
+                    f"({args.mesh['model']})")
+        if args.batch_size % args.mesh["data"]:
+            p.error(f"--batch-size ({args.batch_size}) must be a multiple of the data axis "
+                    f"({args.mesh['data']})")
     return args
 
 
@@ -400,10 +457,28 @@ def main(argv=None) -> int:
 
     print_report(stock, ops_run, args.log_every)
     failures = compare(stock, ops_run, args)
+    mesh_run = None
+    if args.mesh:
+        size = args.mesh["data"] * args.mesh["model"]
+        if jax.device_count() < size:
+            print(f"FAIL: --mesh needs {size} devices, {jax.device_count()} visible (on a CPU set "
+                  f"XLA_FLAGS=--xla_force_host_platform_device_count={size})", file=sys.stderr)
+            return 1
+        mesh = jax.make_mesh((args.mesh["data"], args.mesh["model"]), ("data", "model"),
+                             axis_types=(AxisType.Auto, AxisType.Auto))
+        mesh_run = train(ops_model, tx, batches, val_batches, mesh=mesh)
+        diffs = np.abs(np.array(mesh_run["losses"]) - np.array(ops_run["losses"]))
+        mesh_run["max_diff_vs_one_device"] = float(np.max(diffs))
+        print(f"mesh {args.mesh}: max |loss(mesh) - loss(one device)| over {len(diffs)} steps: "
+              f"{diffs.max():.3e}; median step {mesh_run['median_step_ms']:.2f} ms, "
+              f"final val loss {mesh_run['val_loss']:.5f}")
+        if not np.all(np.isfinite(diffs)) or diffs.max() > args.tolerance:
+            failures.append(f"mesh run diverges from the one-device ops run: max |diff| "
+                            f"{diffs.max():.3e} > --tolerance {args.tolerance:g}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "backend": jax.default_backend(),
-                       "stock": stock, "ops": ops_run, "passed": not failures,
+                       "stock": stock, "ops": ops_run, "mesh": mesh_run, "passed": not failures,
                        "failures": failures}, f, indent=1)
     if failures:
         for msg in failures:

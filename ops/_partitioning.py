@@ -163,19 +163,28 @@ class Rule:
         """Reduced factor -> the mesh axes its partial results must be combined over."""
         return {f: assignment[f] for f in self.reduce if f in assignment}
 
+    def _shardy_arrays(self):
+        """Operands and results as Shardy sees them: a compound dim may not hold a
+        factor of size 1 (query heads ``(k g)`` with group size 1), so those are dropped."""
+        def dims(arr):
+            return tuple(tuple(f for f in d if self.sizes[f] != 1) or d[:1] if len(d) > 1 else d
+                         for d in arr)
+        return tuple(map(dims, self.operands)), tuple(map(dims, self.results))
+
     def shardy(self) -> str:
         def side(arrays):
             return ", ".join(" ".join(d[0] if len(d) == 1 else "(" + " ".join(d) + ")" for d in arr)
-                             or "" for arr in arrays)
-        return f"{side(self.operands)} -> {side(self.results)}"
+                             for arr in arrays)
+        operands, results = self._shardy_arrays()
+        return f"{side(operands)} -> {side(results)}"
 
     def shardy_kwargs(self) -> dict:
+        operands, results = self._shardy_arrays()
         # Shardy wants special factors listed in the order the rule first names them.
-        order = list(dict.fromkeys(f for arr in self.operands + self.results for dim in arr
-                                   for f in dim))
-        minor = {f for arr in self.operands + self.results for dim in arr for f in dim[1:]}
-        alone = {dim[0] for arr in self.operands + self.results for dim in arr if len(dim) == 1}
-        in_results = {f for arr in self.results for dim in arr for f in dim}
+        order = list(dict.fromkeys(f for arr in operands + results for dim in arr for f in dim))
+        minor = {f for arr in operands + results for dim in arr for f in dim[1:]}
+        alone = {dim[0] for arr in operands + results for dim in arr if len(dim) == 1}
+        in_results = {f for arr in results for dim in arr for f in dim}
         kwargs = {f: self.sizes[f] for f in order if f not in alone}
         # Shardy's reduction factors are those absent from every result; a reduced
         # factor that some result keeps (rows, for a norm's dscale) is a plain one to it.

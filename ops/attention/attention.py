@@ -7,6 +7,7 @@ dropout hash in :mod:`ops.attention.dropout` and the XLA reference in
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 
@@ -17,6 +18,7 @@ from jax import lax
 
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import resolve_implementation
+from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
 from ops.attention import kernels
 from ops.attention.block_sizes import BlockSizes, select_block_sizes
@@ -301,7 +303,8 @@ def _check_block_sizes(block_sizes, T, S, H, dtype, backend) -> BlockSizes:
 
 
 # --------------------------------------------------------------------------
-# custom_vjp: residuals q, k, v, out, lse (and the seed, inside the scalar tables)
+# custom_vjp: residuals q, k, v, out, lse and the seed (the scalar tables are
+# recomputed in the backward, on each device's batch block)
 # --------------------------------------------------------------------------
 
 def _tables(cfg: kernels.Config, q_seg, kv_seg, seed):
@@ -322,36 +325,97 @@ def _tables(cfg: kernels.Config, q_seg, kv_seg, seed):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, cfg):
-    table, _ = _tables(cfg, q_seg, kv_seg, seed)
-    return kernels.forward_call(cfg, q, k, v, bias, mask, q_seg, kv_seg, table)
+    return _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed)
 
 
 def _flash_fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, cfg):
     # symbolic_zeros: each array argument arrives as (value, perturbed); None stays None.
     values = [None if x is None else x.value for x in (q, k, v, bias, mask, q_seg, kv_seg, seed)]
     bias_wanted = bias is not None and bias.perturbed
-    qv, kv, vv, biasv, maskv, q_segv, kv_segv, seedv = values
-    table, table_dkdv = _tables(cfg, q_segv, kv_segv, seedv)
-    out, lse = kernels.forward_call(cfg, qv, kv, vv, biasv, maskv, q_segv, kv_segv, table)
-    residuals = (qv, kv, vv, biasv, maskv, q_segv, kv_segv, out, lse, table, table_dkdv)
-    return (out, lse), (residuals, bias_wanted)
+    out, lse = _partitioned_forward(cfg, *values)
+    return (out, lse), ((*values, out, lse), bias_wanted)
 
 
 def _flash_bwd(cfg, saved, cotangents):
-    (q, k, v, bias, mask, q_seg, kv_seg, out, lse, table, table_dkdv), bias_wanted = saved
+    (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse), bias_wanted = saved
     do = cotangents[0]
     if type(do).__name__ == "SymbolicZero":  # out unused: every gradient is zero
         do = jnp.zeros(out.shape, out.dtype)
-    # delta = rowsum(dO * O) (FA-2 Algorithm 2, line 4): one fused XLA pass over O and dO.
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    delta = jnp.transpose(delta, (0, 2, 1))[..., None]
-    dq, dbias = kernels.dq_call(cfg, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table,
-                                want_dbias=bias_wanted)
-    dk, dv = kernels.dkdv_call(cfg, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table_dkdv)
-    if bias_wanted:
-        axes = tuple(d for d, full in enumerate(cfg.bias_full) if not full)
-        dbias = jnp.sum(dbias, axis=axes, keepdims=True).astype(bias.dtype)
-    return dq, dk, dv, dbias, None, None, None, None
+
+    def local(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, do, *, reduced):
+        c = _local_config(cfg, q, k)
+        table = _tables(c, q_seg, kv_seg, seed)
+        # delta = rowsum(dO * O) (FA-2 Algorithm 2, line 4): one fused XLA pass over O and dO.
+        delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+        delta = jnp.transpose(delta, (0, 2, 1))[..., None]
+        dq, dbias = kernels.dq_call(c, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg,
+                                    table[0], want_dbias=bias_wanted)
+        dk, dv = kernels.dkdv_call(c, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg,
+                                   table[1])
+        if not bias_wanted:
+            return dq, dk, dv
+        # A bias broadcast over batch or heads sums its gradient over them, across
+        # devices too where those dims are split.
+        axes = tuple(d for d, full in enumerate(c.bias_full) if not full)
+        dbias = jnp.sum(dbias, axis=axes, keepdims=True)
+        split = [f for f, full in zip(("b", "k"), c.bias_full[:2]) if not full]
+        return dq, dk, dv, psum(dbias, reduced, *split).astype(bias.dtype)
+
+    dims = _dims(cfg, bias, mask)
+    grads = run(_OP, local, (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, do),
+                (*dims.operands, dims.out, dims.lse, dims.out),
+                (dims.operands[0], dims.operands[1], dims.operands[2])
+                + ((dims.operands[3],) if bias_wanted else ()),
+                gather=dims.gather, reduce=("b", "k"), out_like=(0, 1, 2, 3))
+    dq, dk, dv, *dbias = grads
+    return dq, dk, dv, (dbias[0] if bias_wanted else None), None, None, None, None
+
+
+# Multi-device (ops._partitioning): batch ("b") and heads run where they live.
+# Query heads are the compound (kv heads "k", group "g"), so a heads split
+# keeps every GQA group on one device (only "k" is split: the kv-head count
+# must be a multiple of the devices on the heads axis, else heads are
+# gathered). Sequences ("t", "s") and the head dim ("h") are gathered: every
+# query row needs all keys. With dropout, batch and heads are gathered too:
+# the keep bits hash the global (batch, head) index, and a local one would
+# drop other entries than one device does.
+
+@dataclasses.dataclass(frozen=True)
+class _Signature:
+    operands: tuple[str, ...]  # q, k, v, bias, mask, q_seg, kv_seg, seed
+    out: str
+    lse: str
+    gather: tuple[str, ...]
+
+
+def _dims(cfg: kernels.Config, bias, mask) -> _Signature:
+    def pair(full):  # bias / mask [B or 1, N or 1, T or 1, S or 1]
+        if full is None:
+            return ""
+        return " ".join(f if is_full else "one" for f, is_full in zip(("b", "(k g)", "t", "s"), full))
+
+    gather = ("t", "s", "h") + (("b", "k") if cfg.dropout_rate > 0 else ())
+    return _Signature(
+        operands=("b t (k g) h", "b s k h", "b s k h", pair(cfg.bias_full), pair(cfg.mask_full),
+                  "b t", "b s", ""),
+        out="b t (k g) h", lse="b (k g) t one", gather=gather)
+
+
+def _local_config(cfg: kernels.Config, q, k) -> kernels.Config:
+    """``cfg`` for this device's block of batch and heads."""
+    return dataclasses.replace(cfg, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2])
+
+
+def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed):
+    """``(out, lse)`` of :func:`kernels.forward_call`, partitioned over batch and heads."""
+    def local(q, k, v, bias, mask, q_seg, kv_seg, seed, *, reduced):
+        c = _local_config(cfg, q, k)
+        table, _ = _tables(c, q_seg, kv_seg, seed)
+        return kernels.forward_call(c, q, k, v, bias, mask, q_seg, kv_seg, table)
+
+    dims = _dims(cfg, bias, mask)
+    return run(_OP, local, (q, k, v, bias, mask, q_seg, kv_seg, seed), dims.operands,
+               (dims.out, dims.lse), gather=dims.gather)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

@@ -122,25 +122,7 @@ def _block_id_range(seg, block: int):
 
 def block_visibility(spec: MaskSpec, block_q: int, block_k: int, q_seg=None, kv_seg=None):
     """``[B or 1, nq, nk]`` bool: whether query block i and key block j can share a visible pair."""
-    nq, nk = pl.cdiv(spec.T, block_q), pl.cdiv(spec.S, block_k)
-    q_first = np.arange(nq) * block_q
-    q_last = np.minimum(q_first + block_q, spec.T) - 1
-    k_first = np.arange(nk) * block_k
-    k_last = np.minimum(k_first + block_k, spec.S) - 1
-    vis = np.ones((nq, nk), bool)
-    # The pair offsets k - q inside a block pair span [k_first - q_last, k_last - q_first].
-    if spec.right_reach is not None:
-        vis &= (k_first[None, :] - q_last[:, None]) <= spec.right_reach
-    if spec.left is not None:
-        vis &= (k_last[None, :] - q_first[:, None]) >= -spec.left
-    out = jnp.asarray(vis)[None]
-    if spec.segments:
-        q_min, q_max = _block_id_range(q_seg, block_q)
-        k_min, k_max = _block_id_range(kv_seg, block_k)
-        overlap = (jnp.maximum(q_min[:, :, None], k_min[:, None, :])
-                   <= jnp.minimum(q_max[:, :, None], k_max[:, None, :]))
-        out = out & overlap
-    return out
+    return _block_pairs(spec, block_q, block_k, q_seg, kv_seg, every=False)
 
 
 def block_full_visibility(spec: MaskSpec, block_q: int, block_k: int, q_seg=None, kv_seg=None):
@@ -151,22 +133,39 @@ def block_full_visibility(spec: MaskSpec, block_q: int, block_k: int, q_seg=None
     pair inside the window / causal reach, and with segments one id throughout
     both blocks. (An explicit ``mask`` array is applied on every block anyway.)
     """
+    return _block_pairs(spec, block_q, block_k, q_seg, kv_seg, every=True)
+
+
+def _block_pairs(spec: MaskSpec, block_q: int, block_k: int, q_seg, kv_seg, *, every: bool):
+    """Per block pair, whether some (``every=False``) or every pair of positions is visible."""
     nq, nk = pl.cdiv(spec.T, block_q), pl.cdiv(spec.S, block_k)
     q_first = np.arange(nq) * block_q
+    q_last = np.minimum(q_first + block_q, spec.T) - 1
     k_first = np.arange(nk) * block_k
-    q_last, k_last = q_first + block_q - 1, k_first + block_k - 1
-    full = (q_last < spec.T)[:, None] & (k_last < spec.S)[None, :]
+    k_last = np.minimum(k_first + block_k, spec.S) - 1
+    # The pair offsets k - q inside a block pair span [nearest, farthest].
+    nearest = k_first[None, :] - q_last[:, None]
+    farthest = k_last[None, :] - q_first[:, None]
+    if every:
+        whole = (q_first + block_q <= spec.T)[:, None] & (k_first + block_k <= spec.S)[None, :]
+        pairs, right_off, left_off = whole, farthest, nearest
+    else:
+        pairs, right_off, left_off = np.ones((nq, nk), bool), nearest, farthest
     if spec.right_reach is not None:
-        full &= (k_last[None, :] - q_first[:, None]) <= spec.right_reach
+        pairs &= right_off <= spec.right_reach
     if spec.left is not None:
-        full &= (k_first[None, :] - q_last[:, None]) >= -spec.left
-    out = jnp.asarray(full)[None]
+        pairs &= left_off >= -spec.left
+    out = jnp.asarray(pairs)[None]
     if spec.segments:
         q_min, q_max = _block_id_range(q_seg, block_q)
         k_min, k_max = _block_id_range(kv_seg, block_k)
-        one_id = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
-                  & (q_min[:, :, None] == k_min[:, None, :]))
-        out = out & one_id
+        if every:  # one id throughout both blocks, the same
+            ids = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
+                   & (q_min[:, :, None] == k_min[:, None, :]))
+        else:  # the id ranges overlap
+            ids = (jnp.maximum(q_min[:, :, None], k_min[:, None, :])
+                   <= jnp.minimum(q_max[:, :, None], k_max[:, None, :]))
+        out = out & ids
     return out
 
 

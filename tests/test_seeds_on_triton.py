@@ -1,8 +1,9 @@
 """Seed kernels (001-003) on our triton backend, wherever Triton can express them.
 
 Each runs in Triton's CPU interpreter and is compared with the interpret
-backend. Not here: Unblocked indexing (interpret and mosaic_tpu only) and
-run_scoped (the triton backend raises a clear error for it).
+backend. Not here: run_scoped (the triton backend raises a clear error for
+it); Unblocked / Element indexing on triton is tested in
+tests/test_pallas_compat_api.py.
 """
 from functools import partial
 

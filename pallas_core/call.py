@@ -18,7 +18,7 @@ import numpy as np
 from pallas_core import _jax_internals, autodiff, backends, grid_analysis, validation
 from pallas_core.cost import as_cost_estimate
 from pallas_core.memory import ScratchShape, as_scratch_shape
-from pallas_core.params import InterpretParams, ResolvedParams, resolve_params
+from pallas_core.params import ARBITRARY, InterpretParams, ResolvedParams, resolve_params
 from pallas_core.specs import (BlockMapping, BlockSpec, GridSpec, grid_axis_names, normalize_grid,
                                resolve_block_mapping)
 
@@ -42,6 +42,13 @@ class ResolvedCall:
     interpret_params: InterpretParams = InterpretParams()
     # Leading grid axes added by vmap (pallas_core.batching): the kernel does not see them.
     num_batch_axes: int = 0
+    # pltpu.PrefetchScalarGridSpec: the first n in_mappings are the scalar-prefetch
+    # operands (whole arrays), and every other index map reads them
+    # (pallas_core.tpu_prefetch.scalar_refs tells it where from).
+    num_scalar_prefetch: int = 0
+    # A named grid's axis names (None entries for unnamed axes), as the kernel sees the
+    # grid (batch axes excluded): lax.axis_index(name) is that axis's program id.
+    grid_names: tuple | None = None
     # What a backend traced from this call (the interpreter's grid-point body), so a
     # second call with the same shapes does not trace the kernel again. Not copied
     # by dataclasses.replace: a changed call is traced afresh.
@@ -223,11 +230,27 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
     if getattr(grid_spec, "num_scalar_prefetch", 0):  # pallas_core.tpu.PrefetchScalarGridSpec
         from pallas_core import tpu_prefetch
         return tpu_prefetch.prefetching_call(
-            pallas_call, kernel, out_shape, grid_spec, grid=grid, in_specs=in_specs,
+            build_call, kernel, out_shape, grid_spec, grid=grid, in_specs=in_specs,
             out_specs=out_specs, scratch_shapes=scratch_shapes,
             input_output_aliases=input_output_aliases, compiler_params=compiler_params,
             backend=backend, interpret=interpret, name=name, cost_estimate=cost_estimate,
             debug=debug)
+    return build_call(kernel, out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                      grid_spec=grid_spec, scratch_shapes=scratch_shapes,
+                      input_output_aliases=input_output_aliases, compiler_params=compiler_params,
+                      backend=backend, interpret=interpret, name=name,
+                      cost_estimate=cost_estimate, debug=debug)
+
+
+def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_specs=None,
+               grid_spec: GridSpec | None = None, scratch_shapes=(),
+               input_output_aliases: Mapping[int, int] | None = None, compiler_params=None,
+               backend: str | None = None, interpret: bool | InterpretParams = False,
+               name: str | None = None, cost_estimate=None, debug: bool = False,
+               num_scalar_prefetch: int = 0) -> Callable[..., Any]:
+    """:func:`pallas_call` but for a :class:`~pallas_core.tpu.PrefetchScalarGridSpec`, which
+    :mod:`pallas_core.tpu_prefetch` turns into this call with ``num_scalar_prefetch``
+    leading whole-array operands (see :attr:`ResolvedCall.num_scalar_prefetch`)."""
     if grid_spec is not None:
         if grid not in ((), None) or in_specs is not None or out_specs is not None or scratch_shapes:
             raise ValueError("pallas_call: give either grid_spec or grid/in_specs/"
@@ -309,15 +332,23 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
                 grid_analysis.check_in_bounds(m, table, grid)
             if is_output:
                 out_tables.append((m.origin, table))
+        given = params.dimension_semantics
+        if given is None and num_scalar_prefetch and any(t is None for _, t in out_tables):
+            # An output index map that reads prefetched scalars (not known before the
+            # call runs) may revisit blocks anywhere: every axis runs in order, as on
+            # JAX's TPU backend (pass dimension_semantics to say otherwise).
+            given = (ARBITRARY,) * len(grid)
         semantics = validation.resolve_semantics(
-            params.dimension_semantics, out_tables, grid, chosen,
+            given, out_tables, grid, chosen,
             uses_atomics=lambda: _uses_atomics(body, in_maps + out_maps, scratch_shapes, grid))
         return ResolvedCall(kernel=body, name=kernel_name, grid=grid, in_mappings=in_maps,
                             out_mappings=out_maps, scratch_shapes=scratch_shapes,
                             input_output_aliases=aliases, semantics=semantics, params=params,
                             backend=chosen, debug=debug,
                             cost_estimate=as_cost_estimate(cost_estimate),
-                            interpret_params=interpret_params)
+                            interpret_params=interpret_params,
+                            num_scalar_prefetch=num_scalar_prefetch,
+                            grid_names=tuple(axis_names) if axis_names else None)
 
     resolved: dict = {}
 

@@ -11,20 +11,31 @@ grid point can read before its blocks are chosen:
 * ``in_specs`` describe the operands after the scalars only, and
   ``input_output_aliases`` count every operand, the scalars included.
 
-Paged attention and mixture-of-experts kernels are built on it. On the
-interpreter it is an ordinary ``pallas_call`` whose first ``n`` operands are
-whole-array SMEM blocks and whose index maps close over the scalar arrays
-(the interpreter evaluates index maps as traced values, so index maps that
-read data are checked for bounds like any other when the scalars are
-concrete). On ``mosaic_tpu`` the specs go to JAX's own
-``PrefetchScalarGridSpec`` (grid axes ``"arbitrary"`` unless
+Paged attention and mixture-of-experts kernels are built on it. Every backend
+but ``mosaic_tpu`` runs it as an ordinary ``pallas_call`` whose first ``n``
+operands are whole-array SMEM blocks (:attr:`ResolvedCall.num_scalar_prefetch`
+says how many) and whose index maps close over the scalar arrays:
+
+* the interpreter evaluates index maps as traced values, so index maps that
+  read data are checked for bounds like any other when the scalars are
+  concrete;
+* our Triton lowering passes the scalar arrays as pointer arguments and
+  writes each index map into the kernel with the scalar arrays seen as Refs
+  over those pointers (:func:`scalar_refs`), so ``pages[i]`` is a scalar
+  ``tl.load``; the kernel's scalar Refs are the same pointers.
+
+An output index map that reads the scalars cannot be analysed before the call
+runs (under ``jit``), so the grid axes then default to ``"arbitrary"`` unless
+``dimension_semantics`` says otherwise. On ``mosaic_tpu`` the specs go to JAX's
+own ``PrefetchScalarGridSpec`` (grid axes ``"arbitrary"`` unless
 ``dimension_semantics`` says otherwise: data-dependent index maps defeat the
-revisit analysis). Our Triton lowering needs index maps of the program ids
-alone, so it refuses scalar prefetch (NotImplementedError), as do the GPU
-lowerings of JAX.
+revisit analysis). The Mosaic GPU and pallas_triton lowerings refuse it
+(NotImplementedError), as JAX's do.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +47,23 @@ import numpy as np
 from pallas_core import backends
 from pallas_core.specs import BlockSpec, _check_arity, normalize_grid
 
-SUPPORTED_BACKENDS = ("interpret", "mosaic_tpu")
+SUPPORTED_BACKENDS = ("interpret", "triton", "mosaic_tpu")
+
+# While set (by a code generator tracing an index map), what the index maps get in
+# place of the scalar arrays they close over.
+_SCALAR_REFS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("scalar_refs",
+                                                                            default=None)
+
+
+@contextlib.contextmanager
+def scalar_refs(refs):
+    """Index maps bound by :func:`prefetching_call` read ``refs`` (Refs traced by a
+    code generator) instead of the scalar arrays of the call, within this context."""
+    token = _SCALAR_REFS.set(tuple(refs))
+    try:
+        yield
+    finally:
+        _SCALAR_REFS.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +107,8 @@ def _bind_scalars(spec, origin, grid_rank, scalars):
     _check_arity(index_map, origin, grid_rank + len(scalars))
 
     def bound(*ids):
-        return index_map(*ids, *scalars)
+        override = _SCALAR_REFS.get()
+        return index_map(*ids, *(scalars if override is None else override))
 
     bound.__name__ = getattr(index_map, "__name__", "index_map")
     return BlockSpec(spec.block_shape, bound, indexing_mode=spec.indexing_mode,
@@ -158,15 +186,17 @@ def _on_mosaic_tpu(kernel, out_shape, grid_spec, *, input_output_aliases, compil
     return call
 
 
-def prefetching_call(pallas_call, kernel, out_shape, grid_spec: PrefetchScalarGridSpec, *,
+def prefetching_call(build_call, kernel, out_shape, grid_spec: PrefetchScalarGridSpec, *,
                      grid, in_specs, out_specs, scratch_shapes, backend, interpret, **kwargs):
     """``pallas_call`` with a :class:`PrefetchScalarGridSpec`; see the module docstring.
+
+    ``build_call`` is :func:`pallas_core.call.build_call`.
 
     Raises:
       ValueError: grid/in_specs/out_specs/scratch_shapes given besides the grid
         spec, or fewer operands than scalars.
       TypeError: a scalar-prefetch operand that is not an integer array.
-      NotImplementedError: a backend other than interpret.
+      NotImplementedError: a backend other than interpret, triton and mosaic_tpu.
     """
     if grid not in ((), None) or in_specs is not None or out_specs is not None or scratch_shapes:
         raise ValueError("pallas_call: give either grid_spec or grid/in_specs/"
@@ -175,7 +205,7 @@ def prefetching_call(pallas_call, kernel, out_shape, grid_spec: PrefetchScalarGr
     if chosen not in SUPPORTED_BACKENDS:
         raise NotImplementedError(
             f"PrefetchScalarGridSpec: scalar prefetch is implemented on {SUPPORTED_BACKENDS}, "
-            f"not on the {chosen!r} backend; pass interpret=True.")
+            f"not on the {chosen!r} backend.")
     if chosen == "mosaic_tpu":
         return _on_mosaic_tpu(kernel, out_shape, grid_spec, **kwargs)
     from pallas_core.tpu import SMEM
@@ -191,8 +221,8 @@ def prefetching_call(pallas_call, kernel, out_shape, grid_spec: PrefetchScalarGr
                                                                        scalars),
             out_specs=_bind_tree(grid_spec.out_specs, "out_specs", grid_rank, scalars),
             scratch_shapes=grid_spec.scratch_shapes)
-        return pallas_call(kernel, out_shape, backend=backend, interpret=interpret, **plain,
-                           **kwargs)(*scalars, *args[n:])
+        return build_call(kernel, out_shape, backend=backend, interpret=interpret, **plain,
+                          num_scalar_prefetch=n, **kwargs)(*scalars, *args[n:])
 
     return _one_batch_element_at_a_time(call)
 

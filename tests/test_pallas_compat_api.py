@@ -239,6 +239,47 @@ def test_prefetch_scalar_grid_spec_like_jax():
     np.testing.assert_array_equal(per_table[0], expect)
     np.testing.assert_array_equal(per_table[1], jnp.concatenate(
         [2 * x[8 * p:8 * p + 8] + p for p in pages.tolist()]))
+    # Our triton backend: the page table is a pointer argument, read by scalar loads.
+    np.testing.assert_array_equal(call(_gathered_rows, out_shape, pages, x,
+                                       grid_spec=_prefetch_spec, backend="triton"), want)
+
+
+def _scaled_scatter_rows(dst, scale, x_ref, o_ref, P, T):
+    """Adds ``scale[i] * block i`` into output block ``dst[0, i]`` (runs of equal ``dst``
+    accumulate): data picks the output block, and the body reads both scalar Refs."""
+    i = P.program_id(0)
+
+    @P.when((i == 0) | (dst[0, i] != dst[0, jnp.maximum(i - 1, 0)]))
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    o_ref[...] += x_ref[...] * scale[i].astype(F32)
+
+
+def _scatter_spec(P, T):
+    return T.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(5,),
+        in_specs=[P.BlockSpec((8, 16), lambda i, dst, scale: (i, 0))],
+        out_specs=P.BlockSpec((8, 16), lambda i, dst, scale: (dst[0, i], 0)))
+
+
+def test_prefetch_scalar_grid_spec_on_triton_like_jax():
+    """Two prefetched arrays (one 2-D) on our triton backend, eagerly and under jit (where
+    the data-chosen output blocks make the grid axis a loop), against JAX's interpreter."""
+    x = jax.random.normal(jax.random.key(14), (40, 16), F32)
+    dst, scale = jnp.array([[0, 0, 2, 2, 1]], jnp.int32), jnp.array([1, 2, 3, 4, 5], jnp.int32)
+    out_shape = jax.ShapeDtypeStruct((24, 16), F32)
+    want = call(_scaled_scatter_rows, out_shape, dst, scale, x, ours=False, grid_spec=_scatter_spec)
+    run = lambda d, s, v: call(_scaled_scatter_rows, out_shape, d, s, v, backend="triton",
+                               grid_spec=_scatter_spec)
+    np.testing.assert_allclose(run(dst, scale, x), want, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(run)(dst, scale, x), want, rtol=1e-6)
+    (source,) = pl.triton.source(jax.jit(run), dst, scale, x)
+    assert "for i0 in range(G0):" in source  # arbitrary: data may revisit any block
+    assert "tl.load(p0 + " in source and "tl.load(p1 + " in source  # scalar loads
+    (report,) = pl.triton.compile(jax.jit(run), jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+                                  jax.ShapeDtypeStruct(scale.shape, scale.dtype), x)
+    assert report["spill_bytes"] == 0 and "ld.global" in report["asm"]["ptx"]
 
 
 def test_prefetch_scalar_grid_spec_errors():
@@ -251,8 +292,10 @@ def test_prefetch_scalar_grid_spec_errors():
         call(_gathered_rows, x, pages, x, grid_spec=bad_arity)
     with pytest.raises(TypeError, match="integer array"):
         call(_gathered_rows, x, pages.astype(F32), x, grid_spec=_prefetch_spec)
-    with pytest.raises(NotImplementedError, match="triton"):
-        call(_gathered_rows, x, pages, x, grid_spec=_prefetch_spec, backend="triton")
+    with pytest.raises(NotImplementedError, match="pallas_triton"):  # as in JAX's lowering
+        call(_gathered_rows, x, pages, x, grid_spec=_prefetch_spec, backend="pallas_triton")
+    with pytest.raises(TypeError, match="integer array"):
+        call(_gathered_rows, x, pages.astype(F32), x, grid_spec=_prefetch_spec, backend="triton")
     with pytest.raises(TypeError, match="num_scalar_prefetch"):
         pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=-1)
 

@@ -274,6 +274,8 @@ class KernelWriter(ElementwiseWriter):
         self.options = schedule_options(call.params.triton)
         self.descriptors: dict[tuple, str] = {}  # (pointer, box) -> tensor descriptor name
         self.descriptor_lines: list[str] = []
+        self.ids: dict[int, str] = {}  # grid axis -> this program's id expression
+        self.scalar_refs: list[RefView] = []  # the scalar-prefetch operands' views
 
     # ---- small helpers -------------------------------------------------------------
     def fresh(self, prefix="v") -> str:
@@ -367,8 +369,12 @@ class KernelWriter(ElementwiseWriter):
             env[var] = Val(ids[a], (), np.dtype(np.int32))
         mappings = list(self.call.in_mappings) + list(self.call.out_mappings)
         self.ref_of_value = {}
+        self.ids = ids
+        self.scalar_refs = []  # the scalar-prefetch operands', built first: index maps read them
         for k, (m, var) in enumerate(zip(mappings, operand_vars)):
-            self.ref_of_value[var] = self._operand_ref(k, m, ids)
+            ref = self.ref_of_value[var] = self._operand_ref(k, m, ids)
+            if k < self.call.num_scalar_prefetch:
+                self.scalar_refs.append(ref)
         for ref, var in zip(scratch_refs, scratch_vars):
             self.ref_of_value[var] = ref
 
@@ -478,9 +484,27 @@ class KernelWriter(ElementwiseWriter):
                        dtype=np.dtype(s.dtype), wide=False, register=register)
 
     def _index_map(self, m, ids) -> list[str]:
+        """The block index of ``m`` at grid ids ``ids``, the index map written inline.
+
+        With scalar prefetch the index map also reads the scalar-prefetch
+        operands: it is traced with Refs over them (``tpu_prefetch.scalar_refs``)
+        bound to those operands' views, so ``pages[i]`` is a scalar ``tl.load``.
+        """
+        from pallas_core import tpu_prefetch
         grid = self.call.grid
-        closed = jax.make_jaxpr(m.index_map)(*[jnp.int32(0)] * len(grid))
-        env = {v: Val(ids[a], (), np.dtype(np.int32)) for a, v in enumerate(closed.jaxpr.invars)}
+        scalars = list(self.scalar_refs)
+        avals = [jax.ShapeDtypeStruct(r.array_shape, r.dtype) for r in scalars]
+
+        def traced(ids, arrays):
+            if not arrays:
+                return m.index_map(*ids)
+            with tpu_prefetch.scalar_refs([jax.new_ref(a) for a in arrays]):
+                return m.index_map(*ids)
+
+        closed = jax.make_jaxpr(traced)([jnp.int32(0)] * len(grid), avals)
+        invars = closed.jaxpr.invars
+        env = {v: Val(ids[a], (), np.dtype(np.int32)) for a, v in enumerate(invars[:len(grid)])}
+        self.ref_of_value.update(zip(invars[len(grid):], scalars))
         outs = self.body(closed.jaxpr, closed.consts, env, returns=True)
         return [o.expr for o in outs]
 

@@ -5,20 +5,49 @@ none, in which case the values are printed after it, separated by spaces.
 The interpreter prints once per grid point, in execution order, through
 ``jax.debug.print``. The Mosaic and pallas_triton backends get JAX's own
 ``debug_print`` (whose format rules per backend JAX documents). Our Triton
-lowering has no printing (Triton's ``device_print`` would need a GPU to run
-and its own format), so it raises NotImplementedError.
+lowering emits ``tl.device_print``, which cannot format: it prints a prefix
+and then each value (every element of a tensor), with the program's id. A
+``fmt`` without placeholders is the prefix of all the values; with
+placeholders, each value is printed by its own ``tl.device_print`` whose
+prefix is the text before its ``{}`` (so text after the last ``{}``, format
+specs and conversions cannot be honoured there and raise ValueError). Triton's
+CPU interpreter prints ``(x, y, z) prefix: value`` per value, ``(x, y, z)``
+being the launch program's id.
 """
 from __future__ import annotations
 
 import string
 
 import jax
+import jax.numpy as jnp
 
 from pallas_core.primitives import _backend
 
 
 def _placeholders(fmt: str) -> int:
     return sum(field is not None for _, field, _, _ in string.Formatter().parse(fmt))
+
+
+def _prefixes(fmt: str) -> list[str]:
+    """The text before each ``{}`` of ``fmt``: the prefixes of Triton's prints.
+
+    Raises:
+      ValueError: a format spec or conversion, or text after the last ``{}``.
+    """
+    prefixes, text = [], ""
+    for literal, field, spec, conversion in string.Formatter().parse(fmt):
+        text += literal
+        if field is None:
+            continue
+        if spec or conversion or field:
+            raise ValueError(f"debug_print: fmt {fmt!r}: on the triton backend placeholders are "
+                             "bare {} (tl.device_print cannot format values).")
+        prefixes.append(text)
+        text = ""
+    if text.strip():
+        raise ValueError(f"debug_print: fmt {fmt!r}: on the triton backend text after the last "
+                         "{} cannot be printed (tl.device_print prints a prefix, then the value).")
+    return prefixes
 
 
 def debug_print(fmt: str, *args) -> None:
@@ -30,8 +59,10 @@ def debug_print(fmt: str, *args) -> None:
 
     Raises:
       TypeError: ``fmt`` that is not a str.
-      ValueError: a placeholder count that is neither 0 nor ``len(args)``.
-      NotImplementedError: on our triton backend.
+      ValueError: a placeholder count that is neither 0 nor ``len(args)``; on our
+        triton backend, what ``tl.device_print`` cannot say (see the module docstring).
+      NotImplementedError: on our triton backend, a value whose shape is not all powers
+        of two (Triton would print its padding lanes).
     """
     if not isinstance(fmt, str):
         raise TypeError(f"debug_print: fmt must be a str, got {type(fmt).__name__}.")
@@ -45,8 +76,13 @@ def debug_print(fmt: str, *args) -> None:
         jpl.debug_print(fmt, *args)
         return
     if backend == "triton":
-        raise NotImplementedError("debug_print: our triton backend cannot print from a kernel; "
-                                  "run the kernel with interpret=True to print.")
+        from pallas_core.triton import markers
+        if not n:
+            markers.debug_print(fmt, *[jnp.asarray(a) for a in args])
+            return
+        for prefix, value in zip(_prefixes(fmt), args):
+            markers.debug_print(prefix, jnp.asarray(value))
+        return
     if n == 0 and args:
         fmt = " ".join([fmt] + ["{}"] * len(args))
     jax.debug.print(fmt, *args)

@@ -182,8 +182,35 @@ def test_debug_print_prints_like_jax(capsys):
     assert ours.splitlines()[0] == want.splitlines()[0]
     with pytest.raises(ValueError, match="placeholder"):
         call(lambda x_ref, o_ref, P, T: P.debug_print("{} {}", 1.0), x, x)
-    with pytest.raises(NotImplementedError, match="triton"):
-        call(kernel, x, x, backend="triton")
+
+
+def test_debug_print_on_triton(capfd):
+    """tl.device_print in Triton's interpreter: each value after its prefix, once per program
+    (an arbitrary grid axis: one launched program, the loop inside), and printf in the PTX."""
+    x = jnp.arange(8.0, dtype=F32).reshape(2, 4)
+
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        pl.debug_print("x00 = {} at {}", x_ref[0, 0], i)
+        pl.debug_print("row", x_ref[i, :].astype(jnp.bfloat16))  # 16-bit floats print as values
+        pl.debug_print("done")
+        o_ref[...] = x_ref[...]
+
+    run = lambda x: pl.pallas_call(kernel, out_shape=x, grid=(2,), backend="triton")(x)
+    capfd.readouterr()
+    np.testing.assert_array_equal(run(x), x)
+    lines = [" ".join(line.split(") ", 1)[1].split()) for line in capfd.readouterr().out.splitlines()]
+    assert lines == ["x00 =: [0.]", "at: [0]", "row: [0. 1. 2. 3.]", "done",
+                     "x00 =: [0.]", "at: [1]", "row: [4. 5. 6. 7.]", "done"], lines
+    assert "vprintf" in pl.triton.compile(run, x)[0]["asm"]["ptx"]
+    with pytest.raises(ValueError, match="after the last"):
+        pl.triton.source(lambda x: pl.pallas_call(
+            lambda x_ref, o_ref: pl.debug_print("{} units", x_ref[0, 0]), out_shape=x,
+            backend="triton")(x), x)
+    with pytest.raises(NotImplementedError, match="padding lanes"):
+        pl.triton.source(lambda x: pl.pallas_call(
+            lambda x_ref, o_ref: pl.debug_print("row", x_ref[0, :3]), out_shape=x,
+            backend="triton")(x), x)
 
 
 def test_reciprocal_align_to_and_empty_like_jax():

@@ -805,7 +805,27 @@ class KernelWriter(ElementwiseWriter):
         if name == markers.DEBUG_BARRIER:
             self.emit("tl.debug_barrier()")
             return []
+        if name.startswith(markers.DEBUG_PRINT):
+            self._device_print(markers.print_prefix(name), args)
+            return []
         return self._inline(closed, args, env)
+
+    def _device_print(self, prefix: str, values) -> None:
+        """``tl.device_print`` of ``pl.debug_print`` (:mod:`pallas_core.debugging`): Triton
+        prints the prefix and each value, with the program's id. 16-bit floats go as
+        float32 (Triton's CPU interpreter would print bfloat16 bit patterns)."""
+        printed = []
+        for v in values:
+            if any(next_power_of_2(d) != d for d in v.shape):
+                raise NotImplementedError(
+                    f"debug_print: the triton backend prints whole Triton tensors, whose dims are "
+                    f"powers of two; a value of shape {tuple(v.shape)} would print padding lanes "
+                    f"(kernel {self.call.name}). Print a power-of-two slice or a reduction of it.")
+            code = as_code(v)
+            if np.dtype(v.dtype).itemsize == 2 and jnp.issubdtype(v.dtype, jnp.floating):
+                code = f"({code}).to(tl.float32)"
+            printed.append(code)
+        self.emit(f"tl.device_print({prefix!r}{''.join(', ' + c for c in printed)})")
 
     def _atomic(self, op, closed, args):
         """``tl.atomic_<op>`` at the address the atomic's body reads (pallas_core.triton.atomics)."""

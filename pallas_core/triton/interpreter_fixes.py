@@ -28,7 +28,8 @@ key/value loop is) fails under numpy >= 2.4: the interpreter converts the
 scalar with ``int()`` of a one-element array, which numpy no longer allows.
 
 :func:`apply` patches those builder methods, once, before the first
-interpreted launch. Other dtypes take Triton's own code paths untouched.
+interpreted launch (and one that makes ``tl.device_print`` of a message
+without values print it, as a GPU does). Other dtypes take Triton's own code paths untouched.
 """
 from __future__ import annotations
 
@@ -83,7 +84,18 @@ def apply() -> None:
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
+    create_print = builder.create_print
+
+    def print_message(self, prefix, hex, values, is_signed):
+        """``tl.device_print(prefix)`` with no value prints the prefix, as on a GPU (the
+        interpreter prints one line per value, so nothing)."""
+        if values:
+            return create_print(self, prefix, hex, values, is_signed)
+        print(f"({self.grid_idx[0]}, {self.grid_idx[1]}, {self.grid_idx[2]}) {prefix}".rstrip())
+        return None
+
     interpreter._patch_lang_tensor = patch_lang_tensor
+    builder.create_print = print_message
     _numpy_reductions(interpreter, values)
     builder.create_dot = create_dot
     builder.get_bf16 = get_bf16

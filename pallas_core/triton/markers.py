@@ -19,7 +19,9 @@ run the plain operation), so no other backend ever sees them:
 * ``pallas_core_hint_multiple_of__16_16`` / ``..._max_contiguous__...``
   ``(x)``: identity; ``tl.multiple_of`` / ``tl.max_contiguous``;
 * ``pallas_core_approx_tanh`` ``(x)``: ``tanh``; ``tanh.approx`` on a GPU;
-* ``pallas_core_debug_barrier`` ``()``: nothing; ``tl.debug_barrier()``.
+* ``pallas_core_debug_barrier`` ``()``: nothing; ``tl.debug_barrier()``;
+* ``pallas_core_debug_print__<hex of the prefix>`` ``(*values)``: nothing;
+  ``tl.device_print(prefix, *values)``.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ STORE = PREFIX + "store"
 HINT = PREFIX + "hint_"
 APPROX_TANH = PREFIX + "approx_tanh"
 DEBUG_BARRIER = PREFIX + "debug_barrier"
+DEBUG_PRINT = PREFIX + "debug_print__"
 
 
 def _named(fn, name, **jit_kw):
@@ -121,9 +124,26 @@ def _barrier():
 debug_barrier = _named(_barrier, DEBUG_BARRIER)
 
 
+@functools.lru_cache(maxsize=None)
+def _print_fn(prefix: str):
+    def body(*values):
+        return None
+    return _named(body, DEBUG_PRINT + prefix.encode().hex())
+
+
+def debug_print(prefix: str, *values) -> None:
+    """``tl.device_print(prefix, *values)`` under our Triton lowering (the prefix is
+    carried, hex-encoded, in the marker's name)."""
+    _print_fn(prefix)(*values)
+
+
+def print_prefix(name: str) -> str:
+    return bytes.fromhex(name[len(DEBUG_PRINT):]).decode()
+
+
 def is_marker(name: str) -> bool:
-    return name.startswith((LOAD, STORE, HINT, APPROX_TANH, DEBUG_BARRIER))
+    return name.startswith((LOAD, STORE, HINT, APPROX_TANH, DEBUG_BARRIER, DEBUG_PRINT))
 
 
-__all__ = ["approx_tanh", "debug_barrier", "hint", "is_marker", "load", "parse_hint", "parse_hints",
-           "store"]
+__all__ = ["approx_tanh", "debug_barrier", "debug_print", "hint", "is_marker", "load", "parse_hint",
+           "parse_hints", "print_prefix", "store"]

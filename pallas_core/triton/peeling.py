@@ -144,7 +144,10 @@ def _iteration_guarded(eqn, producers, loop_var, length) -> str | None:
 
 
 def _has_effects(eqn) -> bool:
-    return eqn.primitive.name not in _NEUTRAL and bool(eqn.effects)
+    """JAX effects, or none and no outputs either: such an equation is only there for what
+    the writer emits for it (a marker of :mod:`pallas_core.triton.markers`: a print, a
+    barrier), which must stay in the loop, in order."""
+    return eqn.primitive.name not in _NEUTRAL and (bool(eqn.effects) or not eqn.outvars)
 
 
 def _live(jaxpr, moved: set[int]) -> tuple[int, ...]:

@@ -100,15 +100,17 @@ def jvp_call(call, with_tangent):
     for i, o in call.input_output_aliases.items():
         if outs_t[o]:  # the tangent output starts as the tangent of the input
             aliases[n_in + tangent_index(with_tangent, i)] = n_out + tangent_index(outs_t, o)
+    # A named grid's axes, bound while the JVP runs (its jaxpr keeps lax.axis_index).
+    named = tuple(zip(call.grid_names, call.grid[call.num_batch_axes:])) if call.grid_names else ()
     kernel = _jvp_kernel(call.kernel, call.name, (n_in, n_out, len(call.scratch_shapes)),
-                         (tuple(with_tangent), tuple(outs_t), tuple(scratch_t)))
+                         (tuple(with_tangent), tuple(outs_t), tuple(scratch_t)), named)
     return dataclasses.replace(call, kernel=kernel, name=f"{call.name}_jvp", in_mappings=in_maps,
                                out_mappings=out_maps, scratch_shapes=scratch,
                                input_output_aliases=aliases,
                                cost_estimate=_doubled(call.cost_estimate))
 
 
-def _jvp_kernel(kernel, name, counts, flags):
+def _jvp_kernel(kernel, name, counts, flags, named=()):
     """``jvp_kernel(*ins, *in_tangents, *outs, *out_tangents, *scratch, *scratch_tangents)``."""
     n_in, n_out, n_scratch = counts
     in_t, out_t, scratch_t = flags
@@ -127,8 +129,9 @@ def _jvp_kernel(kernel, name, counts, flags):
                 f"pallas_call (kernel {name}): the JVP needs plain Refs, and this backend "
                 "hands the kernel masked views of its overhanging edge blocks.")
         closed = _jax_internals.trace_ref_function(kernel, avals, name)
-        jvp = _jax_internals.jvp_of_ref_jaxpr(closed, [*in_t, *out_t, *scratch_t])
-        _jax_internals.eval_jaxpr(jvp, *primals, *tins, *touts, *tscratch)
+        with _jax_internals.named_axes(named):
+            jvp = _jax_internals.jvp_of_ref_jaxpr(closed, [*in_t, *out_t, *scratch_t])
+            _jax_internals.eval_jaxpr(jvp, *primals, *tins, *touts, *tscratch)
 
     jvp_kernel.__name__ = f"{name}_jvp"
     return jvp_kernel

@@ -196,8 +196,9 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         (``jax.ShapeDtypeStruct`` or arrays).
       grid: an int or tuple of ints; ``()`` runs one program. A named grid
         ``(("i", 4), ("j", 2))`` names its axes: in the kernel
-        ``lax.axis_size("i")`` / ``lax.psum(1, "i")`` give a size
-        (``lax.axis_index`` is not supported: use ``program_id``).
+        ``lax.axis_size("i")`` / ``lax.psum(1, "i")`` give a size and
+        ``lax.axis_index("i")`` the program id along it
+        (:mod:`pallas_core.named_axes`).
       in_specs / out_specs: pytrees of :class:`BlockSpec` (or None for the whole
         array) matching the inputs / ``out_shape``. As in JAX, an operand may be
         None: its spec is None too and the kernel receives None in its place

@@ -158,7 +158,7 @@ def grid_axis_names(grid) -> tuple[str, ...] | None:
     """The names of a named grid ``(("i", 4), ("j", 2))``, or None for a grid of ints.
 
     Inside the kernel a named axis is a JAX axis name: ``lax.axis_size(name)``
-    and ``lax.psum(1, name)`` give its size.
+    and ``lax.psum(1, name)`` give its size, ``lax.axis_index(name)`` the program id.
 
     Raises:
       ValueError: some dims named and others not, or a name used twice.

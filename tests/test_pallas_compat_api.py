@@ -327,6 +327,56 @@ def test_prefetch_scalar_grid_spec_errors():
         pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=-1)
 
 
+# ---- lax.axis_index of a named grid axis ---------------------------------------------------
+
+def _named_ids(x_ref, o_ref, P, T, index):
+    """Uses ``index("i", 0)`` / ``index("j", 1)`` at the top level, under pl.when and in a loop."""
+    i, j = index("i", 0), index("j", 1)
+    v = x_ref[...] + (i * 10 + j).astype(F32)
+
+    @P.when(index("j", 1) == 1)
+    def _():
+        o_ref[...] = v + index("i", 0).astype(F32) * 100
+
+    @P.when(j != 1)
+    def _():
+        o_ref[...] = v
+
+    o_ref[0, 0] += jax.lax.fori_loop(0, 3, lambda t, c: c + index("j", 1), 0).astype(F32)
+
+
+def test_axis_index_of_a_named_grid_axis():
+    """lax.axis_index("i") is the program id along the named axis, on interpret and triton (and
+    under vmap), equal to JAX's interpreter running the kernel with program_id (JAX's own
+    interpreter refuses lax.axis_index: NameError)."""
+    x = jax.random.normal(jax.random.key(15), (2, 3, 8, 16), F32)
+    kw = dict(grid=(("i", 2), ("j", 3)),
+              in_specs=lambda P, T: [P.BlockSpec((None, None, 8, 16), lambda i, j: (i, j, 0, 0))],
+              out_specs=lambda P, T: P.BlockSpec((None, None, 8, 16), lambda i, j: (i, j, 0, 0)))
+    by_name = functools.partial(_named_ids, index=lambda name, axis: jax.lax.axis_index(name))
+
+    def with_program_ids(x_ref, o_ref, P, T):  # (JAX's interpreter: program_id at the top level)
+        ids = (P.program_id(0), P.program_id(1))
+        _named_ids(x_ref, o_ref, P, T, index=lambda name, axis: ids[axis])
+
+    want = call(with_program_ids, x, x, ours=False, **kw)
+    for backend in ("interpret", "triton"):
+        np.testing.assert_array_equal(call(by_name, x, x, backend=backend, **kw), want)
+    batched = jax.jit(jax.vmap(lambda v: call(by_name, x, v, backend="triton", **kw)))
+    both_ = batched(jnp.stack([x, x + 1]))
+    np.testing.assert_array_equal(both_[0], want)
+    np.testing.assert_allclose(both_[1], want + 1, rtol=1e-6)
+    with pytest.raises(NameError):
+        call(functools.partial(_named_ids, index=lambda name, axis: jax.lax.axis_index("k")), x, x,
+             **kw)
+
+    def scaled(x_ref, o_ref, P, T):  # the JVP kernel keeps lax.axis_index too
+        o_ref[...] = x_ref[...] * (jax.lax.axis_index("j") + 1).astype(F32)
+
+    _, tangent = jax.jvp(lambda v: call(scaled, x, v, **kw), (x,), (jnp.ones_like(x),))
+    np.testing.assert_array_equal(tangent[:, :, 0, 0], [[1, 2, 3], [1, 2, 3]])
+
+
 # ---- pltpu.roll and the PRNG --------------------------------------------------------------
 
 def test_roll_like_jax():

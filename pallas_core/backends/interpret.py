@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_core import _jax_internals, context, grid_analysis
+from pallas_core import _jax_internals, context, grid_analysis, named_axes
 from pallas_core.memory import ScratchShape, as_scratch_shape, garbage_fill_value
 from pallas_core.specs import BlockMapping
 
@@ -132,6 +132,9 @@ def _pure_body(call, in_avals, out_avals, scratch_avals):
 
     ids_avals = [jax.ShapeDtypeStruct((), jnp.int32)] * len(grid)
     closed = jax.make_jaxpr(body)(ids_avals, in_avals, out_avals, scratch_avals)
+    if call.grid_names:  # lax.axis_index(name) is the program id (the ids come first)
+        closed = named_axes.without_axis_index(
+            closed, {n: call.num_batch_axes + a for a, n in enumerate(call.grid_names)})
     return _jax_internals.discharge_refs(closed)
 
 

@@ -737,6 +737,16 @@ class KernelWriter(ElementwiseWriter):
         total = self.assign(f"{current.expr} + {as_code(val)}", current.shape, current.dtype)
         self._store(view, total)
 
+    def _p_axis_index(self, eqn, env):
+        """``lax.axis_index(name)`` of a named grid axis: that axis's program id
+        (:mod:`pallas_core.named_axes`)."""
+        names = self.call.grid_names or ()
+        name = eqn.params["axis_name"]
+        if name not in names:
+            raise NameError(f"triton backend: lax.axis_index({name!r}) in kernel {self.call.name}: "
+                            f"the grid's axis names are {tuple(names)}.")
+        return Val(self.ids[self.call.num_batch_axes + names.index(name)], (), np.dtype(np.int32))
+
     def _p_new_ref(self, eqn, env, value):
         if isinstance(value, RefView):  # the Ref over an operand (or scratch) block
             return value

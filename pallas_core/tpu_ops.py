@@ -12,8 +12,10 @@
   on the order of draws only (seed with ``pl.program_id`` for different bits
   per program). Drawing before any seed uses seed 0.
 
-``mosaic_tpu`` gets JAX's own primitives; other backends raise
-NotImplementedError (the GPU lowerings have no such instructions).
+``mosaic_tpu`` gets JAX's own primitives. Our ``triton`` backend rolls with
+``tl.gather`` at the rolled positions; there is no PRNG there (Triton's random
+numbers are a counter-based generator of another design), and the other GPU
+lowerings have none of these: NotImplementedError.
 """
 from __future__ import annotations
 
@@ -26,17 +28,18 @@ from pallas_core import context
 from pallas_core.primitives import _backend
 
 
-def jax_tpu_or_none(what):
-    """JAX's ``pallas.tpu`` on mosaic_tpu (forward to it), None on the interpreter
-    (compute here), else NotImplementedError naming the backend."""
+def jax_tpu_or_none(what, also=()):
+    """JAX's ``pallas.tpu`` on mosaic_tpu (forward to it), None on the interpreter and
+    the backends ``also`` (compute here), else NotImplementedError naming the backend."""
     backend = _backend()
     if backend == "mosaic_tpu":
         from jax.experimental.pallas import tpu as jpltpu
         return jpltpu
-    if backend != "interpret":
+    if backend not in ("interpret", *also):
         where = f"on the {backend!r} backend" if backend else "outside a kernel"
-        raise NotImplementedError(f"{what}: implemented in kernels on the interpret and "
-                                  f"mosaic_tpu backends, not {where}.")
+        raise NotImplementedError(f"{what}: implemented in kernels on the "
+                                  f"{', '.join(('interpret', *also))} and mosaic_tpu backends, "
+                                  f"not {where}.")
     return None
 
 
@@ -74,9 +77,17 @@ def roll(x, shift, axis: int, *, stride: int | None = None, stride_axis: int | N
                              f"got {stride_axis!r}.")
         if stride_axis == axis:
             raise ValueError(f"roll: stride_axis and axis must differ, both are {axis}.")
-    native = jax_tpu_or_none("roll")
+    native = jax_tpu_or_none("roll", also=("triton",))
     if native is not None:
         return native.roll(x, shift, axis, stride=stride, stride_axis=stride_axis)
+    if _backend() == "triton":
+        from pallas_core.triton import markers
+        return markers.roll(x, shift, axis, stride, stride_axis)
+    return rolled(x, shift, axis, stride, stride_axis)
+
+
+def rolled(x, shift, axis, stride, stride_axis):
+    """:func:`roll` in ``jax.numpy`` (arguments already checked)."""
     amount = jnp.asarray(shift, jnp.int32)
     if stride is not None:
         amount = amount + stride * lax.broadcasted_iota(jnp.int32, x.shape, stride_axis)

@@ -379,21 +379,29 @@ def test_axis_index_of_a_named_grid_axis():
 
 # ---- pltpu.roll and the PRNG --------------------------------------------------------------
 
-def test_roll_like_jax():
-    x = jax.random.normal(jax.random.key(6), (8, 128), F32)
+def _rolls(s_ref, x_ref, o_ref, P, T):
+    v = x_ref[...]
+    o_ref[0] = T.roll(v, 5, 1)
+    o_ref[1] = T.roll(v, s_ref[0], 0)
+    o_ref[2] = T.roll(v, 3, 1, stride=2, stride_axis=0)
+    o_ref[3] = T.roll(v, s_ref[0], 1, stride=7, stride_axis=0)
+
+
+@pytest.mark.parametrize("shape", [(8, 128), (6, 100)])
+def test_roll_like_jax(shape):
+    """On interpret and on triton (tl.gather; the (6, 100) value is a padded (8, 128) tensor)."""
+    x = jax.random.normal(jax.random.key(6), shape, F32)
     shift = jnp.array([37], jnp.int32)
-
-    def kernel(s_ref, x_ref, o_ref, P, T):
-        v = x_ref[...]
-        o_ref[0] = T.roll(v, 5, 1)
-        o_ref[1] = T.roll(v, s_ref[0], 0)
-        o_ref[2] = T.roll(v, 3, 1, stride=2, stride_axis=0)
-
-    out_shape = jax.ShapeDtypeStruct((3, 8, 128), F32)
-    ours, want = both(kernel, out_shape, shift, x,
-                      in_specs=lambda P, T: [P.BlockSpec(memory_space=T.SMEM), P.BlockSpec()])
+    out_shape = jax.ShapeDtypeStruct((4, *shape), F32)
+    kw = dict(in_specs=lambda P, T: [P.BlockSpec(memory_space=T.SMEM), P.BlockSpec()])
+    ours, want = both(_rolls, out_shape, shift, x, **kw)
     np.testing.assert_array_equal(ours, want)
     np.testing.assert_array_equal(ours[1], jnp.roll(x, 37, 0))
+    np.testing.assert_array_equal(call(_rolls, out_shape, shift, x, backend="triton", **kw), want)
+    if shape == (8, 128):
+        run = lambda s, v: call(_rolls, out_shape, s, v, backend="triton", **kw)
+        (report,) = pl.triton.compile(run, shift, x)
+        assert report["spill_bytes"] == 0
     with pytest.raises(ValueError, match="stride_axis"):
         pltpu.roll(x, 1, 0, stride=1, stride_axis=0)
     with pytest.raises(NotImplementedError, match="interpret"):

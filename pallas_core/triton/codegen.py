@@ -815,10 +815,29 @@ class KernelWriter(ElementwiseWriter):
         if name == markers.DEBUG_BARRIER:
             self.emit("tl.debug_barrier()")
             return []
+        if name.startswith(markers.ROLL):
+            return [self._roll(*markers.parse_roll(name), *args)]
         if name.startswith(markers.DEBUG_PRINT):
             self._device_print(markers.print_prefix(name), args)
             return []
         return self._inline(closed, args, env)
+
+    def _roll(self, axis, stride, stride_axis, x: Val, shift: Val) -> Val:
+        """``pltpu.roll``: ``tl.gather`` along ``axis`` from ``(j - shift - k * stride) mod n``
+        (``j`` the lane, ``k`` the lane along ``stride_axis``, ``n`` the dim's logical
+        size). A padding lane gathers some lane of the tensor, as padding may."""
+        rank, n = len(x.shape), x.shape[axis]
+        lanes = lambda a: f"tl.arange(0, {next_power_of_2(x.shape[a])})[{axis_index(a, rank)}]"
+        code = as_code(shift)
+        # (a traced shift should be >= 0, but a negative one is rolled as jnp.roll would)
+        amount = str(int(code) % n) if code.lstrip("-").isdigit() else f"((({code} % {n}) + {n}) % {n})"
+        if stride is not None:  # slice k rolls by shift + k * stride
+            amount = f"(({amount} + {lanes(stride_axis)} * {stride % n}) % {n})"
+        wrapped = self.fresh("r")  # in (-n, P): one wrap-around fixes the negative ones
+        self.emit(f"{wrapped} = {lanes(axis)} - {amount}")
+        self.emit(f"{wrapped} = tl.broadcast_to(tl.where({wrapped} < 0, {wrapped} + {n}, {wrapped}), "
+                  f"{tl_shape(x.shape)})")
+        return self.assign(f"tl.gather({as_code(x)}, {wrapped}, {axis})", x.shape, x.dtype)
 
     def _device_print(self, prefix: str, values) -> None:
         """``tl.device_print`` of ``pl.debug_print`` (:mod:`pallas_core.debugging`): Triton

@@ -21,7 +21,9 @@ run the plain operation), so no other backend ever sees them:
 * ``pallas_core_approx_tanh`` ``(x)``: ``tanh``; ``tanh.approx`` on a GPU;
 * ``pallas_core_debug_barrier`` ``()``: nothing; ``tl.debug_barrier()``;
 * ``pallas_core_debug_print__<hex of the prefix>`` ``(*values)``: nothing;
-  ``tl.device_print(prefix, *values)``.
+  ``tl.device_print(prefix, *values)``;
+* ``pallas_core_roll__<axis>[__<stride>_<stride_axis>]`` ``(x, shift)``:
+  ``pltpu.roll``; ``tl.gather`` along ``axis`` at the rolled positions.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ HINT = PREFIX + "hint_"
 APPROX_TANH = PREFIX + "approx_tanh"
 DEBUG_BARRIER = PREFIX + "debug_barrier"
 DEBUG_PRINT = PREFIX + "debug_print__"
+ROLL = PREFIX + "roll__"
 
 
 def _named(fn, name, **jit_kw):
@@ -141,9 +144,34 @@ def print_prefix(name: str) -> str:
     return bytes.fromhex(name[len(DEBUG_PRINT):]).decode()
 
 
+@functools.lru_cache(maxsize=None)
+def _roll_fn(axis: int, stride: int | None, stride_axis: int | None):
+    from pallas_core.tpu_ops import rolled
+
+    def body(x, shift):
+        return rolled(x, shift, axis, stride, stride_axis)
+
+    strided = "" if stride is None else f"__{stride}_{stride_axis}"
+    return _named(body, f"{ROLL}{axis}{strided}")
+
+
+def roll(x, shift, axis: int, stride: int | None, stride_axis: int | None):
+    """``pltpu.roll`` under our Triton lowering (arguments already checked)."""
+    return _roll_fn(axis, stride, stride_axis)(x, jnp.asarray(shift, jnp.int32))
+
+
+def parse_roll(name: str) -> tuple[int, int | None, int | None]:
+    """``(axis, stride, stride_axis)`` of a roll marker's name."""
+    parts = name[len(ROLL):].split("__")
+    if len(parts) == 1:
+        return int(parts[0]), None, None
+    stride, stride_axis = parts[1].split("_")
+    return int(parts[0]), int(stride), int(stride_axis)
+
+
 def is_marker(name: str) -> bool:
-    return name.startswith((LOAD, STORE, HINT, APPROX_TANH, DEBUG_BARRIER, DEBUG_PRINT))
+    return name.startswith((LOAD, STORE, HINT, APPROX_TANH, DEBUG_BARRIER, DEBUG_PRINT, ROLL))
 
 
 __all__ = ["approx_tanh", "debug_barrier", "debug_print", "hint", "is_marker", "load", "parse_hint",
-           "parse_hints", "print_prefix", "store"]
+           "parse_hints", "parse_roll", "print_prefix", "roll", "store"]

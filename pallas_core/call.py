@@ -316,12 +316,10 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
         if scratch_shapes and chosen == "pallas_triton":
             raise ValueError("scratch_shapes: the pallas_triton backend has no scratch memory.")
         for m in in_maps + out_maps:
-            if m.unblocked and (chosen not in ("interpret", "mosaic_tpu", "triton")
-                                or (chosen == "triton" and any(m.bounded))):
+            if m.unblocked and chosen not in ("interpret", "mosaic_tpu", "triton"):
                 raise ValueError(f"{m.origin}: element offsets (Unblocked indexing, Element or "
                                  f"BoundedSlice block dims) are only supported on the "
-                                 f"interpret and mosaic_tpu backends (and triton but for "
-                                 f"BoundedSlice), not {chosen!r}.")
+                                 f"interpret, triton and mosaic_tpu backends, not {chosen!r}.")
             if chosen in validation.TPU_BACKENDS:
                 validation.check_tpu_tiling(m)
             if chosen in validation.POW2_BACKENDS:

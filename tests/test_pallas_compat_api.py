@@ -117,6 +117,29 @@ def test_bounded_slice_reads_and_writes_only_its_size():
     np.testing.assert_array_equal(out[9], x[9])
 
 
+@pytest.mark.parametrize("backend", ["interpret", "triton"])
+def test_bounded_slice_with_prefetched_starts_and_sizes(backend):
+    """The ragged groups of the test above, their starts and sizes prefetched (a kernel cannot
+    close over arrays on triton), eagerly and under jit; triton masks lanes past the size."""
+    x = jax.random.normal(jax.random.key(3), (10, 16), F32)
+    spec = pl.BlockSpec((pl.BoundedSlice(4), 16), lambda i, st, sz: (pl.ds(st[i], sz[i]), 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(3,), in_specs=[spec],
+                                             out_specs=spec)
+
+    def kernel(starts, sizes, x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    run = lambda st, sz, v: pl.pallas_call(kernel, out_shape=v, grid_spec=grid_spec, backend=backend,
+                                           input_output_aliases={2: 0})(st, sz, v)
+    starts, sizes = jnp.array([0, 3, 7], jnp.int32), jnp.array([3, 4, 2], jnp.int32)
+    for out in (run(starts, sizes, x), jax.jit(run)(starts, sizes, x)):
+        np.testing.assert_array_equal(out[:9], x[:9] + 1.0)
+        np.testing.assert_array_equal(out[9], x[9])
+    if backend == "triton":
+        (source,) = pl.triton.source(run, starts, sizes, x)
+        assert "tl.store(p3 + " in source and " < (v" in source  # the size bounds the store
+
+
 def test_bounded_slice_needs_a_ds():
     spec = pl.BlockSpec((pl.BoundedSlice(4), 16), lambda i: (i, 0))
     with pytest.raises(TypeError, match="BoundedSlice dim takes pl.ds"):
@@ -138,9 +161,9 @@ def test_block_dim_errors():
     with pytest.raises(ValueError, match="Unblocked"):
         pl.BlockSpec((pl.Element(4), 8), lambda i: (i, 0), indexing_mode=pl.Unblocked())
     bounded = [pl.BlockSpec((pl.BoundedSlice(8), 16), lambda: (pl.ds(0, 8), 0))]
-    with pytest.raises(ValueError, match="BoundedSlice"):  # no bounded slices on triton
+    with pytest.raises(ValueError, match="BoundedSlice"):  # nor on JAX's Triton lowering
         call(_copy, jax.ShapeDtypeStruct((8, 16), F32), jnp.zeros((8, 16), F32),
-             backend="triton", in_specs=bounded)
+             backend="pallas_triton", in_specs=bounded)
     with pytest.raises(NotImplementedError, match="BoundedSlice"):  # nor in JAX's lowerings
         call(_copy, jax.ShapeDtypeStruct((8, 16), F32), jnp.zeros((8, 16), F32),
              backend="mosaic_tpu", in_specs=bounded)

@@ -139,6 +139,9 @@ class RefView:
     register: int | None = None  # index of a scratch buffer kept as a loop-carried value
     origin_last: str | None = None  # start of the operand block's last dim, before any .at view
     result_shape: tuple[int, ...] | None = None  # set by a gather, whose axes Ranges do not give
+    # Per array dim, the end (exclusive, in elements) of what a BoundedSlice block holds, or
+    # None: lanes past it are neither read nor written. Empty: no BoundedSlice dim.
+    bounds: tuple[str | None, ...] = ()
 
     @property
     def register_name(self) -> str:
@@ -441,6 +444,8 @@ class KernelWriter(ElementwiseWriter):
         blocks = [self.constexpr(f"B{k}_{d}", m.block_shape[d]) for d in range(rank)]
         # The block origin, from the index_map traced at the program ids.
         block_idx = self._index_map(m, ids)
+        # BoundedSlice dims: the pl.ds sizes, from the same index_map.
+        sizes = self._index_map(m, ids, m.size_map) if m.size_map is not None else None
         dims, masked = [], []
         for d in range(rank):
             if m.element[d]:  # pl.Element / Unblocked: an offset into the array padded by `low`
@@ -458,9 +463,12 @@ class KernelWriter(ElementwiseWriter):
         # A descriptor (TMA) box must start at a block origin; element offsets need not.
         origin_last = dims[-1].start if rank and isinstance(dims[-1], Range) and not m.element[-1] \
             else None
+        bounds = ()
+        if sizes is not None:
+            bounds = tuple(_add(block_idx[d], sizes[d]) if m.bounded[d] else None for d in range(rank))
         return RefView(ptr=f"p{k}", array_shape=m.array_shape, dim_names=names, dims=tuple(dims),
                        masked=tuple(masked), dtype=np.dtype(m.dtype), wide=numel > INT32_MAX,
-                       origin_last=origin_last)
+                       origin_last=origin_last, bounds=bounds)
 
     def _scratch_ref(self, k, s, parallel) -> RefView:
         """A scratch buffer: a loop-carried value, or private global memory.
@@ -483,8 +491,9 @@ class KernelWriter(ElementwiseWriter):
                        dims=tuple(Range("0", n, 1) for n in s.shape), masked=(False,) * rank,
                        dtype=np.dtype(s.dtype), wide=False, register=register)
 
-    def _index_map(self, m, ids) -> list[str]:
-        """The block index of ``m`` at grid ids ``ids``, the index map written inline.
+    def _index_map(self, m, ids, fn=None) -> list[str]:
+        """The block index of ``m`` at grid ids ``ids``, the index map (or ``fn``, a function
+        of the same arguments) written inline.
 
         With scalar prefetch the index map also reads the scalar-prefetch
         operands: it is traced with Refs over them (``tpu_prefetch.scalar_refs``)
@@ -495,11 +504,13 @@ class KernelWriter(ElementwiseWriter):
         scalars = list(self.scalar_refs)
         avals = [jax.ShapeDtypeStruct(r.array_shape, r.dtype) for r in scalars]
 
+        index_map = fn or m.index_map
+
         def traced(ids, arrays):
             if not arrays:
-                return m.index_map(*ids)
+                return index_map(*ids)
             with tpu_prefetch.scalar_refs([jax.new_ref(a) for a in arrays]):
-                return m.index_map(*ids)
+                return index_map(*ids)
 
         closed = jax.make_jaxpr(traced)([jnp.int32(0)] * len(grid), avals)
         invars = closed.jaxpr.invars
@@ -603,6 +614,8 @@ class KernelWriter(ElementwiseWriter):
             else:
                 index_wide = index
             offsets.append(_mul(index_wide, strides[d]))
+            if ref.bounds and ref.bounds[d] is not None:
+                masks.append(f"({index} < {ref.bounds[d]})")
             if ref.masked[d] == BOTH_EDGES:
                 masks.append(f"(({index} >= 0) & ({index} < {ref.dim_names[d]}))")
             elif ref.masked[d]:
@@ -630,7 +643,7 @@ class KernelWriter(ElementwiseWriter):
         """``(descriptor name, box)`` if ``tma`` is on and the view can move as one TMA box
         (:mod:`pallas_core.triton.descriptors`); the descriptor is made on first use."""
         if (not self.options.tma or ref.register is not None or ref.origin_last is None
-                or ref.ptr in self.pointer_only):
+                or ref.ptr in self.pointer_only or any(b is not None for b in ref.bounds)):
             return None
         user = access.get("mask")
         plain = (user is None or user.expr == "True") and not access.get("hints")

@@ -13,6 +13,7 @@ kernels are cached by (source, mode).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import linecache
@@ -84,6 +85,7 @@ def launch_interpreted(kernel, *, grid, args, out_avals, aliases, constexprs):
 
     from pallas_core.triton import interpreter_fixes
     interpreter_fixes.apply()
+    _skip_dead_overflow_checks()
     ins = [_to_torch(np.asarray(a)) for a in args]
     outs = []
     for o, aval in enumerate(out_avals):
@@ -95,6 +97,24 @@ def launch_interpreted(kernel, *, grid, args, out_avals, aliases, constexprs):
             outs.append(_to_torch(np.full(aval.shape, fill, aval.dtype)))
     kernel[grid](*ins, *outs, **constexprs)
     return [_from_torch(t, aval.dtype).reshape(aval.shape) for t, aval in zip(outs, out_avals)]
+
+
+def _skip_dead_overflow_checks() -> None:
+    """Turns off the interpreter's integer-overflow sanitizer while its asserts are off.
+
+    With ``sanitize_overflow`` (Triton's default) every integer ``+``, ``-`` and
+    ``*`` (our index and address arithmetic) is redone in int64 and compared
+    with the type's range, and the result goes to ``device_assert``, which does
+    nothing unless the builder's ``debug`` option is set, and the interpreter
+    never sets it. On a GPU the compiler drops that dead code; the interpreter
+    runs it through Triton's Python front end, op by op: it was half the time of
+    a matmul kernel. Results are unchanged; with ``debug`` on, nothing is
+    touched.
+    """
+    from triton.runtime.interpreter import interpreter_builder
+    options = interpreter_builder.options
+    if options.sanitize_overflow and not options.debug:
+        interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 def import_jax_triton():

@@ -21,6 +21,7 @@ from ops.matmul.fused_matmul import select_tiles
 from ops.reduction._rows import select_row_layout
 from ops.reduction.norms import layer_norm_reference
 from ops.tuning import search
+from pallas_core.triton import backend as triton_backend
 from tests.tolerances import FORWARD, assert_close
 
 KIND = jax.devices()[0].device_kind  # what lookups key on by default on this host
@@ -167,7 +168,10 @@ def test_row_op_precedence_and_cached_layout_runs():
                      layer_norm_reference(x, scale, bias), FORWARD[jnp.float32], "cached layout")
 
 
-def test_attention_precedence():
+def test_attention_precedence(monkeypatch):
+    # The GPU's tiles: on this host, triton outside a capture would take the
+    # interpreter's (test_interpreter_tiles).
+    monkeypatch.setattr(triton_backend, "_on_gpu", lambda: True)
     heuristic = attention_defaults(300, 300, 64, jnp.bfloat16, "triton")
     assert select_block_sizes(300, 300, 64, jnp.bfloat16, "triton") == heuristic
     entry = _entry("dot_product_attention", "triton", "bfloat16", (300, 300, 64), block_q=64,
@@ -231,3 +235,35 @@ def test_tune_cli_merges_a_session_cache(tmp_path):
     tuning.write(package, [_entry("rms_norm", "triton", "float32", (8, 8), block_rows=1)])
     assert tune.main(["--merge", str(session), "--out", str(package)]) == 0
     assert len(tuning.load(package)) == 2
+
+
+def test_interpreter_tiles():
+    """On a host without a GPU, triton's tile choice is the interpreter's (few, big
+    programs: its cost is per tl operation); inside a capture (pl.triton.source /
+    compile, the static gate) it is the GPU heuristic's; explicit sizes and the
+    other backends are untouched."""
+    from ops.attention.block_sizes import interpreter_block_sizes
+    from ops.matmul.fused_matmul import interpreter_block_sizes as matmul_interpreter
+    from ops.reduction.norms import default_block_rows
+
+    assert triton_backend.runs_in_interpreter()
+    tiles = select_tiles(2048, 1536, 384, jnp.float32, "triton")
+    assert tiles.source == "interpreter" and tiles.blocks == matmul_interpreter(2048, 1536, 384) == (512, 512, 512)
+    assert select_tiles(2048, 1536, 384, jnp.float32, "triton", (64, 64, 32)).blocks == (64, 64, 32)
+    assert select_block_sizes(32, 32, 32, jnp.float32, "triton") == interpreter_block_sizes(32, 32)
+    assert interpreter_block_sizes(32, 1000).block_k == 128
+    layout = select_row_layout("layer_norm", 2048, 384, jnp.float32, "triton")
+    assert layout.block_rows * layout.chunk == triton_backend.INTERPRETER_TILE_ELEMENTS
+    assert select_row_layout("layer_norm", 10, 384, jnp.float32, "triton").block_rows == 16
+    with triton_backend.capturing():
+        assert not triton_backend.runs_in_interpreter()
+        assert select_tiles(2048, 1536, 384, jnp.float32, "triton").blocks == matmul_defaults(
+            2048, 1536, 384, jnp.float32, "triton")
+        assert select_block_sizes(32, 32, 32, jnp.float32, "triton") == attention_defaults(
+            32, 32, 32, jnp.float32, "triton")
+        gpu_rows = default_block_rows(2048, 384, jnp.float32, "triton")
+        assert select_row_layout("layer_norm", 2048, 384, jnp.float32, "triton",
+                                 heuristic_block_rows=lambda c: gpu_rows).block_rows == gpu_rows
+    for impl in ("interpret", "pallas_triton"):
+        assert select_tiles(2048, 1536, 384, jnp.float32, impl).blocks == matmul_defaults(
+            2048, 1536, 384, jnp.float32, impl)

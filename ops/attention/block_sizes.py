@@ -7,6 +7,7 @@ import numpy as np
 
 import pallas_core as pl
 from ops import tuning
+from pallas_core.triton import backend as triton_backend
 
 _OP = "dot_product_attention"
 
@@ -80,13 +81,26 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
 def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> BlockSizes:
     """The tiles when the caller gives none: the tuning cache's entry
     (:func:`ops.tuning.lookup`, key ``(T, S, head_dim)``; fields it leaves out
-    come from the heuristic), else :func:`default_block_sizes`.
+    come from the heuristic), else :func:`default_block_sizes`, whose GPU tiles
+    give way to :func:`interpreter_block_sizes` on ``triton`` in Triton's CPU
+    interpreter (:func:`pallas_core.triton.backend.runs_in_interpreter`).
 
     Raises:
       ops.tuning.TuningCacheError: a malformed user or packaged cache file.
     """
     heuristic = default_block_sizes(T, S, head_dim, dtype, backend)
+    if backend == "triton" and triton_backend.runs_in_interpreter():
+        heuristic = interpreter_block_sizes(T, S)
     tuned = tuning.lookup(_OP, backend, dtype, (T, S, head_dim))
     if tuned is None:
         return heuristic
     return dataclasses.replace(heuristic, **tuned)
+
+
+def interpreter_block_sizes(T: int, S: int) -> BlockSizes:
+    """Tiles for Triton's CPU interpreter, whose cost is per tl operation rather
+    than per element: the whole (power-of-two rounded) sequence up to 128 rows per
+    tile for every kernel, so a sentence-length sequence is one query tile and one
+    key/value step (a program per batch entry and head), and a longer one a few."""
+    tile = triton_backend.interpreter_tile
+    return BlockSizes(tile(T, 128), tile(S, 128), block_q_dkv=tile(T, 128), block_k_dkv=tile(S, 128))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -42,6 +43,7 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from pallas_core.triton import backend as triton_backend
 from ops._checks import check_array, check_matmul_operands, check_same_dtype
 from ops import tuning
 from ops._implementation import resolve_implementation
@@ -492,7 +494,8 @@ class Tiles:
         (8 warps from a 128 x 128 tile, 3 stages).
       group_size: grouped program ordering on ``triton``
         (:class:`pallas_core.triton.CompilerParams`); None: 8.
-      source: where it came from: "argument", "cache" or "heuristic".
+      source: where it came from: "argument", "cache", "interpreter" or
+        "heuristic".
     """
 
     blocks: tuple[int, int, int]
@@ -506,7 +509,9 @@ def select_tiles(m: int, n: int, k: int, dtype, backend: str,
                  block_sizes: tuple[int, int, int] | None = None) -> Tiles:
     """The tiles of an ``[m, k] @ [k, n]`` product: explicit ``block_sizes``,
     else the tuning cache (:func:`ops.tuning.lookup`, key ``(m, n, k)``), else
-    :func:`default_block_sizes`.
+    :func:`default_block_sizes`. On ``triton`` in Triton's CPU interpreter
+    (:func:`pallas_core.triton.backend.runs_in_interpreter`) the heuristic's
+    GPU tiles give way to :func:`interpreter_block_sizes`.
 
     Raises:
       ops.tuning.TuningCacheError: a malformed user or packaged cache file.
@@ -520,4 +525,17 @@ def select_tiles(m: int, n: int, k: int, dtype, backend: str,
                                                              heuristic))
         return Tiles(blocks, tuned.get("num_warps"), tuned.get("num_stages"),
                      tuned.get("group_size"), source="cache")
+    if backend == "triton" and triton_backend.runs_in_interpreter():
+        return Tiles(interpreter_block_sizes(m, n, k), source="interpreter")
     return Tiles(default_block_sizes(m, n, k, dtype, backend))
+
+
+def interpreter_block_sizes(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """Tiles for Triton's CPU interpreter: each dim whole (rounded up to a power of
+    two) up to 512, so a model-sized product is a handful of programs with a
+    short (usually one-step) contraction loop: the interpreter's cost is per
+    tl operation, not per element (:data:`pallas_core.triton.backend.INTERPRETER_TILE_ELEMENTS`:
+    a 512 x 512 tile)."""
+    cap = math.isqrt(triton_backend.INTERPRETER_TILE_ELEMENTS)
+    return (triton_backend.interpreter_tile(m, cap), triton_backend.interpreter_tile(n, cap),
+            triton_backend.interpreter_tile(k, cap))

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from pallas_core.triton import backend as triton_backend
 from ops import tuning
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import resolve_implementation
@@ -145,7 +146,9 @@ def select_row_layout(op: str, rows: int, features: int, dtype, backend: str, *,
     tuning cache's entry (:func:`ops.tuning.lookup`, key ``(rows, features)``;
     its ``chunk`` caps the chunk as ``max_chunk`` does), else the heuristic
     :func:`row_layout` with ``heuristic_block_rows(max_chunk)`` rows per
-    program (None: row_layout's default).
+    program (None: row_layout's default), or, on ``triton`` in Triton's CPU
+    interpreter (:func:`pallas_core.triton.backend.runs_in_interpreter`),
+    :func:`interpreter_block_rows` rows.
 
     Raises:
       ops.tuning.TuningCacheError: a malformed user or packaged cache file.
@@ -159,7 +162,19 @@ def select_row_layout(op: str, rows: int, features: int, dtype, backend: str, *,
             return dataclasses.replace(layout, num_warps=tuned.get("num_warps"),
                                        num_stages=tuned.get("num_stages"))
     block_rows = None if heuristic_block_rows is None else heuristic_block_rows(max_chunk)
-    return row_layout(rows, features, dtype, backend, max_chunk=max_chunk, block_rows=block_rows)
+    layout = row_layout(rows, features, dtype, backend, max_chunk=max_chunk, block_rows=block_rows)
+    if backend == "triton" and triton_backend.runs_in_interpreter():
+        layout = row_layout(rows, features, dtype, backend, max_chunk=max_chunk,
+                            block_rows=interpreter_block_rows(rows, layout.chunk))
+    return layout
+
+
+def interpreter_block_rows(rows: int, chunk: int) -> int:
+    """Rows per program in Triton's CPU interpreter, whose cost is per tl operation
+    rather than per element: all rows (a power of two) as long as a chunk of them
+    stays within :data:`pallas_core.triton.backend.INTERPRETER_TILE_ELEMENTS`."""
+    return triton_backend.interpreter_tile(
+        rows, max(1, triton_backend.INTERPRETER_TILE_ELEMENTS // chunk), floor=1)
 
 
 def as_rows(x) -> tuple[jax.Array, tuple[int, ...]]:

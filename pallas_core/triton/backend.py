@@ -37,6 +37,36 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+# Triton's CPU interpreter spends about 0.1 to 0.4 ms of Python on every tl operation
+# (its front end builds and checks types for each one), whatever the tile size,
+# while numpy runs an element-wise op on a tile of 2**18 float32 elements in
+# about the same time. So there, fewer and bigger programs cost far less: the
+# ops' tile heuristics ask :func:`runs_in_interpreter` and then cover a problem
+# with tiles of up to this many elements (GPU tiles are sized for registers and
+# shared memory instead, and stay as they are).
+INTERPRETER_TILE_ELEMENTS = 1 << 18
+
+
+def runs_in_interpreter() -> bool:
+    """Whether a ``triton`` pallas_call traced now runs in Triton's CPU interpreter.
+
+    True on a host whose default device is not a GPU, unless the kernels are
+    being captured (:func:`capturing`: :func:`pallas_core.triton.source`,
+    :func:`pallas_core.triton.compile` and tests reading launch parameters),
+    which inspect or compile them for a GPU, where the GPU's tiles are the
+    ones that count.
+    """
+    return not _on_gpu() and _CAPTURE.get() is None
+
+
+def interpreter_tile(extent: int, cap: int, floor: int = 16) -> int:
+    """A power-of-two tile for a dim of ``extent`` on the interpreter: the whole
+    dim rounded up to a power of two, at most ``cap``, at least ``floor``
+    (``tl.dot``'s minimum is 16)."""
+    tile = 1 << max(0, int(extent) - 1).bit_length()
+    return max(floor, min(cap, tile))
+
+
 def launch_grid(call) -> tuple[int]:
     """One program per tile of the parallel grid axes, or the persistent program count."""
     sizes = [n for n, s in zip(call.grid, call.semantics) if s == PARALLEL]

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import linecache
 import os
+import threading
 import types
 
 import jax
@@ -79,6 +80,15 @@ def _from_torch(tensor, dtype):
     return tensor.numpy().astype(dtype, copy=False)
 
 
+# Triton's interpreter is process-global: a launch patches triton.language's
+# functions for its duration (and puts them back at the end) and keeps the
+# current program id in one shared builder. XLA's CPU runtime may run
+# independent callbacks (two kernels of one jitted step) on different threads
+# at once; overlapping launches would then see each other's program ids or
+# unpatched functions ("Did you forget to add @triton.jit ?"). One at a time.
+_INTERPRETER_LOCK = threading.RLock()
+
+
 def launch_interpreted(kernel, *, grid, args, out_avals, aliases, constexprs):
     """Runs an interpreted kernel on numpy inputs; returns numpy outputs."""
     import torch  # noqa: F401 - the interpreter's tensor bridge
@@ -95,7 +105,8 @@ def launch_interpreted(kernel, *, grid, args, out_avals, aliases, constexprs):
         else:
             fill = garbage_fill_value(aval.dtype)
             outs.append(_to_torch(np.full(aval.shape, fill, aval.dtype)))
-    kernel[grid](*ins, *outs, **constexprs)
+    with _INTERPRETER_LOCK:
+        kernel[grid](*ins, *outs, **constexprs)
     return [_from_torch(t, aval.dtype).reshape(aval.shape) for t, aval in zip(outs, out_avals)]
 
 

@@ -68,6 +68,8 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallas_core import _jax_internals
+
 __all__ = ["run", "rowwise", "explicit_sharding", "with_sharding", "reshape", "Rule", "psum", "reduced_axes", "ROW", "STAT", "PARAM", "PER_ROW"]
 
 _ONE = "one"
@@ -421,6 +423,7 @@ def _partitioned_call(rule: Rule, local):
         # and the kernels close over some (NaN fills, index tables): trace once
         # here and pass them in as leading, replicated operands.
         closed = jax.make_jaxpr(unpartitioned)(*blocks)
+        call_site = _jax_internals.current_traceback()
         consts = [jax.numpy.asarray(c) for c in closed.consts]
         n = len(consts)
         const_dims = tuple(tuple((f"c{i}x{j}",) for j in range(c.ndim)) for i, c in enumerate(consts))
@@ -443,7 +446,17 @@ def _partitioned_call(rule: Rule, local):
             args = tuple(NamedSharding(mesh, s) for s in full.operand_specs(assignment))
             results = tuple(NamedSharding(mesh, s) for s in full.result_specs(assignment))
             body = functools.partial(local, reduced=full.reduced(assignment))
-            return mesh, lambda *operands: body(*operands[n:]), results, args
+
+            def lower(*operands):
+                # XLA calls this while it compiles, from deep inside the caller's
+                # stack: traced there, every kernel op's location would carry that
+                # whole traceback, cut at jax_traceback_in_locations_limit (100)
+                # frames. Inlining the kernels' conditionals then grows each op's
+                # stack by its call site's, a compile that did not end in 300 s
+                # from a pytest stack. The op's call site, as on every other path.
+                with _jax_internals.traced_at(call_site):
+                    return body(*operands[n:])
+            return mesh, lower, results, args
 
         def infer(mesh, arg_shapes, result_shape):
             assignment = decide(mesh, arg_shapes)

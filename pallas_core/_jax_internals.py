@@ -80,3 +80,20 @@ def pytree_differences(tree1, tree2):
     PyTreeDefs differ structurally (JAX's own description of a mismatch)."""
     from jax._src import tree_util
     return list(tree_util.equality_errors_pytreedef(tree1, tree2))
+
+
+# --- Source locations of code traced late (ops._partitioning) -----------------
+# custom_partitioning traces an op's per-device body while XLA compiles, so
+# each equation's location is the traceback at that moment. These let the op
+# give that body its own call site instead.
+from jax._src import source_info_util as _source_info_util  # noqa: E402
+
+
+def current_traceback():
+    """The traceback JAX would record for an equation traced here."""
+    return _source_info_util.current().traceback
+
+
+def traced_at(traceback):
+    """Context manager: equations traced inside record ``traceback`` as their location."""
+    return _source_info_util.user_context(traceback)

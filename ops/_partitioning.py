@@ -51,6 +51,10 @@ out the same rule:
   ``jax.custom_batching.custom_vmap`` that, under ``vmap``, runs the local
   function batched (the ``pallas_call`` batching rule: a grid axis), unpartitioned.
 
+Inside a user's ``shard_map`` with ``check_vma``, results vary over every
+manual axis an operand varies over, and a result with ``out_like`` (a
+gradient) whose primal varies over fewer axes is summed over the others.
+
 Ops call :func:`run` at their ``jax.custom_vjp`` forward and backward kernel
 call sites (never around the custom_vjp: neither mechanism is differentiated
 through), so gradients partition exactly as the forward does.
@@ -268,7 +272,35 @@ def run(op: str, fn: Callable, args: Sequence, in_dims: Sequence[str], out_dims:
         like = tuple(out_like) + (None,) * len(outs)
         return tuple(out if j is None or args[j] is None else _reshard_like(out, args[j], mesh)
                      for out, j in zip(outs, like))
-    return _partitioned_call(rule, local)(*arrays)
+    outs = _partitioned_call(rule, local)(*arrays)
+    like = tuple(out_like) + (None,) * len(outs)
+    return tuple(out if j is None or args[j] is None else _vary_like(out, args[j])
+                 for out, j in zip(outs, like))
+
+
+def _varying(x) -> frozenset:
+    """The manual mesh axes ``x``'s type varies over (inside a ``shard_map`` with check_vma)."""
+    return getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())
+
+
+def _vary_like(out, target):
+    """``out`` (a gradient) with the manual axes ``target`` (its primal) varies over.
+
+    Inside a user's ``shard_map`` with ``check_vma``, a gradient computed from
+    operands that vary over more axes than its primal (dx from a w split over
+    "model", x the same on every "model" device) is a partial sum: summed over
+    the extra axes, as JAX's own transpose of the implicit ``pvary`` does.
+    Elsewhere types carry no manual axes and ``out`` is returned as is.
+    """
+    have, want = _varying(out), _varying(target)
+    if have == want:
+        return out
+    order = jax.sharding.get_abstract_mesh().axis_names
+    extra = tuple(a for a in order if a in have - want)
+    if extra:
+        out = jax.lax.psum(out, extra)
+    missing = tuple(a for a in order if a in want - have)
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
 
 
 # The row-wise family (norms, softmax family, cross_entropy): arrays are

@@ -82,6 +82,54 @@ def pytree_differences(tree1, tree2):
     return list(tree_util.equality_errors_pytreedef(tree1, tree2))
 
 
+# --- Manual-axis types inside shard_map (pallas_core.backends.interpret) -------
+# Under shard_map's check_vma every value's type says which manual mesh axes it
+# varies over, and a primitive's operands must agree. JAX's own functions (jnp,
+# lax) cast an operand that varies over fewer axes (pvary, a no-op cast) before
+# binding; a Ref store does not, so a kernel that stores a constant into a varying
+# Ref (an accumulator's zero init) leaves the discharged program with cond
+# branches of mismatched types. The interpreter inserts those casts itself.
+from jax._src.state import primitives as _state_primitives  # noqa: E402
+
+_STORES = (_state_primitives.swap_p, _state_primitives.addupdate_p)
+
+
+def vary_stored_values(closed: jax.extend.core.ClosedJaxpr, mesh_axes) -> jax.extend.core.ClosedJaxpr:
+    """``closed`` with every value stored into a Ref (``swap``, ``addupdate``, in
+    nested jaxprs too) cast to vary over the Ref's manual axes, named in
+    ``mesh_axes`` order. A no-op where the types already agree."""
+
+    def fix_param(v):
+        if isinstance(v, _core.ClosedJaxpr):
+            return v.replace(jaxpr=fix(v.jaxpr))
+        if isinstance(v, _core.Jaxpr):
+            return fix(v)
+        if isinstance(v, tuple) and any(isinstance(x, (_core.ClosedJaxpr, _core.Jaxpr)) for x in v):
+            return tuple(fix_param(x) for x in v)
+        return v
+
+    def fix(jaxpr):
+        eqns = []
+        for eqn in jaxpr.eqns:
+            params = {k: fix_param(v) for k, v in eqn.params.items()}
+            if any(params[k] is not eqn.params[k] for k in params):
+                eqn = eqn.replace(params=params)
+            if eqn.primitive in _STORES:
+                ref, value = eqn.invars[:2]
+                missing = ref.aval.inner_aval.mat.varying - value.aval.mat.varying
+                if missing:
+                    axes = tuple(a for a in mesh_axes if a in missing)
+                    aval, _ = _core.pvary_p.abstract_eval(value.aval, axes=axes)
+                    cast = _core.Var(aval)
+                    eqns.append(_core.new_jaxpr_eqn([value], [cast], _core.pvary_p, {"axes": axes},
+                                                    set(), eqn.source_info, eqn.ctx))
+                    eqn = eqn.replace(invars=[ref, cast, *eqn.invars[2:]])
+            eqns.append(eqn)
+        return jaxpr.replace(eqns=eqns)
+
+    return closed.replace(jaxpr=fix(closed.jaxpr))
+
+
 # --- Source locations of code traced late (ops._partitioning) -----------------
 # custom_partitioning traces an op's per-device body while XLA compiles, so
 # each equation's location is the traceback at that moment. These let the op

@@ -319,7 +319,8 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
             if m.unblocked and chosen not in ("interpret", "mosaic_tpu", "triton"):
                 raise ValueError(f"{m.origin}: element offsets (Unblocked indexing, Element or "
                                  f"BoundedSlice block dims) are only supported on the "
-                                 f"interpret, triton and mosaic_tpu backends, not {chosen!r}.")
+                                 f"interpret and mosaic_tpu backends and on triton, not "
+                                 f"{chosen!r}.")
             if chosen in validation.TPU_BACKENDS:
                 validation.check_tpu_tiling(m)
             if chosen in validation.POW2_BACKENDS:

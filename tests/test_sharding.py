@@ -147,23 +147,33 @@ def test_attention_batch_and_gqa_heads_sharded():
 
 
 def test_ops_inside_shard_map_work_on_local_shards():
-    # check_vma=False: the interpreter's kernels do not yet type operands that vary
-    # over different manual axes (x over "data", w over "model") as check_vma wants.
+    # shard_map's default check_vma=True: x varies over "data", w over "model". The
+    # interpreter types its kernels' values over both; a gradient whose primal varies
+    # over fewer axes is summed over the others, as JAX's own ops do (the XLA run).
     mesh = _mesh(EXPLICIT)
     x, w = _normal(0, (16, 32)), _normal(1, (32, 24), 0.2)
+    specs = (P("data"), P(None, "model"))
 
-    def local(x, w):
-        h = ops.fused_matmul(x, w, activation="relu", implementation="interpret")
-        return ops.layer_norm(h, implementation="interpret")
+    def run(impl):
+        def local(x, w):
+            h = ops.fused_matmul(x, w, activation="relu", implementation=impl)
+            return ops.layer_norm(h, implementation=impl)
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(None, "model")),
-                              out_specs=P("data", "model"), check_vma=False))
-    got = f(jax.device_put(x, NamedSharding(mesh, P("data"))),
-            jax.device_put(w, NamedSharding(mesh, P(None, "model"))))
-    # Each device normalised its own 12-column block of h: the per-block reference.
+        def both(x, w):
+            return local(x, w), jax.grad(lambda x, w: jnp.sum(jnp.sin(local(x, w))), (0, 1))(x, w)
+        return jax.jit(jax.shard_map(both, mesh=mesh, in_specs=specs,
+                                     out_specs=(P("data", "model"), specs)))
+
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
+    got, (dx, dw) = run("interpret")(*placed)
+    want, (want_dx, want_dw) = run("xla")(*placed)
+    # Each device normalised its own 12-column block of h.
     h = ops.fused_matmul(x, w, activation="relu", implementation="xla")
     blocks = [ops.layer_norm(b, implementation="xla") for b in jnp.split(h, 2, axis=1)]
-    assert_close(got, jnp.concatenate(blocks, axis=1), TOL_F, "shard_map")
+    assert_close(want, jnp.concatenate(blocks, axis=1), TOL_F, "per-block reference")
+    assert_close(got, want, TOL_F, "shard_map")
+    assert_close(dx, want_dx, TOL_B, "dx")
+    assert_close(dw, want_dw, TOL_B, "dw")
 
 
 def test_signature_rule_drops_axes_it_cannot_use():

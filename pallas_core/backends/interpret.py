@@ -28,13 +28,14 @@ from pallas_core.specs import BlockMapping
 class InterpretContext(context.KernelContext):
     backend = "interpret"
 
-    def __init__(self, ids, grid):
+    def __init__(self, ids, grid, vma=()):
         self._ids = ids
         self._grid = grid
+        self._vma = vma  # the manual axes the blocks vary over (see run)
         # pltpu.prng_seed / prng_random_bits state (pallas_core.tpu_ops), a Ref made
         # here, at the kernel's top level, so seeding inside pl.when or a loop
         # carries out of it.
-        self.prng_state = jax.new_ref(jnp.zeros((3,), jnp.uint32))
+        self.prng_state = jax.new_ref(_vary(jnp.zeros((3,), jnp.uint32), vma))
 
     def program_id(self, axis):
         if not 0 <= axis < len(self._grid):
@@ -47,7 +48,8 @@ class InterpretContext(context.KernelContext):
         return self._grid[axis]
 
     def run_scoped(self, body, scratch_shapes):
-        refs = [jax.new_ref(_fresh_scratch(as_scratch_shape(s))) for s in scratch_shapes]
+        refs = [jax.new_ref(_vary(_fresh_scratch(as_scratch_shape(s)), self._vma))
+                for s in scratch_shapes]
         return body(*refs)
 
 
@@ -61,6 +63,24 @@ def _fresh_scratch(s: ScratchShape):
     if is_semaphore(s.memory_space):
         return jnp.zeros(s.shape, s.dtype)
     return _garbage(s.shape, s.dtype)
+
+
+def _varying_axes(args) -> tuple:
+    """The manual mesh axes any operand varies over (a ``shard_map`` with
+    ``check_vma``), in mesh order; () elsewhere."""
+    varying = set()
+    for x in args:
+        varying |= getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())
+    if not varying:
+        return ()
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in mesh.axis_names if a in varying)
+
+
+def _vary(x, axes):
+    """``x`` made to vary over ``axes`` (a no-op cast for the axes it does not vary over yet)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _padded_extent(m: BlockMapping, axis: int) -> tuple[int, int]:
@@ -121,12 +141,14 @@ def _pure_body(call, in_avals, out_avals, scratch_avals):
     discharge removes the Refs, so the loop below is made of plain XLA ops.
     """
     grid = call.grid
+    varying = []  # the manual axes the blocks vary over, found while tracing
 
     def body(ids, in_blocks, out_blocks, scratch):
         in_refs = [jax.new_ref(v) for v in in_blocks]
         out_refs = [jax.new_ref(v) for v in out_blocks]
         scratch_refs = [jax.new_ref(v) for v in scratch]
-        with context.installed(InterpretContext(*call.kernel_ids(ids))):
+        varying[:] = _varying_axes([*in_blocks, *out_blocks, *scratch])
+        with context.installed(InterpretContext(*call.kernel_ids(ids), tuple(varying))):
             call.kernel(*in_refs, *out_refs, *scratch_refs)
         return [jax.freeze(r) for r in out_refs], [jax.freeze(r) for r in scratch_refs]
 
@@ -135,6 +157,8 @@ def _pure_body(call, in_avals, out_avals, scratch_avals):
     if call.grid_names:  # lax.axis_index(name) is the program id (the ids come first)
         closed = named_axes.without_axis_index(
             closed, {n: call.num_batch_axes + a for a, n in enumerate(call.grid_names)})
+    if varying:
+        closed = _jax_internals.vary_stored_values(closed, jax.sharding.get_abstract_mesh().axis_names)
     return _jax_internals.discharge_refs(closed)
 
 
@@ -145,22 +169,31 @@ def run(call, args):
     points, core_starts = grid_analysis.execution_order(grid, call.semantics, params.num_cores,
                                                         params.shuffle_seed)
     table, core_starts = jnp.asarray(points), jnp.asarray(core_starts)
-    inputs = [_pad(jnp.asarray(x), m) for x, m in zip(args, call.in_mappings)]
+    # Inside a shard_map that checks types, every buffer the loop carries varies over
+    # the union of the operands' manual axes, as a JAX primitive's result would.
+    vma = _varying_axes(args)
+    inputs = [_vary(_pad(jnp.asarray(x), m), vma) for x, m in zip(args, call.in_mappings)]
     outputs = []
     for o, m in enumerate(call.out_mappings):
         aliased = [i for i, oo in call.input_output_aliases.items() if oo == o]
         init = inputs[aliased[0]] if aliased else _pad(_garbage(m.array_shape, m.dtype), m)
-        outputs.append(init)
-    scratch = [_fresh_scratch(s) for s in call.scratch_shapes]
+        outputs.append(_vary(init, vma))
+    scratch = [_vary(_fresh_scratch(s), vma) for s in call.scratch_shapes]
     n = int(np.prod(grid)) if grid else 1
     if n == 0:  # a grid with an empty axis runs no program
         return [_crop(o, m) for o, m in zip(outputs, call.out_mappings)]
-    block_aval = lambda m: jax.ShapeDtypeStruct(m.ref_shape, m.dtype)
-    pure = call.traces.get("interpret")
+    varying = {}  # the blocks' type: varying over vma on the shard_map's mesh
+    if vma:
+        varying = dict(manual_axis_type=jax.typeof(inputs[0]).mat, sharding=jax.sharding.NamedSharding(
+            jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec()))
+    aval = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, **varying)
+    key = ("interpret", vma)
+    pure = call.traces.get(key)
     if pure is None:
-        pure = call.traces["interpret"] = _pure_body(
-            call, [block_aval(m) for m in call.in_mappings], [block_aval(m) for m in call.out_mappings],
-            [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in call.scratch_shapes])
+        pure = call.traces[key] = _pure_body(
+            call, [aval(m.ref_shape, m.dtype) for m in call.in_mappings],
+            [aval(m.ref_shape, m.dtype) for m in call.out_mappings],
+            [aval(s.shape, s.dtype) for s in call.scratch_shapes])
     n_out = len(call.out_mappings)
 
     def step(p, carry):

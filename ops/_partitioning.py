@@ -50,6 +50,9 @@ out the same rule:
   ``custom_partitioning`` has no batching rule, so the call is wrapped in a
   ``jax.custom_batching.custom_vmap`` that, under ``vmap``, runs the local
   function batched (the ``pallas_call`` batching rule: a grid axis), unpartitioned.
+  A local function that runs a host callback (``triton`` in Triton's CPU
+  interpreter) cannot be partitioned this way: JAX crashes on a callback in a
+  ``partition`` body, so the op raises NotImplementedError instead.
 
 Inside a user's ``shard_map`` with ``check_vma``, results vary over every
 manual axis an operand varies over, and a result with ``out_like`` (a
@@ -445,6 +448,18 @@ def _spec_of(sharding, ndim):
     return PartitionSpec() if spec is None else PartitionSpec(*_pad(spec, ndim))
 
 
+def _host_callback(jaxpr) -> str | None:
+    """The name of a host-callback primitive in ``jaxpr`` (nested jaxprs included), else None."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pure_callback", "io_callback"):
+            return eqn.primitive.name
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found = _host_callback(sub)
+            if found:
+                return found
+    return None
+
+
 def _partitioned_call(rule: Rule, local):
     def unpartitioned(*blocks):
         return local(*blocks, reduced={})
@@ -456,6 +471,7 @@ def _partitioned_call(rule: Rule, local):
         # here and pass them in as leading, replicated operands.
         closed = jax.make_jaxpr(unpartitioned)(*blocks)
         call_site = _jax_internals.current_traceback()
+        callback = _host_callback(closed.jaxpr)
         consts = [jax.numpy.asarray(c) for c in closed.consts]
         n = len(consts)
         const_dims = tuple(tuple((f"c{i}x{j}",) for j in range(c.ndim)) for i, c in enumerate(consts))
@@ -474,6 +490,12 @@ def _partitioned_call(rule: Rule, local):
             return tuple(jax.core.eval_jaxpr(closed.jaxpr, operands[:n], *operands[n:]))
 
         def partition(mesh, arg_shapes, result_shape):
+            if callback:
+                raise NotImplementedError(
+                    f"{rule.op}: its kernels run through a host callback ({callback}; Triton's "
+                    "CPU interpreter does), and JAX cannot partition one over automatic mesh "
+                    "axes (inside custom_partitioning it crashes the process). Use explicit "
+                    "axes (jax.make_mesh's default) or call the op inside jax.shard_map.")
             assignment = decide(mesh, arg_shapes)
             args = tuple(NamedSharding(mesh, s) for s in full.operand_specs(assignment))
             results = tuple(NamedSharding(mesh, s) for s in full.result_specs(assignment))

@@ -176,6 +176,38 @@ def test_ops_inside_shard_map_work_on_local_shards():
     assert_close(dw, want_dw, TOL_B, "dw")
 
 
+def test_triton_partitions_over_explicit_axes():
+    # Triton's CPU interpreter on the local blocks of each fake device (tiny shapes:
+    # it runs every program in Python): values and gradients equal one device.
+    mesh = _mesh(EXPLICIT)
+    x, w = _normal(0, (16, 32)), _normal(1, (32, 16), 0.2)
+
+    def f(x, w):
+        return ops.layer_norm(ops.fused_matmul(x, w, activation="gelu", implementation="triton"),
+                              implementation="triton")
+
+    def both(x, w):
+        return f(x, w), jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), (0, 1))(x, w)
+
+    want = jax.jit(both)(x, w)
+    placed = [jax.device_put(a, NamedSharding(mesh, s))
+              for a, s in zip((x, w), (P("data"), P(None, "model")))]
+    got = jax.jit(both)(*placed)
+    assert_close(got[0], want[0], TOL_F, "output")
+    assert_close(got[1][0], want[1][0], TOL_B, "dx")
+    assert_close(got[1][1], want[1][1], TOL_B, "dw")
+    assert got[1][0].sharding.spec == P("data", None) and got[1][1].sharding.spec == P(None, "model")
+
+
+def test_triton_on_cpu_under_automatic_axes_raises_a_clear_error():
+    # Triton's CPU interpreter runs as a pure_callback, which JAX cannot put inside a
+    # custom_partitioning body (the process crashed): a clear error instead.
+    mesh = _mesh(AUTO)
+    x = jax.device_put(_normal(0, (16, 32)), NamedSharding(mesh, P("data")))
+    with pytest.raises(Exception, match="host callback"):
+        jax.jit(lambda x: ops.layer_norm(x, implementation="triton"))(x)
+
+
 def test_signature_rule_drops_axes_it_cannot_use():
     from ops._partitioning import Rule, _parse
     rule = Rule(op="t", operands=(_parse("m k"), _parse("k n")), results=(_parse("m n"),),

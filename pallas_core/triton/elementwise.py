@@ -209,6 +209,9 @@ class ElementwiseWriter:
 
     # Values only; autodiff never reaches inside a kernel.
     _p_copy = _p_stop_gradient = _p_copy_p
+    # Mesh-layout casts JAX records when a kernel is traced inside shard_map or under
+    # explicit sharding: one program's tile has no layout, so they change nothing.
+    _p_reshard = _p_pvary = _p_copy_p
 
     def _p_bitcast_convert_type(self, eqn, env, x):
         aval = eqn.outvars[0].aval

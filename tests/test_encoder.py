@@ -3,8 +3,16 @@ through stock Flax and through our layers matches sentence-transformers.
 
 Our kernels through ``interpret`` on all 64 sentences in float32 (bfloat16 too
 with ``--slow``: it doubles the interpreter's compiles), sentences truncated at
-32 tokens so that the run stays short; the fine-tuning step on 8 pairs. ``triton`` (Triton's CPU interpreter) is not run here yet: the
-whole encoder through it took over 5 minutes even on 8 sentences.
+32 tokens so that the run stays short; the fine-tuning step on 8 pairs.
+
+``triton`` (our Triton code generator, run in Triton's CPU interpreter) embeds
+the first 20 sentences in the same run (``--sentences-for triton=20``), with the
+same checks: 20 is the fewest that keeps all 20 top-5 queries. Not 64: the
+interpreter costs about 0.1 ms of Python per tl operation, and attention is one
+program per sentence and head (its blocks hold one head), about 22 ms each, so
+64 sentences would take about 100 s per pass through the encoder; 20 add about
+40 s to this test. Its fine-tuning step (every backward kernel, about a minute
+on 4 pairs) runs with ``--slow``.
 """
 import json
 import subprocess
@@ -29,11 +37,29 @@ def test_encoder_matches_reference_float32_and_bfloat16(tmp_path):
     _check_run(tmp_path, ("float32", "bfloat16"))
 
 
-def _check_run(tmp_path, dtypes):
-    cmd = [sys.executable, "-m", "benchmarks.encoder", "--sentences", "64", "--max-len", "32",
-           "--implementations", "interpret",
-           "--dtypes", ",".join(dtypes), "--finetune-pairs", "8",
+@pytest.mark.slow
+def test_encoder_finetune_step_on_triton(tmp_path):
+    """The fine-tuning step through ``triton`` in Triton's CPU interpreter: every
+    backward kernel of our layers on the real weights, 4 pairs."""
+    _check_run(tmp_path, ("float32",), sentences=20, implementations=("triton",), pairs=4)
+
+
+TRITON_SENTENCES = 20  # the fewest with all 20 top-5 queries (see the module docstring)
+
+
+def _check_run(tmp_path, dtypes, *, sentences=64, implementations=("interpret", "triton"),
+               pairs=8):
+    """One ``benchmarks.encoder`` run; ``triton`` embeds :data:`TRITON_SENTENCES` of
+    the sentences and fine-tunes only when it is the sole implementation."""
+    cmd = [sys.executable, "-m", "benchmarks.encoder", "--sentences", str(sentences),
+           "--max-len", "32", "--implementations", ",".join(implementations),
+           "--dtypes", ",".join(dtypes), "--finetune-pairs", str(pairs),
            "--out-dir", str(tmp_path)]
+    counts = {impl: sentences for impl in implementations}
+    if len(implementations) > 1 and "triton" in implementations:
+        counts["triton"] = min(sentences, TRITON_SENTENCES)
+        cmd += ["--sentences-for", f"triton={counts['triton']}", "--finetune-implementations",
+                ",".join(i for i in implementations if i != "triton")]
     env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                           env=env)
@@ -42,21 +68,23 @@ def _check_run(tmp_path, dtypes):
 
     result = json.loads((tmp_path / "encoder.json").read_text())
     assert (tmp_path / "encoder.md").read_text().startswith("# all-MiniLM-L6-v2")
-    assert result["passed"] and not result["failures"] and result["sentences"] == 64
+    assert result["passed"] and not result["failures"] and result["sentences"] == sentences
     rows = {(r["model"], r["implementation"], r["dtype"]): r for r in result["rows"]}
     for dtype, cos_min in (("float32", 0.99999), ("bfloat16", 0.999)):
         if dtype not in dtypes:
             continue
-        for key in (("stock", "flax (xla)", dtype), ("ours", "interpret", dtype)):
-            r = rows[key]
+        checked = [("stock", "flax (xla)", dtype, sentences)]
+        checked += [("ours", impl, dtype, counts[impl]) for impl in implementations]
+        for model, impl, dtype_, n in checked:
+            r = rows[(model, impl, dtype_)]
             assert r["min_cosine"] >= cos_min, r
-            assert r["sentences"] == 64
+            assert r["sentences"] == n
             assert r["sentences_per_s"] > 0
             if dtype == "float32":
                 assert r["max_abs_diff"] < 1e-5, r
                 assert r["top5_same_set"] == r["queries"] == 20, r
     fine = {f["implementation"]: f for f in result["finetune"]}
-    assert set(fine) == {"interpret"}
+    assert set(fine) == ({"triton"} if implementations == ("triton",) else {"interpret"})
     for f in fine.values():
         assert f["ok"]
         assert np.isfinite(f["loss_stock"]) and abs(f["loss_stock"] - f["loss_ours"]) < 1e-5

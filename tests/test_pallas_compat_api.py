@@ -40,6 +40,12 @@ def both(kernel, out_shape, *args, **kw):
     return (call(kernel, out_shape, *args, **kw), call(kernel, out_shape, *args, ours=False, **kw))
 
 
+def normal(seed, shape):
+    """Standard normal float32 values from numpy (each new shape of jax.random.normal costs
+    an XLA compile of threefry, about 10 s on the CI-like host)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), F32)
+
+
 def lower_for_tpu(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
@@ -121,7 +127,7 @@ def test_bounded_slice_reads_and_writes_only_its_size():
 def test_bounded_slice_with_prefetched_starts_and_sizes(backend):
     """The ragged groups of the test above, their starts and sizes prefetched (a kernel cannot
     close over arrays on triton), eagerly and under jit; triton masks lanes past the size."""
-    x = jax.random.normal(jax.random.key(3), (10, 16), F32)
+    x = normal(3, (10, 16))
     spec = pl.BlockSpec((pl.BoundedSlice(4), 16), lambda i, st, sz: (pl.ds(st[i], sz[i]), 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(3,), in_specs=[spec],
                                              out_specs=spec)
@@ -316,7 +322,7 @@ def _scatter_spec(P, T):
 def test_prefetch_scalar_grid_spec_on_triton_like_jax():
     """Two prefetched arrays (one 2-D) on our triton backend, eagerly and under jit (where
     the data-chosen output blocks make the grid axis a loop), against JAX's interpreter."""
-    x = jax.random.normal(jax.random.key(14), (40, 16), F32)
+    x = normal(14, (40, 16))
     dst, scale = jnp.array([[0, 0, 2, 2, 1]], jnp.int32), jnp.array([1, 2, 3, 4, 5], jnp.int32)
     out_shape = jax.ShapeDtypeStruct((24, 16), F32)
     want = call(_scaled_scatter_rows, out_shape, dst, scale, x, ours=False, grid_spec=_scatter_spec)
@@ -372,7 +378,7 @@ def test_axis_index_of_a_named_grid_axis():
     """lax.axis_index("i") is the program id along the named axis, on interpret and triton (and
     under vmap), equal to JAX's interpreter running the kernel with program_id (JAX's own
     interpreter refuses lax.axis_index: NameError)."""
-    x = jax.random.normal(jax.random.key(15), (2, 3, 8, 16), F32)
+    x = normal(15, (2, 3, 8, 16))
     kw = dict(grid=(("i", 2), ("j", 3)),
               in_specs=lambda P, T: [P.BlockSpec((None, None, 8, 16), lambda i, j: (i, j, 0, 0))],
               out_specs=lambda P, T: P.BlockSpec((None, None, 8, 16), lambda i, j: (i, j, 0, 0)))
@@ -413,7 +419,7 @@ def _rolls(s_ref, x_ref, o_ref, P, T):
 @pytest.mark.parametrize("shape", [(8, 128), (6, 100)])
 def test_roll_like_jax(shape):
     """On interpret and on triton (tl.gather; the (6, 100) value is a padded (8, 128) tensor)."""
-    x = jax.random.normal(jax.random.key(6), shape, F32)
+    x = normal(6, shape)
     shift = jnp.array([37], jnp.int32)
     out_shape = jax.ShapeDtypeStruct((4, *shape), F32)
     kw = dict(in_specs=lambda P, T: [P.BlockSpec(memory_space=T.SMEM), P.BlockSpec()])

@@ -298,6 +298,9 @@ def test_prefetch_scalar_grid_spec_like_jax():
     # Our triton backend: the page table is a pointer argument, read by scalar loads.
     np.testing.assert_array_equal(call(_gathered_rows, out_shape, pages, x,
                                        grid_spec=_prefetch_spec, backend="triton"), want)
+    on_triton = jax.jit(jax.vmap(lambda pg: call(_gathered_rows, out_shape, pg, x, backend="triton",
+                                                 grid_spec=_prefetch_spec)))
+    np.testing.assert_array_equal(on_triton(tables), per_table)
 
 
 def _scaled_scatter_rows(dst, scale, x_ref, o_ref, P, T):

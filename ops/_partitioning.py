@@ -281,11 +281,6 @@ def run(op: str, fn: Callable, args: Sequence, in_dims: Sequence[str], out_dims:
                  for out, j in zip(outs, like))
 
 
-def _varying(x) -> frozenset:
-    """The manual mesh axes ``x``'s type varies over (inside a ``shard_map`` with check_vma)."""
-    return getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())
-
-
 def _vary_like(out, target):
     """``out`` (a gradient) with the manual axes ``target`` (its primal) varies over.
 
@@ -295,15 +290,13 @@ def _vary_like(out, target):
     the extra axes, as JAX's own transpose of the implicit ``pvary`` does.
     Elsewhere types carry no manual axes and ``out`` is returned as is.
     """
-    have, want = _varying(out), _varying(target)
+    have, want = _jax_internals.varying_axes(out), _jax_internals.varying_axes(target)
     if have == want:
         return out
-    order = jax.sharding.get_abstract_mesh().axis_names
-    extra = tuple(a for a in order if a in have - want)
+    extra = tuple(a for a in have if a not in want)
     if extra:
         out = jax.lax.psum(out, extra)
-    missing = tuple(a for a in order if a in want - have)
-    return jax.lax.pcast(out, missing, to="varying") if missing else out
+    return _jax_internals.vary(out, want)
 
 
 # The row-wise family (norms, softmax family, cross_entropy): arrays are
@@ -450,14 +443,8 @@ def _spec_of(sharding, ndim):
 
 def _host_callback(jaxpr) -> str | None:
     """The name of a host-callback primitive in ``jaxpr`` (nested jaxprs included), else None."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("pure_callback", "io_callback"):
-            return eqn.primitive.name
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found = _host_callback(sub)
-            if found:
-                return found
-    return None
+    eqn = _jax_internals.find_eqn(jaxpr, lambda e: e.primitive.name in ("pure_callback", "io_callback"))
+    return None if eqn is None else eqn.primitive.name
 
 
 def _partitioned_call(rule: Rule, local):

@@ -82,7 +82,23 @@ def pytree_differences(tree1, tree2):
     return list(tree_util.equality_errors_pytreedef(tree1, tree2))
 
 
-# --- Manual-axis types inside shard_map (pallas_core.backends.interpret) -------
+# --- Searching a jaxpr (pallas_core.call, pallas_core.named_axes, ops._partitioning) --
+
+def find_eqn(jaxpr, predicate):
+    """The first equation of ``jaxpr``, or of a jaxpr nested in an equation's
+    params (cond branches, loop bodies, calls), for which ``predicate(eqn)``
+    holds; None if there is none."""
+    for eqn in jaxpr.eqns:
+        if predicate(eqn):
+            return eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found = find_eqn(sub, predicate)
+            if found is not None:
+                return found
+    return None
+
+
+# --- Manual-axis types inside shard_map (interpret, ops._partitioning) -------
 # Under shard_map's check_vma every value's type says which manual mesh axes it
 # varies over, and a primitive's operands must agree. JAX's own functions (jnp,
 # lax) cast an operand that varies over fewer axes (pvary, a no-op cast) before
@@ -92,6 +108,26 @@ def pytree_differences(tree1, tree2):
 from jax._src.state import primitives as _state_primitives  # noqa: E402
 
 _STORES = (_state_primitives.swap_p, _state_primitives.addupdate_p)
+
+
+def varying_axes(*values) -> tuple:
+    """The manual mesh axes any of ``values``' types vary over (inside a
+    ``shard_map`` with ``check_vma``), in the mesh's order; () elsewhere."""
+    varying = set()
+    for x in values:
+        varying |= getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())
+    if not varying:
+        return ()
+    return tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in varying)
+
+
+def vary(x, axes):
+    """``x`` cast to vary over ``axes`` too (a no-op cast for each axis it did not vary over)."""
+    if not axes:
+        return x
+    have = varying_axes(x)
+    missing = tuple(a for a in axes if a not in have)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def vary_stored_values(closed: jax.extend.core.ClosedJaxpr, mesh_axes) -> jax.extend.core.ClosedJaxpr:

@@ -407,13 +407,5 @@ def _uses_atomics(kernel, mappings, scratch_shapes, grid) -> bool:
                                   [jax.ShapeDtypeStruct(m.ref_shape, m.dtype) for m in mappings],
                                   [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in scratch_shapes])
 
-    def walk(jaxpr) -> bool:
-        for eqn in jaxpr.eqns:
-            if str(eqn.params.get("name", "")).startswith(ATOMIC_PREFIX):
-                return True
-            for sub in jax.core.jaxprs_in_params(eqn.params):
-                if walk(sub):
-                    return True
-        return False
-
-    return walk(closed.jaxpr)
+    atomic = lambda eqn: str(eqn.params.get("name", "")).startswith(ATOMIC_PREFIX)
+    return _jax_internals.find_eqn(closed.jaxpr, atomic) is not None

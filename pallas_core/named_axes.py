@@ -17,6 +17,8 @@ import jax
 from jax import lax
 from jax.extend import core as jex_core
 
+from pallas_core import _jax_internals
+
 AXIS_INDEX = "axis_index"
 
 
@@ -26,8 +28,7 @@ def _sub_jaxprs(eqn):
 
 def uses_axis_index(jaxpr) -> bool:
     """Whether ``jaxpr`` (or a jaxpr inside one of its equations) asks for an axis index."""
-    return any(e.primitive.name == AXIS_INDEX or any(uses_axis_index(j) for j in _sub_jaxprs(e))
-               for e in jaxpr.eqns)
+    return _jax_internals.find_eqn(jaxpr, lambda e: e.primitive.name == AXIS_INDEX) is not None
 
 
 def without_axis_index(closed: jex_core.ClosedJaxpr, axis_of: Mapping) -> jex_core.ClosedJaxpr:

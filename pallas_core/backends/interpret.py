@@ -35,7 +35,7 @@ class InterpretContext(context.KernelContext):
         # pltpu.prng_seed / prng_random_bits state (pallas_core.tpu_ops), a Ref made
         # here, at the kernel's top level, so seeding inside pl.when or a loop
         # carries out of it.
-        self.prng_state = jax.new_ref(_vary(jnp.zeros((3,), jnp.uint32), vma))
+        self.prng_state = jax.new_ref(_jax_internals.vary(jnp.zeros((3,), jnp.uint32), vma))
 
     def program_id(self, axis):
         if not 0 <= axis < len(self._grid):
@@ -48,7 +48,7 @@ class InterpretContext(context.KernelContext):
         return self._grid[axis]
 
     def run_scoped(self, body, scratch_shapes):
-        refs = [jax.new_ref(_vary(_fresh_scratch(as_scratch_shape(s)), self._vma))
+        refs = [jax.new_ref(_jax_internals.vary(_fresh_scratch(as_scratch_shape(s)), self._vma))
                 for s in scratch_shapes]
         return body(*refs)
 
@@ -63,24 +63,6 @@ def _fresh_scratch(s: ScratchShape):
     if is_semaphore(s.memory_space):
         return jnp.zeros(s.shape, s.dtype)
     return _garbage(s.shape, s.dtype)
-
-
-def _varying_axes(args) -> tuple:
-    """The manual mesh axes any operand varies over (a ``shard_map`` with
-    ``check_vma``), in mesh order; () elsewhere."""
-    varying = set()
-    for x in args:
-        varying |= getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())
-    if not varying:
-        return ()
-    mesh = jax.sharding.get_abstract_mesh()
-    return tuple(a for a in mesh.axis_names if a in varying)
-
-
-def _vary(x, axes):
-    """``x`` made to vary over ``axes`` (a no-op cast for the axes it does not vary over yet)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _padded_extent(m: BlockMapping, axis: int) -> tuple[int, int]:
@@ -147,7 +129,7 @@ def _pure_body(call, in_avals, out_avals, scratch_avals):
         in_refs = [jax.new_ref(v) for v in in_blocks]
         out_refs = [jax.new_ref(v) for v in out_blocks]
         scratch_refs = [jax.new_ref(v) for v in scratch]
-        varying[:] = _varying_axes([*in_blocks, *out_blocks, *scratch])
+        varying[:] = _jax_internals.varying_axes(*in_blocks, *out_blocks, *scratch)
         with context.installed(InterpretContext(*call.kernel_ids(ids), tuple(varying))):
             call.kernel(*in_refs, *out_refs, *scratch_refs)
         return [jax.freeze(r) for r in out_refs], [jax.freeze(r) for r in scratch_refs]
@@ -171,14 +153,14 @@ def run(call, args):
     table, core_starts = jnp.asarray(points), jnp.asarray(core_starts)
     # Inside a shard_map that checks types, every buffer the loop carries varies over
     # the union of the operands' manual axes, as a JAX primitive's result would.
-    vma = _varying_axes(args)
-    inputs = [_vary(_pad(jnp.asarray(x), m), vma) for x, m in zip(args, call.in_mappings)]
+    vma = _jax_internals.varying_axes(*args)
+    inputs = [_jax_internals.vary(_pad(jnp.asarray(x), m), vma) for x, m in zip(args, call.in_mappings)]
     outputs = []
     for o, m in enumerate(call.out_mappings):
         aliased = [i for i, oo in call.input_output_aliases.items() if oo == o]
         init = inputs[aliased[0]] if aliased else _pad(_garbage(m.array_shape, m.dtype), m)
-        outputs.append(_vary(init, vma))
-    scratch = [_vary(_fresh_scratch(s), vma) for s in call.scratch_shapes]
+        outputs.append(_jax_internals.vary(init, vma))
+    scratch = [_jax_internals.vary(_fresh_scratch(s), vma) for s in call.scratch_shapes]
     n = int(np.prod(grid)) if grid else 1
     if n == 0:  # a grid with an empty axis runs no program
         return [_crop(o, m) for o, m in zip(outputs, call.out_mappings)]

@@ -151,7 +151,7 @@ class Tile:
 
 
 def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False,
-                masked: bool = True):
+                masked: bool = True, scaled: bool = True):
     """``(s2, capped)``: masked logits in log2 units ``[bq, bk]`` (-inf where not visible)
     and ``tanh(scores / cap)`` for the soft cap's derivative (None without one).
 
@@ -159,14 +159,22 @@ def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = Fa
     ``full_lo .. full_hi`` range of :func:`ops.attention.masking.block_ranges`),
     so the positional, segment and edge conditions are not evaluated; an
     explicit ``mask`` operand still is.
+
+    ``scaled=False`` (only without soft cap and bias, see :func:`log2_factor`):
+    the raw products ``q k^T`` come back, masked, and the caller folds the
+    factor ``scale * log2(e)`` into its next operation (the forward pass's
+    max subtraction: one fused multiply-add per score instead of a multiply and
+    a subtraction).
     """
     s = _dot(tile.q, tile.k, 1, 1)
     capped = None
     if cfg.softcap is not None:
         capped = jnp.tanh(s * (cfg.scale / cfg.softcap))
         s2 = capped * (cfg.softcap * LOG2E)
-    else:
+    elif scaled or tile.bias is not None:
         s2 = s * (cfg.scale * LOG2E)
+    else:
+        s2 = s
     if tile.bias is not None:
         s2 = s2 + tile.bias.astype(jnp.float32) * LOG2E
     vis = None
@@ -184,6 +192,13 @@ def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = Fa
     return s2, capped
 
 
+def log2_factor(cfg: Config, tile: Tile) -> float:
+    """What :func:`logits_log2` with ``scaled=False`` left for the caller to multiply
+    the logits by: ``scale * log2(e)`` for plain scores, 1 when a soft cap or a
+    bias already put them in log2 units."""
+    return 1.0 if (cfg.softcap is not None or tile.bias is not None) else cfg.scale * LOG2E
+
+
 def dropout_keep(cfg: Config, tile: Tile, seed, bq: int, bk: int):
     if cfg.dropout_rate == 0.0:
         return None
@@ -198,24 +213,41 @@ def _apply_dropout(cfg: Config, x, keep):
     return jnp.where(keep, x * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
 
 
+def _rows_column(x, like):
+    """A per-row statistic as a column broadcasting against ``like`` ``[rows, cols]``:
+    1-D ``[rows]`` statistics (the loop strategy's carries) gain a trailing axis."""
+    return x[:, None] if x.ndim == 1 < like.ndim else x
+
+
 def forward_update(cfg: Config, carry, tile: Tile, v, seed, bq: int, bk: int, masked: bool = True):
-    """One online-softmax step (FA-2 Algorithm 1, lines 8-10) for one key/value block."""
+    """One online-softmax step (FA-2 Algorithm 1, lines 8-10) for one key/value block.
+
+    The running max ``m`` and sum ``l`` are ``[bq]`` vectors (loop strategy:
+    each thread holds its rows' statistics once, so the ``exp2`` of the
+    rescale factor and the finiteness test run once per row) or ``[bq, 1]``
+    columns (grid strategy: TPU scratch). The row max is taken on the raw
+    products and then scaled (the factor is positive, so the order is the
+    same), and the scale meets the max subtraction in one multiply-add,
+    ``s * c - m``, before ``exp2``.
+    """
     m, l, acc = carry
-    s2, _ = logits_log2(cfg, tile, bq, bk, masked=masked)
-    m_new = jnp.maximum(m, jnp.max(s2, axis=1, keepdims=True))
+    s, _ = logits_log2(cfg, tile, bq, bk, masked=masked, scaled=False)
+    c = log2_factor(cfg, tile)
+    row_max = jnp.max(s, axis=1, keepdims=m.ndim == 2)
+    m_new = jnp.maximum(m, row_max * c if c != 1.0 else row_max)
     shift = logsumexp_shift(m_new)
-    p = jnp.exp2(s2 - shift)
+    p = jnp.exp2((s * c if c != 1.0 else s) - _rows_column(shift, s))
     alpha = jnp.exp2(m - shift)
-    l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+    l = l * alpha + jnp.sum(p, axis=1, keepdims=m.ndim == 2)
     p = _apply_dropout(cfg, p, dropout_keep(cfg, tile, seed, bq, bk))
-    acc = acc * alpha + _dot(p.astype(v.dtype), v, 1, 0)
+    acc = acc * _rows_column(alpha, acc) + _dot(p.astype(v.dtype), v, 1, 0)
     return m_new, l, acc
 
 
 def forward_finish(m, l, acc):
-    """``(out, lse)``: a row that saw no key gets 0 and -inf."""
+    """``(out, lse)``: a row that saw no key gets 0 and -inf (``lse`` shaped as ``m``)."""
     seen = l > 0
-    out = acc / jnp.where(seen, l, 1.0)
+    out = acc / _rows_column(jnp.where(seen, l, 1.0), acc)
     lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
     return out, lse
 
@@ -442,9 +474,10 @@ def _forward_kernel(*refs, cfg: Config):
     def finish(m, l, acc):
         out, lse = forward_finish(m, l, acc)
         out_ref[...] = out.astype(out_ref.dtype)
-        lse_ref[...] = lse
+        lse_ref[...] = lse.reshape(lse_ref.shape)
 
-    init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+    stats = (bq, 1) if grid_walk else (bq,)  # see forward_update
+    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
             jnp.zeros((bq, cfg.head_dim), jnp.float32))
     if not grid_walk:
         finish(*_walk_blocks(prog.ranges, _each_block(step), init, masked_sides(cfg.spec, bq, bk)))

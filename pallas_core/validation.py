@@ -98,10 +98,9 @@ def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: Fal
         revisits |= axes
         again = grid_analysis.revisited_after_leaving(table)
         if again is not None:
-            points = grid_analysis.grid_points(grid)
-            first, later = (tuple(int(v) for v in points[i]) for i in again)
+            first, later = again
             raise ValueError(
-                f"{origin}: output block {tuple(int(v) for v in table[again[1]])} is "
+                f"{origin}: output block {table.block_at(later)} is "
                 f"written at grid point {first}, left, and revisited at {later}; an output "
                 "block may only be revisited on consecutive grid points, so reductions "
                 "must run over the minor-most (last) grid axes (seed 002).")

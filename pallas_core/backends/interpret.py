@@ -148,9 +148,8 @@ def run(call, args):
     """Executes a resolved pallas_call (see ``pallas_core.call``) on XLA ops."""
     grid = call.grid
     params = call.interpret_params
-    points, core_starts = grid_analysis.execution_order(grid, call.semantics, params.num_cores,
-                                                        params.shuffle_seed)
-    table, core_starts = jnp.asarray(points), jnp.asarray(core_starts)
+    order = grid_analysis.execution_order(grid, call.semantics, params.num_cores,
+                                          params.shuffle_seed)
     # Inside a shard_map that checks types, every buffer the loop carries varies over
     # the union of the operands' manual axes, as a JAX primitive's result would.
     vma = _jax_internals.varying_axes(*args)
@@ -161,8 +160,7 @@ def run(call, args):
         init = inputs[aliased[0]] if aliased else _pad(_garbage(m.array_shape, m.dtype), m)
         outputs.append(_jax_internals.vary(init, vma))
     scratch = [_jax_internals.vary(_fresh_scratch(s), vma) for s in call.scratch_shapes]
-    n = int(np.prod(grid)) if grid else 1
-    if n == 0:  # a grid with an empty axis runs no program
+    if order.size == 0:  # a grid with an empty axis runs no program
         return [_crop(o, m) for o, m in zip(outputs, call.out_mappings)]
     varying = {}  # the blocks' type: varying over vma on the shard_map's mesh
     if vma:
@@ -178,11 +176,11 @@ def run(call, args):
             [aval(s.shape, s.dtype) for s in call.scratch_shapes])
     n_out = len(call.out_mappings)
 
-    def step(p, carry):
+    def step(group, within, carry):
         outs, scr = carry
-        ids = [table[p, a] for a in range(len(grid))]
+        ids = order.ids(group, within)
         # Each simulated core has its own scratch, garbage when the core starts.
-        scr = [jnp.where(core_starts[p], _fresh_scratch(s), v)
+        scr = [jnp.where(order.core_start(group, within), _fresh_scratch(s), v)
                for s, v in zip(call.scratch_shapes, scr)]
         in_starts = [_starts(m, ids) for m in call.in_mappings]
         out_starts = [_starts(m, ids) for m in call.out_mappings]
@@ -200,6 +198,10 @@ def run(call, args):
 
     if call.debug:
         print(f"pallas_core interpret: kernel {call.name}, grid {grid}, "
-              f"{table.shape[0]} program(s)\n{pure}")
-    outs, _ = lax.fori_loop(0, n, step, (outputs, scratch))
+              f"{order.size} program(s)\n{pure}")
+
+    def run_group(group, carry):  # the points of one group, in row-major order
+        return lax.fori_loop(0, order.group_size, lambda w, c: step(group, w, c), carry)
+
+    outs, _ = lax.fori_loop(0, order.num_groups, run_group, (outputs, scratch))
     return [_crop(o, m) for o, m in zip(outs, call.out_mappings)]

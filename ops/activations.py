@@ -6,6 +6,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ops._checks import check_elementwise
+
 _INV_SQRT2 = 0.7071067811865476
 _TWO_OVER_SQRT_PI = 1.1283791670955126
 # Abramowitz & Stegun, Handbook of Mathematical Functions, formula 7.1.26.
@@ -64,7 +66,8 @@ def resolve_activation(activation, op: str) -> Callable | None:
     """None, a name from :data:`ACTIVATIONS`, or an elementwise JAX callable.
 
     Raises:
-      ValueError: an unknown name.
+      ValueError: an unknown name, or a callable that is not elementwise
+        (:func:`ops._checks.check_elementwise`).
       TypeError: neither None, a string nor a callable.
     """
     if activation is None:
@@ -76,6 +79,7 @@ def resolve_activation(activation, op: str) -> Callable | None:
             raise ValueError(f"{op}: unknown activation {activation!r}; expected None, a "
                              f"callable or one of {sorted(ACTIVATIONS)}.") from None
     if callable(activation):
+        check_elementwise(activation, "activation", op)  # ValueError if it mixes elements
         return activation
     raise TypeError(f"{op}: activation must be None, a name or a callable, got "
                     f"{type(activation).__name__}.")

@@ -94,7 +94,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     A query that sees no key at all (every key masked, a zero-length
     sequence) gets output 0 and logsumexp ``-inf``, with zero gradients, as
     FlashAttention and cuDNN do; jax.nn's XLA path returns the mean of the
-    values there, since it masks with a large finite negative logit.
+    values there, since it masks with a large finite negative logit. Empty
+    operands (``B``, ``T``, ``S``, ``N`` or ``H`` zero) give the empty (or,
+    for ``S = 0``, zero) result of jax.nn on every implementation.
 
     Softmax statistics and accumulators are float32 whatever the input dtype;
     float32 inputs multiply at full float32 precision.
@@ -121,7 +123,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     q_seg, kv_seg = fold_lengths(args["q_seg"], args["kv_seg"], args["q_len"], args["kv_len"], T, S)
     seed = dropout_lib.seed_from_rng(dropout_rng) if dropout_rate > 0 else None
     rate = float(dropout_rate)
-    if impl == "xla":
+    if impl == "xla" or 0 in q.shape or 0 in k.shape:
+        # Empty operands (no queries, no keys, ...) leave the kernels nothing to do:
+        # the reference's answer is exact (zeros and logsumexp -inf for S = 0).
         out, lse = attention_reference(q, k, v, bias, mask, spec=spec, scale=args["scale"],
                                        q_seg=q_seg, kv_seg=kv_seg, logits_soft_cap=args["cap"],
                                        dropout_rate=rate, seed=seed)
@@ -202,7 +206,7 @@ def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
         raise ValueError(f"{_OP}: query and key have different batch sizes ({B} and {k.shape[0]}).")
     if k.shape[3] != H:
         raise ValueError(f"{_OP}: query and key have different head dims H ({H} and {k.shape[3]}).")
-    if K == 0 or N % K:
+    if (K == 0 and N != 0) or (K and N % K):
         raise ValueError(f"{_OP}: the number of query heads N={N} must be a multiple of the "
                          f"number of key/value heads K={K}.")
     target = (B, N, T, S)
@@ -219,7 +223,7 @@ def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
         mask = _as_4d(jnp.asarray(mask), "mask", unbatched)
         _check_pair_operand(mask, "mask", target)
     if scale is None:
-        scale = 1.0 / float(np.sqrt(H))
+        scale = 1.0 / float(np.sqrt(H)) if H else 1.0  # H = 0: every logit is 0 anyway
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{_OP}: scale must be None or a Python number, got {type(scale).__name__}.")
     if not isinstance(is_causal, (bool, np.bool_)):

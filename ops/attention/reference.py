@@ -46,7 +46,7 @@ def attention_reference(q, k, v, bias=None, mask=None, *, spec: MaskSpec, scale:
     """
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
-    g = n // kh
+    g = n // kh if kh else 1  # no heads at all: an empty result
     f32 = jnp.float32
     qg = q.astype(f32).reshape(b, t, kh, g, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(f32), precision=lax.Precision.HIGHEST)
@@ -65,7 +65,7 @@ def attention_reference(q, k, v, bias=None, mask=None, *, spec: MaskSpec, scale:
         vis = m if vis is None else vis & m
     if vis is not None:
         scores = jnp.where(vis, scores, -jnp.inf)
-    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))
     shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.exp(scores - shift)
     total = jnp.sum(p, axis=-1, keepdims=True)

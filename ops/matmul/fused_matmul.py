@@ -76,7 +76,8 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
         pass reuses them by role.
 
     Returns:
-      ``[..., N]`` in x's dtype.
+      ``[..., N]`` in x's dtype. With ``K = 0`` that is ``activation(bias)`` (or of
+      zeros) in every row, on every implementation.
 
     Raises:
       TypeError: non-array inputs, integer or mismatched dtypes, a bad activation.
@@ -98,7 +99,9 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
         implementation, _OP, missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's "
         "Mosaic GPU lowering has no generic dot_general)")
     blocks = _check_block_sizes(block_sizes)
-    if impl == "xla":
+    if impl == "xla" or x.size == 0 or w.size == 0:
+        # Nothing to multiply (M, K or N zero): XLA's answer is exact, bias + activation of
+        # zeros for K = 0, with its gradients.
         return reference(x, w, bias, act)
     lead = x.shape[:-1]
     x2 = reshape(x, (-1, x.shape[-1]))

@@ -126,12 +126,12 @@ def _positions(first, block: int, shape, axis: int):
     return first * block + lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def _zero_rows_past(x, first, block: int, limit: int):
-    """Rows of a ``[block, ...]`` tile at or past ``limit`` set to 0 (edge tiles hold
-    unspecified padding, and 0 * NaN would leak into products)."""
+def _zero_rows_past(x, first, block: int, limit: int, axis: int = 0):
+    """Rows (entries along ``axis``) of a tile at or past ``limit`` set to 0 (edge tiles
+    hold unspecified padding, and 0 * NaN would leak into products)."""
     if limit % block == 0:
         return x
-    rows = _positions(first, block, x.shape, 0)
+    rows = _positions(first, block, x.shape, axis)
     return jnp.where(rows < limit, x, jnp.zeros_like(x))
 
 
@@ -146,8 +146,9 @@ class Tile:
     head: jax.Array  # b * N + n, for dropout
     bias: jax.Array | None = None  # [bq or 1, bk or 1]
     mask: jax.Array | None = None
-    q_seg: jax.Array | None = None  # [bq, 1]
-    k_seg: jax.Array | None = None  # [1, bk]
+    q_seg: jax.Array | None = None  # [bq, 1] ([1, bq] when transposed)
+    k_seg: jax.Array | None = None  # [1, bk] ([bk, 1] when transposed)
+    transposed: bool = False  # the tile's products are k q^T, [bk, bq] (see backward_tile)
 
 
 def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False,
@@ -166,7 +167,8 @@ def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = Fa
     max subtraction: one fused multiply-add per score instead of a multiply and
     a subtraction).
     """
-    s = _dot(tile.q, tile.k, 1, 1)
+    t = tile.transposed
+    s = _dot(tile.k, tile.q, 1, 1) if t else _dot(tile.q, tile.k, 1, 1)
     capped = None
     if cfg.softcap is not None:
         capped = jnp.tanh(s * (cfg.scale / cfg.softcap))
@@ -176,20 +178,26 @@ def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = Fa
     else:
         s2 = s
     if tile.bias is not None:
-        s2 = s2 + tile.bias.astype(jnp.float32) * LOG2E
+        s2 = s2 + _pair_tile(tile.bias, t).astype(jnp.float32) * LOG2E
     vis = None
     if masked:
-        shape = (bq, bk)
-        q_pos, k_pos = _positions(tile.i, bq, shape, 0), _positions(tile.j, bk, shape, 1)
+        shape, q_axis = ((bk, bq), 1) if t else ((bq, bk), 0)
+        q_pos = _positions(tile.i, bq, shape, q_axis)
+        k_pos = _positions(tile.j, bk, shape, 1 - q_axis)
         vis = visible(cfg.spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=cfg.spec.S % bk != 0)
         if bound_q and cfg.spec.T % bq:
             vis = (q_pos < cfg.spec.T) if vis is None else vis & (q_pos < cfg.spec.T)
     if tile.mask is not None:
-        m = tile.mask != 0
+        m = _pair_tile(tile.mask, t) != 0
         vis = m if vis is None else vis & m
     if vis is not None:
         s2 = jnp.where(vis, s2, -jnp.inf)
     return s2, capped
+
+
+def _pair_tile(x, transposed: bool):
+    """A ``[bq|1, bk|1]`` bias / mask tile in the tile's orientation."""
+    return x.T if transposed else x
 
 
 def log2_factor(cfg: Config, tile: Tile) -> float:
@@ -200,11 +208,12 @@ def log2_factor(cfg: Config, tile: Tile) -> float:
 
 
 def dropout_keep(cfg: Config, tile: Tile, seed, bq: int, bk: int):
+    """The keep bits of the tile's entries (in its orientation), or None without dropout."""
     if cfg.dropout_rate == 0.0:
         return None
-    shape = (bq, bk)
-    return dropout_lib.keep_mask(seed, tile.head, _positions(tile.i, bq, shape, 0),
-                                 _positions(tile.j, bk, shape, 1), cfg.dropout_rate)
+    shape, q_axis = ((bk, bq), 1) if tile.transposed else ((bq, bk), 0)
+    return dropout_lib.keep_mask(seed, tile.head, _positions(tile.i, bq, shape, q_axis),
+                                 _positions(tile.j, bk, shape, 1 - q_axis), cfg.dropout_rate)
 
 
 def _apply_dropout(cfg: Config, x, keep):
@@ -258,11 +267,20 @@ def backward_tile(cfg: Config, tile: Tile, v, do, lse, delta, seed, bq: int, bk:
 
     ``dscores`` is the gradient of the scaled scores ``scale * q.k`` (before the
     soft cap); ``dbias`` that of the logits after it, i.e. of the bias.
+
+    A transposed tile (``tile.transposed``, the dK/dV kernel on the loop
+    strategy) forms everything as ``[bk, bq]``: ``s^T = k q^T`` and ``dp^T =
+    v dO^T``, with ``lse`` and ``delta`` given as ``[1, bq]`` rows. The
+    key/value block is then the products' M dimension, so with 64 or more key
+    rows every 16-bit product runs on Hopper's ``wgmma`` (a ``[32, 128]``
+    tile has M = 32 and lowers to ``mma.sync``), and ``dv += p^T dO``,
+    ``dk += ds^T q`` take the tiles as they are.
     """
     s2, capped = logits_log2(cfg, tile, bq, bk, bound_q=True, masked=masked)
     p = jnp.exp2(s2 - logsumexp_shift(lse * LOG2E))
     keep = dropout_keep(cfg, tile, seed, bq, bk)
-    dp = _apply_dropout(cfg, _dot(do, v, 1, 1), keep)
+    dp = _dot(v, do, 1, 1) if tile.transposed else _dot(do, v, 1, 1)
+    dp = _apply_dropout(cfg, dp, keep)
     dbias = p * (dp - delta)
     dscores = dbias if capped is None else dbias * (1.0 - capped * capped)
     return _apply_dropout(cfg, p, keep), dscores, dbias
@@ -713,6 +731,8 @@ def _dkdv_kernel(*refs, cfg: Config):
     lo, hi = table_ref[row], table_ref[row + 1]
     k, v = k_ref[...], v_ref[...]
     k_seg = None if ks_ref is None else ks_ref[...]
+    if not grid_walk:  # transposed tiles (backward_tile): per-key ids are a column
+        k_seg = None if k_seg is None else k_seg.reshape(bk, 1)
 
     def step(gi, i, carry, masked=True):
         """Query head ``kh * G + gi``, query block ``i``."""
@@ -728,18 +748,21 @@ def _dkdv_kernel(*refs, cfg: Config):
                 q, do = q_ref[rows, n, :], do_ref[rows, n, :]
             else:
                 q, do = q_ref[n, rows, :], do_ref[n, rows, :]
-            lse, delta = lse_ref[n, rows, :], delta_ref[n, rows, :]
-            q_seg = None if qs_ref is None else qs_ref[rows, :]
+            # Transposed tiles: per-query statistics and ids are [1, bq] rows.
+            lse = lse_ref[n, rows, :].reshape(1, bq)
+            delta = delta_ref[n, rows, :].reshape(1, bq)
+            q_seg = None if qs_ref is None else qs_ref[rows, :].reshape(1, bq)
             bias, mask = (_pair_rows(r, full, n, rows) for r, full in
                           ((bias_ref, cfg.bias_full), (mask_ref, cfg.mask_full)))
         q = _zero_rows_past(q, i, bq, cfg.spec.T)
         do = _zero_rows_past(do, i, bq, cfg.spec.T)
-        delta = _zero_rows_past(delta, i, bq, cfg.spec.T)
+        delta = _zero_rows_past(delta, i, bq, cfg.spec.T, axis=0 if grid_walk else 1)
         tile = Tile(q=q, k=k, i=i, j=j, head=b * cfg.heads + n, q_seg=q_seg, k_seg=k_seg,
-                    bias=bias, mask=mask)
+                    bias=bias, mask=mask, transposed=not grid_walk)
         p, dscores, _ = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk, masked)
-        dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
-        dk = dk + _dot(dscores.astype(q.dtype), q, 0, 0)
+        contract = 0 if grid_walk else 1  # the query axis of p / dscores
+        dv = dv + _dot(p.astype(do.dtype), do, contract, 0)
+        dk = dk + _dot(dscores.astype(q.dtype), q, contract, 0)
         return dk, dv
 
     def finish(dk, dv):

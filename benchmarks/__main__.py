@@ -1,11 +1,20 @@
 """``python -m benchmarks``: run the benchmark suite on the default device.
 
 With no arguments it runs every registered case at sizes that suit the
-platform, shows progress, prints a table and writes results.json,
-results.md and results.png to
-``benchmarks/results/<date>-<platform>-<device>/`` (with a ``-quick``
-suffix for ``--quick``; or ``--out``). Exit status 0 on success, 1 if any implementation failed or
-no case matched ``--filter``.
+platform, shows progress, prints one table per op and writes results.json,
+results.md and one figure per op family (``results-<family>.png``) to
+``benchmarks/results/runs/<date>-<platform>-<device>/`` (a folder git
+ignores; ``-quick`` suffix for ``--quick``; or ``--out``). Exit status 0 on
+success, 1 if any implementation failed or no case matched ``--filter``.
+
+On a GPU or TPU each implementation is timed against the XLA baseline. On a
+host without one our kernels run only in interpreters, whose speed says
+nothing about the kernels, so by default nothing is timed there: the run
+reports each implementation's error against a float64 reference (``xla``,
+``interpret`` and, with triton installed, ``triton`` in Triton's CPU
+interpreter) and the sm_90 compile of each GPU kernel at the GPU
+benchmark's sizes with the H100 roofline bound it implies
+(:mod:`benchmarks.roofline`). ``--time-interpreters`` times them anyway.
 
 To benchmark another op, register its case module in :mod:`benchmarks.suite`.
 """
@@ -14,49 +23,56 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import re
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
 import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from benchmarks import harness
-from benchmarks.plots import write_plot
+from benchmarks import harness, tables
+from benchmarks.plots import write_plots
 from benchmarks.suite import collect_cases
-
-# The registry: one module per op, each with cases(platform, quick).
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+# Runs land here by default; .gitignore keeps them out of commits.
+RUNS_ROOT = RESULTS_ROOT / "runs"
 
 # (warmup calls, timed samples, time budget in s) per implementation. CPU
-# budgets keep the full suite to about a minute on a 2-core CI machine;
+# budgets keep a timed suite to about a minute on a 2-core CI machine;
 # accelerators get many samples for stable medians.
 _SETTINGS = {"cpu": (2, 20, 2.0), "accelerator": (5, 50, 10.0), "quick": (1, 5, 1.0)}
 
-COLUMNS = ("case", "shape", "dtype", "pass", "implementation", "median ms",
-           "rate", "speed-up vs XLA", "% of ceiling", "max rel err", "peak MiB")
-
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run the benchmark suite on the default device and write its tables and figures.",
+        epilog="On a host without a GPU the run checks accuracy and compiles the GPU kernels "
+               "for sm_90 instead of timing interpreters; see --time-interpreters.")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output folder (default: "
-                             "benchmarks/results/<date>-<platform>-<device>/)")
+                        help="Output folder (default: benchmarks/results/runs/"
+                             "<date>-<platform>-<device>/, ignored by git).")
     parser.add_argument("--quick", action="store_true",
-                        help="one tiny case per op, few samples: a smoke test")
+                        help="One tiny case per op, few samples, one static compile: a smoke test.")
     parser.add_argument("--filter", default=None, metavar="SUBSTR",
-                        help="only cases whose name (op/variant/shape/dtype/pass) contains SUBSTR")
+                        help="Only cases whose name (op/variant/shape/dtype/pass) contains SUBSTR.")
     parser.add_argument("--iters", type=int, default=None,
-                        help="timed samples per implementation (default: 20 on CPU, 50 elsewhere)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the random inputs")
+                        help="Timed samples per implementation (default: 20 on CPU, 50 elsewhere).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed for the random inputs.")
+    parser.add_argument("--time-interpreters", action="store_true",
+                        help="On a host without a GPU, time the interpreters against XLA too "
+                             "(their speed says nothing about the kernels).")
+    parser.add_argument("--no-static", action="store_true",
+                        help="On a host without a GPU, skip the sm_90 compiles and roofline bounds.")
+    parser.add_argument("--no-static-cache", action="store_true",
+                        help="Compile again even if the static results of this source tree are "
+                             "cached (see benchmarks.roofline.cache_dir).")
     return parser.parse_args(argv)
 
 
@@ -73,100 +89,104 @@ def git_commit() -> str | None:
 
 
 def default_out_dir(now: datetime.datetime, info: dict[str, str], quick: bool) -> Path:
-    """``benchmarks/results/<date>-<platform>-<device-kind>``; quick runs get a
+    """``benchmarks/results/runs/<date>-<platform>-<device-kind>``; quick runs get a
     ``-quick`` suffix so that a smoke test never overwrites the day's full run."""
     slug = re.sub(r"[^a-z0-9]+", "-", info["device_kind"].lower()).strip("-") or "device"
-    return RESULTS_ROOT / f"{now:%Y-%m-%d}-{info['platform']}-{slug}{'-quick' if quick else ''}"
+    return RUNS_ROOT / f"{now:%Y-%m-%d}-{info['platform']}-{slug}{'-quick' if quick else ''}"
 
 
 # ----------------------------------------------------------------------------
-# Formatting shared by the terminal table and results.md
+# Report
 # ----------------------------------------------------------------------------
 
-def _num(value, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-" if value is None else str(value)
-    return format(value, fmt)
+def cpu_header(info: dict[str, str], implementations: tuple[str, ...], timing: bool) -> str:
+    """What a run on a host without a GPU reports, and why."""
+    kinds = {"interpret": "interpret (our Pallas interpreter)",
+             "triton": "triton (our Triton lowering, in Triton's CPU interpreter)"}
+    ours = ", ".join(kinds.get(i, i) for i in implementations)
+    text = (f"No GPU on this host ({info['device_kind']}, {info['platform']}): our kernels run "
+            f"here only in interpreters: {ours}. ")
+    if timing:
+        return text + ("--time-interpreters: the times below are of interpreters against XLA "
+                       "on a CPU and say nothing about the kernels' speed on a GPU.")
+    return text + ("Nothing is timed. Reported: each implementation's error against a float64 "
+                   "reference, and the sm_90 compile of the GPU kernels with the H100 roofline "
+                   "bound it implies (a bound, not a measurement). Times of the interpreters: "
+                   "--time-interpreters.")
 
 
-def format_row(row: dict) -> list[str]:
-    """A result row as the strings of :data:`COLUMNS`."""
-    impl = row["implementation"] + (" FAILED" if row.get("error") else "")
-    frac = row.get("fraction_of_ceiling")
-    percent = None if frac is None else 100 * frac
-    peak = row.get("peak_bytes")  # only in the rows of cases with report_memory
-    peak_mib = None if peak is None else peak / 2**20
-    return [row["op"] + "/" + row["variant"], "x".join(map(str, row["shape"])), row["dtype"],
-            row["pass"], impl, _num(row.get("median_ms"), ".3f"), _rate(row),
-            _num(row.get("speedup_vs_xla"), ".3g"), _num(percent, ".3g"),
-            _num(row.get("max_rel_error"), ".2e"), _num(peak_mib, ".4g")]
-
-
-def _rate(row: dict) -> str:
-    """GB/s for memory-bound rows (bound by the copy ceiling), TFLOP/s for the rest."""
-    if row.get("ceiling") == "copy" and row.get("gbps") is not None:
-        return _num(row["gbps"], ".4g") + " GB/s"
-    return "-" if row.get("tflops") is None else _num(row["tflops"], ".4g") + " TFLOP/s"
+def _ceiling_text(meta: dict) -> str:
+    c = meta.get("ceilings")
+    if not c:
+        return "not measured (nothing timed)"
+    cache = c.get("last_level_cache_bytes")
+    return (f"copy {c['copy_gbps']:.1f} GB/s over {c['copy_bytes'] // 2**20} MiB moved (each "
+            f"memory-bound case against a copy of its own size); matmul "
+            f"{c['matmul_tflops']:.3g} TFLOP/s ({'x'.join(map(str, c['matmul_shape']))} "
+            f"{c['matmul_dtype']}); last-level cache "
+            f"{'unknown' if not cache else f'{cache / 2**20:g} MiB'}")
 
 
 def _failures(rows) -> list[str]:
     return [f"{r['case']} [{r['implementation']}]: {r['error']}" for r in rows if r.get("error")]
 
 
-def _ceiling_text(meta: dict) -> str:
-    c = meta["ceilings"]
-    return (f"copy {c['copy_gbps']:.1f} GB/s (a+1 over {c['copy_bytes'] // 2 // 2**20} MiB "
-            f"float32, read+write counted); matmul {c['matmul_tflops']:.3g} TFLOP/s "
-            f"({'x'.join(map(str, c['matmul_shape']))} {c['matmul_dtype']})")
+def report_tables(meta: dict, rows: list[dict], static: dict | None):
+    """``(tables, text columns)`` pairs of the run, in print order."""
+    out = []
+    if meta["timed"]:
+        out.append((tables.timing_tables(rows), 5))
+    else:
+        out.append((tables.accuracy_tables(rows), 4))
+    if static:
+        out.append((tables.static_tables(static), 2))
+    return out
 
 
-# ----------------------------------------------------------------------------
-# Writers
-# ----------------------------------------------------------------------------
+def _notes(meta: dict, static: dict | None) -> list[str]:
+    notes = [meta["header"]] if meta.get("header") else []
+    notes.append(tables.TIMING_NOTES if meta["timed"] else tables.ACCURACY_NOTES)
+    notes.append(tables.DTYPE_LEGEND + ".")
+    if meta["timed"]:
+        notes.append(f"Ceilings: {_ceiling_text(meta)}.")
+    if static:
+        notes.append(tables.static_notes(static))
+    elif meta.get("static_skipped"):
+        notes.append(meta["static_skipped"])
+    return notes
 
-def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, allow_nan=True) + "\n")
+
+def write_json(path: Path, meta: dict, rows: list[dict], static: dict | None) -> None:
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "static": static}, indent=2,
+                               allow_nan=True) + "\n")
 
 
-def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
-    lines = [
-        f"# Benchmark results: {meta['device_kind']} ({meta['platform']})", "",
-        f"- Date: {meta['date']}",
-        f"- JAX: {meta['jax_version']}",
-        f"- Commit: {meta['git_commit'] or 'unknown'}",
-        f"- Measured ceilings: {_ceiling_text(meta)}",
-        f"- Timing: median ms per call over up to {meta['iters']} samples (at least "
-        f"{harness.MIN_TIMED_RUNS}, {meta['max_seconds']} s budget) after {meta['warmup']} "
-        f"warm-up calls; calls under {harness.MIN_SAMPLE_SECONDS * 1e3:g} ms are batched "
-        "into one sample.",
-        "- Matmul shapes are M x K x N; TFLOP/s counts 2*M*N*K per product, 3 products for "
-        "fwd+bwd. Rate: TFLOP/s for compute-bound ops (matmul, attention), GB/s (bytes the "
-        "op must read and write) for memory-bound ones (norms, softmax, cross-entropy). "
-        "% of ceiling: of the measured ceiling the op is bound by (the matmul rate or the copy "
-        "bandwidth). Max rel err: max|out - ref| / max|ref| against a float32 reference.",
-        "- Attention shapes are B x T x S x N x K x H; TFLOP/s counts 4*B*N*T*S*H per forward "
-        "(half if causal) and 3.5 times that for fwd+bwd (FlashAttention-2's convention). "
-        "Peak MiB: the compiled executable's temporary plus output buffers, for the ops where "
-        "memory is the point.",
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
-    ]
-    lines += ["| " + " | ".join(format_row(r)) + " |" for r in rows]
+def write_markdown(path: Path, meta: dict, rows: list[dict], static: dict | None) -> None:
+    lines = [f"# Benchmark results: {meta['device_kind']} ({meta['platform']})", "",
+             f"- Date: {meta['date']}; JAX {meta['jax_version']}; commit "
+             f"{meta['git_commit'] or 'unknown'}; wall time {meta.get('wall_s', 0):.0f} s."]
+    if meta["timed"]:
+        lines.append(f"- Timing: median ms per call over up to {meta['iters']} samples (at least "
+                     f"{harness.MIN_TIMED_RUNS}, {meta['max_seconds']} s budget) after "
+                     f"{meta['warmup']} warm-up calls; calls under "
+                     f"{harness.MIN_SAMPLE_SECONDS * 1e3:g} ms are batched into one sample.")
+    lines += [f"- {note}" for note in _notes(meta, static)] + [""]
+    for table_set, _ in report_tables(meta, rows, static):
+        lines += tables.markdown_tables(table_set)
     failures = _failures(rows)
     if failures:
-        lines += ["", "Failures:", ""] + [f"- {f}" for f in failures]
+        lines += ["Failures:", ""] + [f"- {f}" for f in failures]
     path.write_text("\n".join(lines) + "\n")
 
 
-def print_table(console: Console, meta: dict, rows: list[dict]) -> None:
-    table = Table(title=f"{meta['device_kind']} ({meta['platform']}) - {_ceiling_text(meta)}",
-                  title_justify="left")
-    for name in COLUMNS:
-        table.add_column(name, justify="left" if name in COLUMNS[:5] else "right")
-    for row in rows:
-        table.add_row(*format_row(row), style="red" if row.get("error") else None)
-    console.print(table)
+def print_report(console: Console, meta: dict, rows: list[dict], static: dict | None) -> None:
+    for table_set, text_columns in report_tables(meta, rows, static):
+        for table, legend in tables.rich_tables(table_set, text_columns):
+            console.print(table)
+            console.print(legend, style="dim", markup=False, highlight=False)
+            console.print()
+    for note in _notes(meta, static)[1:]:
+        console.print(note, markup=False, highlight=False)
     for failure in _failures(rows):
         console.print(f"FAILED: {failure}", markup=False)
 
@@ -175,31 +195,60 @@ def print_table(console: Console, meta: dict, rows: list[dict]) -> None:
 # Main
 # ----------------------------------------------------------------------------
 
+def _static_report(args, console: Console) -> tuple[dict | None, str | None]:
+    """The sm_90 compiles and H100 bounds, or why they were skipped."""
+    if args.no_static:
+        return None, "Static sm_90 compiles skipped (--no-static)."
+    if not harness.triton_available():
+        return None, ("Static sm_90 compiles and the triton column skipped: they need triton "
+                      f"and torch: {harness.TRITON_INSTALL_HINT}.")
+    from benchmarks import roofline
+    cases = roofline.essential_cases()
+    if args.quick:
+        cases = [c for c in cases if c.case.op == "rms_norm"]
+    if args.filter:
+        cases = [c for c in cases if args.filter in c.case.name] or cases[:0]
+    if not cases:
+        return None, None
+    console.print(f"Compiling {len(cases)} case(s) for sm_90 (cached per source tree) ...")
+    return roofline.report(cases, use_cache=not args.no_static_cache,
+                           log=lambda m: console.print("  " + m, markup=False)), None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # Logs (CI, pipes) get a wide table instead of rich's 80-column default.
-    console = Console() if sys.stdout.isatty() else Console(width=180)
+    start = time.perf_counter()
+    # At most 120 columns: every table fits, in a terminal and in a log.
+    console = Console(width=tables.WIDTH) if not sys.stdout.isatty() else Console(
+        width=min(tables.WIDTH, Console().width))
     device = jax.devices()[0]
     info = harness.device_info(device)
     platform = info["platform"]
+    on_cpu = platform == "cpu"
+    timed = not on_cpu or args.time_interpreters
     selected = collect_cases(platform, args.quick, args.filter)
     if not selected:
         console.print(f"No benchmark case matches --filter {args.filter!r}.")
         return 1
     warmup, iters, max_seconds = _SETTINGS[
-        "quick" if args.quick else ("cpu" if platform == "cpu" else "accelerator")]
+        "quick" if args.quick else ("cpu" if on_cpu else "accelerator")]
     iters = args.iters if args.iters is not None else iters
     now = datetime.datetime.now().astimezone()
     out_dir = args.out or default_out_dir(now, info, args.quick)
-
-    console.print(f"Benchmarking {len(selected)} case(s) on {info['device_kind']} ({platform}), "
-                  f"jax {jax.__version__}")
-    console.print("Measuring ceilings ...")
-    ceilings = harness.measure_ceilings(device)
+    header = cpu_header(info, harness.kernel_implementations(platform), timed) if on_cpu else None
+    if header:
+        console.print(header, markup=False, highlight=False)
+    console.print(f"{'Benchmarking' if timed else 'Checking'} {len(selected)} case(s) on "
+                  f"{info['device_kind']} ({platform}), jax {jax.__version__}")
+    ceilings = None
+    if timed:
+        console.print("Measuring ceilings ...")
+        ceilings = harness.measure_ceilings(device)
     meta = {**info, "date": now.isoformat(timespec="seconds"), "jax_version": jax.__version__,
             "git_commit": git_commit(), "python": sys.version.split()[0], "ceilings": ceilings,
-            "warmup": warmup, "iters": iters, "max_seconds": max_seconds, "quick": args.quick,
-            "filter": args.filter, "seed": args.seed}
+            "timed": timed, "header": header, "warmup": warmup, "iters": iters,
+            "max_seconds": max_seconds, "quick": args.quick, "filter": args.filter,
+            "seed": args.seed}
 
     rows: list[dict] = []
     base_key = jax.random.key(args.seed)
@@ -211,20 +260,33 @@ def main(argv=None) -> int:
             progress.update(task, description=case.name)
             # The key depends only on the case's name, so --filter does not change inputs.
             key = jax.random.fold_in(base_key, zlib.crc32(case.name.encode()))
-            rows += harness.run_case(case, key=key, ceilings=ceilings, warmup=warmup,
-                                     iters=iters, max_seconds=max_seconds, device=device)
+            if timed:
+                rows += harness.run_case(case, key=key, ceilings=ceilings, warmup=warmup,
+                                         iters=iters, max_seconds=max_seconds, device=device)
+            else:
+                rows += harness.check_case(case, key=key, device=device)
             progress.advance(task)
 
-    print_table(console, meta, rows)
+    static = None
+    if on_cpu:
+        static, meta["static_skipped"] = _static_report(args, console)
+    meta["wall_s"] = time.perf_counter() - start
+    print_report(console, meta, rows, static)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "results.json", meta, rows)
-    write_markdown(out_dir / "results.md", meta, rows)
-    write_plot(out_dir / "results.png", meta, rows)
-    print(f"Results written to {out_dir}")
+    write_json(out_dir / "results.json", meta, rows, static)
+    write_markdown(out_dir / "results.md", meta, rows, static)
+    figures = write_plots(out_dir, meta, rows)
+    console.print(f"Results written to {out_dir} (results.json, results.md, "
+                  f"{', '.join(f['path'].name for f in figures)}) in {meta['wall_s']:.0f} s",
+                  markup=False, highlight=False)
     failed = [r for r in rows if r.get("error")]
+    failing_kernels = [k for c in (static or {}).get("cases", []) for k in c["kernels"]
+                       if k.get("violations")]
     if failed:
         console.print(f"{len(failed)} implementation(s) failed; see FAILED above.")
-    return 1 if failed else 0
+    if failing_kernels:
+        console.print(f"{len(failing_kernels)} kernel(s) fail the static gate; see 'gate' above.")
+    return 1 if failed or failing_kernels else 0
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ extra column; where cuDNN rejects a shape, or the XLA baseline runs out of
 memory (its logits at T = 16k, head dim 64, take 32 GiB), the harness records
 an error row for that implementation instead of stopping the run.
 
-Accuracy is measured against exact float32 attention (inputs upcast,
-products at ``Precision.HIGHEST``), written here independently of both
-``ops`` and ``jax.nn`` (:func:`float32_reference`). It walks the queries in
+Accuracy is measured against exact attention in float64 (inputs upcast,
+products at ``Precision.HIGHEST``, :func:`benchmarks.harness.reference_output`), written here independently of both
+``ops`` and ``jax.nn`` (:func:`exact_reference`). It walks the queries in
 chunks of :data:`REFERENCE_CHUNK` rows, each rematerialised in the backward
 pass, so that even the 16k-token reference needs only one chunk's logits.
 
@@ -61,7 +61,7 @@ from benchmarks import harness
 
 OP = "dot_product_attention"
 
-# Rows of queries per chunk of the float32 reference (see float32_reference).
+# Rows of queries per chunk of the exact reference (see exact_reference).
 REFERENCE_CHUNK = 1024
 
 
@@ -149,7 +149,7 @@ def make_case(shape: Shape, pass_name: str, implementations: tuple[str, ...],
         fns[name] = functools.partial(jax_nn_attention, causal=shape.causal, implementation=name)
     for name in implementations:
         fns[name] = functools.partial(ours_attention, causal=shape.causal, implementation=name)
-    reference = functools.partial(float32_reference, causal=shape.causal)
+    reference = functools.partial(exact_reference, causal=shape.causal)
     fwd_bwd = pass_name == "fwd+bwd"
     if fwd_bwd:
         fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
@@ -183,8 +183,9 @@ def ours_attention(q, k, v, *, causal: bool, implementation: str):
     return ops.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
 
 
-def float32_reference(q, k, v, *, causal: bool, chunk: int = REFERENCE_CHUNK):
-    """Exact attention in float32: ``softmax(q k^T / sqrt(H)) v`` per head, float32 output.
+def exact_reference(q, k, v, *, causal: bool, chunk: int = REFERENCE_CHUNK):
+    """Exact attention: ``softmax(q k^T / sqrt(H)) v`` per head, in the dtype of
+    :func:`benchmarks.harness.upcast` (float64 under the harness's reference, else float32).
 
     Queries are processed ``chunk`` rows at a time (all at once when ``chunk``
     does not divide T), each chunk under ``jax.checkpoint``, so that the
@@ -196,10 +197,9 @@ def float32_reference(q, k, v, *, causal: bool, chunk: int = REFERENCE_CHUNK):
     s, kv_heads = k.shape[1], k.shape[2]
     group = n // kv_heads
     rows = chunk if t % chunk == 0 else t
-    f32 = jnp.float32
-    k, v = k.astype(f32), v.astype(f32)
+    k, v = harness.upcast(k), harness.upcast(v)
     # [chunks, B, rows, K, G, H]: query head kv_head * G + g reads key/value head kv_head.
-    q_chunks = jnp.moveaxis(q.astype(f32).reshape(b, t // rows, rows, kv_heads, group, h), 1, 0)
+    q_chunks = jnp.moveaxis(harness.upcast(q).reshape(b, t // rows, rows, kv_heads, group, h), 1, 0)
 
     @jax.checkpoint
     def chunk_attention(first_row, q_chunk):

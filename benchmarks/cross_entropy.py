@@ -1,7 +1,7 @@
 """Benchmark cases for ``cross_entropy`` and ``linear_cross_entropy``.
 
-Each case pits our kernels (the platform's kernel implementation, see
-:func:`benchmarks.harness.kernel_implementation`) against the baseline a user
+Each case pits our kernels (the platform's kernel implementations, see
+:func:`benchmarks.harness.kernel_implementations`) against the baseline a user
 would write without us, jitted and in the inputs' dtype:
 
 * cross_entropy: ``optax.softmax_cross_entropy_with_integer_labels(logits, labels)``;
@@ -12,7 +12,8 @@ would write without us, jitted and in the inputs' dtype:
 Besides time, every row reports ``peak_bytes`` (the compiled executable's
 temporary plus output buffers, :func:`benchmarks.harness.compiled_peak_bytes`):
 for linear cross-entropy memory is the point, since the naive version needs
-``N x V`` logits. Accuracy is measured against the same math in float32.
+``N x V`` logits. Accuracy is measured against the same math in float64
+(:func:`benchmarks.harness.reference_output`).
 
 Cost model (for TFLOP/s and GB/s):
 
@@ -76,7 +77,7 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
 
     ``quick`` keeps one tiny shape per op (still both passes), for smoke tests.
     """
-    ours = harness.kernel_implementation(platform)
+    ours = harness.kernel_implementations(platform)
     makers = {CE: make_ce_case, LINEAR_CE: make_linear_case}
     return [makers[op](shape, dtype, pass_name, ours)
             for op, op_shapes in shapes(platform, quick).items()
@@ -88,12 +89,13 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
 # cross_entropy
 # --------------------------------------------------------------------------
 
-def make_ce_case(shape, dtype: str, pass_name: str, implementation: str) -> harness.Case:
+def make_ce_case(shape, dtype: str, pass_name: str,
+                 implementations: tuple[str, ...]) -> harness.Case:
     """One cross_entropy case: ``shape = (N, V)``, ours vs optax."""
     n, v = shape
-    fns = {harness.BASELINE: _optax_ce,
-           implementation: functools.partial(_ours_ce, implementation=implementation)}
-    reference = _float32_ce
+    fns = {harness.BASELINE: _optax_ce, **{
+        impl: functools.partial(_ours_ce, implementation=impl) for impl in implementations}}
+    reference = _reference_ce
     fwd_bwd = pass_name == "fwd+bwd"
     if fwd_bwd:
         fns = {name: harness.forward_and_backward(fn, nondiff=1) for name, fn in fns.items()}
@@ -129,20 +131,21 @@ def _ours_ce(logits, labels, *, implementation):
     return cross_entropy(logits, labels, implementation=implementation)
 
 
-def _float32_ce(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+def _reference_ce(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(harness.upcast(logits), labels)
 
 
 # --------------------------------------------------------------------------
 # linear_cross_entropy
 # --------------------------------------------------------------------------
 
-def make_linear_case(shape, dtype: str, pass_name: str, implementation: str) -> harness.Case:
+def make_linear_case(shape, dtype: str, pass_name: str,
+                     implementations: tuple[str, ...]) -> harness.Case:
     """One linear_cross_entropy case: ``shape = (N, D, V)``, ours vs ``x @ w`` + optax."""
     n, d, v = shape
-    fns = {harness.BASELINE: _naive_linear_ce,
-           implementation: functools.partial(_ours_linear_ce, implementation=implementation)}
-    reference = _float32_linear_ce
+    fns = {harness.BASELINE: _naive_linear_ce, **{
+        impl: functools.partial(_ours_linear_ce, implementation=impl) for impl in implementations}}
+    reference = _reference_linear_ce
     fwd_bwd = pass_name == "fwd+bwd"
     if fwd_bwd:
         fns = {name: harness.forward_and_backward(fn, nondiff=1) for name, fn in fns.items()}
@@ -176,9 +179,8 @@ def _ours_linear_ce(x, w, labels, *, implementation):
     return linear_cross_entropy(x, w, labels, implementation=implementation)
 
 
-def _float32_linear_ce(x, w, labels):
-    logits = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)
+def _reference_linear_ce(x, w, labels):
+    logits = jnp.dot(harness.upcast(x), harness.upcast(w), precision=lax.Precision.HIGHEST)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 

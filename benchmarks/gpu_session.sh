@@ -18,7 +18,7 @@
 # Writes under $OUT: env.txt, pytest_gpu.txt, tune.txt, tuned_configs.json (the winners,
 # a cache file: python -m benchmarks.tune --merge $OUT/tuned_configs.json installs them
 # into ops/tuning/configs.json), tune_report.json (every candidate's verdict and time),
-# benchmarks.txt and the benchmark folder bench/ (results.json, results.md, results.png).
+# benchmarks.txt and the benchmark folder bench/ (results.json, results.md, results-<family>.png).
 # Copy $OUT to benchmarks/results/<date>-gpu-<device>/ and commit it with the merged cache.
 # The device image has no registry: nothing is downloaded, so the project is
 # installed without its dependencies, on the image's own JAX, Flax and Triton.

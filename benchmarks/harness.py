@@ -13,6 +13,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,7 +25,9 @@ PASSES = ("fwd", "fwd+bwd")
 
 # The kernel implementation each platform is benchmarked with. CPUs have no
 # kernel backend, so they run our Pallas interpreter: slow by design, but it
-# exercises the same kernels and catches accuracy regressions without a GPU.
+# exercises the same kernels and catches accuracy regressions without a GPU
+# (and, where triton is installed, our Triton lowering in Triton's CPU
+# interpreter: see kernel_implementations).
 _KERNEL_IMPLEMENTATION = {"gpu": "triton", "cuda": "triton", "rocm": "triton",
                           "tpu": "mosaic_tpu", "cpu": "interpret"}
 
@@ -37,9 +40,13 @@ MAX_CALLS_PER_SAMPLE = 100
 # Keys of every row that run_case returns (the results.json schema).
 ROW_KEYS = ("op", "case", "variant", "shape", "dtype", "pass", "implementation", "ceiling", "median_ms",
             "p10_ms", "p90_ms", "runs", "compile_ms", "tflops", "gbps", "speedup_vs_xla",
-            "fraction_of_ceiling", "max_rel_error", "error", "device_kind", "platform")
-# Keys only in the rows of cases that ask for them (see Case.report_memory).
-OPTIONAL_ROW_KEYS = ("peak_bytes",)
+            "ceiling_rate", "cache_resident", "fraction_of_ceiling", "max_rel_error", "peak_bytes",
+            "error", "device_kind", "platform")
+# Keys only in the rows of cases that ask for them; none today (peak_bytes is in every row).
+OPTIONAL_ROW_KEYS = ()
+# Keys of every row that check_case returns (accuracy only, nothing timed).
+ACCURACY_ROW_KEYS = ("op", "case", "variant", "shape", "dtype", "pass", "implementation", "ceiling",
+                     "max_rel_error", "error", "device_kind", "platform")
 
 
 def kernel_implementation(platform: str) -> str:
@@ -53,10 +60,42 @@ _GPU_IMPLEMENTATIONS = ("triton", "pallas_triton")
 
 
 def kernel_implementations(platform: str) -> tuple[str, ...]:
-    """Every kernel implementation benchmarked on ``platform`` (beside the XLA baseline)."""
+    """Every kernel implementation benchmarked on ``platform`` (beside the XLA baseline).
+
+    GPUs: ``triton`` and ``pallas_triton``. CPUs: ``interpret`` and, when
+    triton and torch are installed (the ``bench`` extra), ``triton``, which
+    runs our Triton lowering in Triton's CPU interpreter: the GPU kernels'
+    generated code, checked for accuracy without a GPU.
+    """
     if platform in ("gpu", "cuda"):
         return _GPU_IMPLEMENTATIONS
+    if platform == "cpu" and triton_available():
+        return ("interpret", "triton")
     return (kernel_implementation(platform),)
+
+
+_TRITON_MODULES = ("triton", "torch")
+# What to install for them, as the README's set-up says.
+TRITON_INSTALL_HINT = ('pip install -e ".[bench]" (it brings triton and torch; for a CPU-only '
+                       "torch add --extra-index-url https://download.pytorch.org/whl/cpu)")
+
+
+def triton_available() -> bool:
+    """Whether triton and torch (Triton's CPU interpreter's tensors) can be imported."""
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None for m in _TRITON_MODULES)
+
+
+def require_triton(what: str) -> None:
+    """Raises ModuleNotFoundError, naming the extra to install, unless triton and torch
+    can be imported: ``what`` (a command or module) needs Triton's compiler or its CPU
+    interpreter."""
+    import importlib.util
+    missing = [m for m in _TRITON_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"{what} needs {' and '.join(missing)} (Triton's compiler and its CPU interpreter, "
+            f"which runs on torch tensors): {TRITON_INSTALL_HINT}.", name=missing[0])
 
 
 def device_info(device: jax.Device | None = None) -> dict[str, str]:
@@ -88,17 +127,17 @@ class Case:
       make_inputs: ``key -> tuple of arrays``, fresh random inputs for one call.
       implementations: implementation name -> un-jitted ``fn(*inputs)``; must
         hold :data:`BASELINE` ("xla"), the plain-JAX version a user would write.
-      reference: ``fn(*inputs)`` computing the exact answer in float32; its
-        output has the same tree structure as the implementations'.
+      reference: ``fn(*inputs)`` computing the exact answer, every float
+        input upcast with :func:`upcast` (float64 in :func:`reference_output`);
+        its output has the same tree structure as the implementations'.
       ceiling: which measured ceiling the case is compared to: "matmul"
         (compute-bound ops) or "copy" (memory-bound ops).
       bytes_accessed: bytes one call must read and write, for GB/s; None when
         not meaningful.
-      report_memory: add ``peak_bytes`` to this case's rows: the compiled
-        executable's temporary plus output buffer bytes
-        (:func:`compiled_peak_bytes`), for ops whose point is memory (e.g. a
-        loss that never materialises its logits). Off by default, so rows of
-        other cases keep exactly :data:`ROW_KEYS`.
+      report_memory: the op's point is memory (e.g. a loss that never
+        materialises its logits): ``python -m benchmarks.attention_memory``
+        and the figure single these out. Every timed row reports
+        ``peak_bytes`` regardless.
     """
     op: str
     variant: str
@@ -118,6 +157,28 @@ class Case:
         """Unique, filterable: ``op/variant/AxBxC/dtype/pass``."""
         dims = "x".join(str(d) for d in self.shape)
         return f"{self.op}/{self.variant}/{dims}/{self.dtype}/{self.pass_name}"
+
+
+def upcast(x):
+    """``x`` in the references' dtype: float64 while :func:`reference_output` runs
+    (JAX's x64 mode), float32 otherwise; integer arrays (labels) unchanged."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return x.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+
+
+def reference_output(case: "Case", inputs: tuple):
+    """``case.reference`` on ``inputs`` in float64, as numpy arrays.
+
+    The references upcast with :func:`upcast`, so under JAX's x64 mode (on
+    here, for this call only) every product and sum is float64: the errors
+    reported against it are the implementations' own, not float32's.
+    """
+    with jax.enable_x64(True):
+        wide = tuple(jnp.asarray(np.asarray(x, np.float64)) if jnp.issubdtype(x.dtype, jnp.floating)
+                     else jnp.asarray(np.asarray(x)) for x in inputs)
+        out = jax.jit(case.reference)(*wide)
+        return jax.tree.map(lambda a: np.asarray(a, np.float64), out)
 
 
 def compile_fn(fn: Callable, *args) -> Callable:
@@ -208,9 +269,12 @@ def max_relative_error(output, reference) -> float:
         raise ValueError(f"output has {len(out_leaves)} leaves, reference {len(ref_leaves)}.")
     worst = 0.0
     for o, r in zip(out_leaves, ref_leaves):
-        r = jnp.asarray(r, jnp.float32)
-        err = float(jnp.max(jnp.abs(jnp.asarray(o, jnp.float32) - r)))
-        scale = float(jnp.max(jnp.abs(r)))
+        # Compared in float64 on the host: no rounding of the comparison itself.
+        r = np.asarray(r, np.float64)
+        if r.size == 0:
+            continue
+        err = float(np.max(np.abs(np.asarray(o, np.float64) - r)))
+        scale = float(np.max(np.abs(r)))
         rel = err / scale if scale > 0 else err
         if math.isnan(rel):
             return rel
@@ -221,37 +285,118 @@ def max_relative_error(output, reference) -> float:
 def measure_ceilings(device: jax.Device | None = None, *, iters: int = 20) -> dict[str, Any]:
     """The device's measured copy bandwidth (GB/s) and large-matmul rate (TFLOP/s).
 
-    Copy: ``a + 1`` over a large float32 array (an elementwise op, so XLA
-    cannot elide it), counting the bytes read plus the bytes written. Matmul:
-    an ``n x n x n`` product in bfloat16 on accelerators (their peak dtype),
-    float32 on CPU. Sizes suit the platform; on CPU each takes well under a
-    second. A ceiling is what the device can do, so each uses its fastest
-    run, not the median: a busy host must not lower it. These are what
-    "fraction of ceiling" in results is relative to.
+    Copy: :func:`copy_gbps` over a large array (64 MiB of traffic on CPU, 2
+    GiB elsewhere), the figure a run's header quotes; each memory-bound case is
+    compared with a copy measured at its own traffic instead (see
+    :func:`run_case`). Matmul: an ``n x n x n`` product in bfloat16 on
+    accelerators (their peak dtype), float32 on CPU. A ceiling is what the
+    device can do, so each uses its fastest run, not the median: a busy host
+    must not lower it. ``last_level_cache_bytes`` (:func:`last_level_cache_bytes`)
+    is recorded beside them.
     """
     device = device or jax.devices()[0]
     on_cpu = device.platform == "cpu"
-    copy_elems = (16 if on_cpu else 256) * 2**20  # 64 MiB on CPU, 1 GiB elsewhere
+    copy_bytes = (64 if on_cpu else 2048) * 2**20
     n = 1024 if on_cpu else 8192
     mm_dtype = jnp.float32 if on_cpu else jnp.bfloat16
-    k_copy, k_a, k_b = jax.random.split(jax.random.key(1234), 3)
-
-    src = jax.device_put(random_normal(k_copy, (copy_elems,), jnp.float32), device)
-    copy = time_fn(lambda a: a + 1, src, warmup=2, iters=iters)
-    copy_bytes = 2 * src.nbytes
-    del src, copy["output"]
+    k_a, k_b = jax.random.split(jax.random.key(1234))
+    copy = copy_gbps(copy_bytes, device, iters=iters)
 
     a = jax.device_put(random_normal(k_a, (n, n), mm_dtype), device)
     b = jax.device_put(random_normal(k_b, (n, n), mm_dtype), device)
     matmul = time_fn(jnp.dot, a, b, warmup=2, iters=iters)
     del a, b, matmul["output"]
     return {
-        "copy_gbps": copy_bytes / (copy["min_ms"] * 1e-3) / 1e9,
+        "copy_gbps": copy,
         "copy_bytes": copy_bytes,
         "matmul_tflops": 2 * n**3 / (matmul["min_ms"] * 1e-3) / 1e12,
         "matmul_shape": [n, n, n],
         "matmul_dtype": jnp.dtype(mm_dtype).name,
+        "last_level_cache_bytes": last_level_cache_bytes(device),
     }
+
+
+_COPY_GBPS: dict[tuple[int, int], float] = {}
+
+
+def copy_gbps(traffic_bytes: float, device: jax.Device | None = None, *, iters: int = 20) -> float:
+    """Measured bandwidth of a copy moving ``traffic_bytes`` (read plus write), in GB/s.
+
+    The copy is ``a + 1`` over a float32 array of ``traffic_bytes / 8``
+    elements (at least 1024): an elementwise op, so no compiler can elide it,
+    reading and writing ``traffic_bytes / 2`` each. Measured at a case's own
+    traffic, it is the ceiling that case can reach: a small case whose data
+    stays in a cache is compared with a copy that stays there too. Fastest of
+    the timed samples; cached per size and device for the run.
+    """
+    device = device or jax.devices()[0]
+    elems = max(1024, int(traffic_bytes // 8))
+    key = (device.id, elems)
+    if key not in _COPY_GBPS:
+        src = jax.device_put(random_normal(jax.random.key(elems), (elems,), jnp.float32), device)
+        timing = time_fn(lambda a: a + 1, src, warmup=2, iters=iters)
+        _COPY_GBPS[key] = 2 * src.nbytes / (timing["min_ms"] * 1e-3) / 1e9
+    return _COPY_GBPS[key]
+
+
+# Last-level (L2) cache of the GPUs we benchmark on, by a substring of their
+# device kind, from NVIDIA's architecture whitepapers: Hopper (H100 / H200 /
+# H800) 50 MiB, Ampere A100 40 MiB, Ada L4 48 MiB.
+_GPU_L2_BYTES = {"H100": 50 * 2**20, "H200": 50 * 2**20, "H800": 50 * 2**20,
+                 "A100": 40 * 2**20, "L4": 48 * 2**20}
+
+
+def last_level_cache_bytes(device: jax.Device | None = None) -> int | None:
+    """Size of the device's last-level cache in bytes, None where unknown.
+
+    CPUs: the largest cache Linux lists for CPU 0 (``/sys/devices/system/cpu/
+    cpu0/cache``). GPUs: the L2 of the kinds in a small table (H100, H200,
+    H800, A100, L4). A memory-bound case whose traffic fits in it is marked
+    ``cache_resident``: repeated timed calls then read from the cache, not
+    from memory, and no fraction of a memory ceiling is claimed for it.
+    """
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        sizes = []
+        for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+            text = path.read_text().strip().upper()
+            unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            digits = text.rstrip("KMG")
+            if digits.isdigit():
+                sizes.append(int(digits) * unit)
+        return max(sizes, default=None)
+    return next((size for name, size in _GPU_L2_BYTES.items() if name in device.device_kind), None)
+
+
+def rate_against_ceiling(case: Case, seconds: float, ceilings: Mapping[str, Any],
+                         device: jax.Device | None = None) -> dict[str, Any]:
+    """A timed case's rates and how they compare with its ceiling.
+
+    Returns ``tflops``, ``gbps`` (None unless the case counts bytes),
+    ``ceiling_rate`` (TFLOP/s of the measured matmul ceiling for
+    compute-bound cases; for memory-bound ones GB/s of :func:`copy_gbps` at
+    the case's own ``bytes_accessed``), ``cache_resident`` (memory-bound
+    cases: the traffic fits in the last-level cache; None where unknown or
+    compute-bound) and ``fraction_of_ceiling`` (achieved over ceiling_rate;
+    None for cache-resident cases).
+    """
+    tflops = case.flops / seconds / 1e12
+    gbps = case.bytes_accessed / seconds / 1e9 if case.bytes_accessed else None
+    resident = None
+    if case.ceiling == "matmul":
+        achieved, ceiling = tflops, ceilings.get("matmul_tflops")
+    else:
+        achieved = gbps
+        ceiling = copy_gbps(case.bytes_accessed, device) if case.bytes_accessed else None
+        cache = ceilings.get("last_level_cache_bytes")
+        resident = None if not (cache and case.bytes_accessed) else case.bytes_accessed <= cache
+    fraction = achieved / ceiling if achieved and ceiling and not resident else None
+    return {"tflops": tflops, "gbps": gbps, "ceiling_rate": ceiling, "cache_resident": resident,
+            "fraction_of_ceiling": fraction}
+
+
+def _error_text(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters: int,
@@ -261,51 +406,66 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
 
     Each row has the keys in :data:`ROW_KEYS`: the case's identity (op, case,
     variant, shape, dtype, pass, implementation), the ceiling it is bound by
-    ("matmul": compute-bound, rated in TFLOP/s; "copy": memory-bound, GB/s), timing (median_ms, p10_ms,
-    p90_ms in ms; runs; compile_ms), tflops (TFLOP/s), gbps (GB/s, None unless
-    the case counts bytes), speedup_vs_xla (the baseline's median over this
-    row's; 1.0 for the baseline), fraction_of_ceiling (of the case's measured
-    ceiling), max_rel_error (vs the float32 reference), error (None, or why
-    the implementation failed: a failure is recorded rather than raised so
-    that one broken kernel does not lose a long run), device_kind and platform.
-    Rows of a case with ``report_memory`` also have ``peak_bytes``.
+    ("matmul": compute-bound, rated in TFLOP/s; "copy": memory-bound, GB/s),
+    timing (median_ms, p10_ms, p90_ms in ms; runs; compile_ms), the rates and
+    their ceiling (:func:`rate_against_ceiling`: tflops, gbps, ceiling_rate,
+    cache_resident, fraction_of_ceiling), speedup_vs_xla (the baseline's
+    median over this row's; 1.0 for the baseline), max_rel_error (vs the
+    float64 reference, :func:`reference_output`), peak_bytes (the compiled
+    executable's temporary plus output bytes, :func:`compiled_peak_bytes`),
+    error (None, or why the implementation failed: a failure is recorded
+    rather than raised so that one broken kernel does not lose a long run),
+    device_kind and platform.
     """
     inputs = case.make_inputs(key)
-    reference = jax.jit(case.reference)(*inputs)
+    reference = reference_output(case, inputs)
     base = {"op": case.op, "case": case.name, "variant": case.variant, "shape": list(case.shape),
             "dtype": case.dtype, "pass": case.pass_name, "ceiling": case.ceiling,
             **device_info(device)}
     rows, baseline_ms = [], None
     for impl_name, fn in _baseline_first(case.implementations):
         row = {**dict.fromkeys(ROW_KEYS), **base, "implementation": impl_name}
-        if case.report_memory:
-            row["peak_bytes"] = None
         try:
             timing = time_fn(fn, *inputs, warmup=warmup, iters=iters, max_seconds=max_seconds)
         except Exception as e:  # noqa: BLE001 - recorded in the row, reported, exit code 1
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            row["error"] = _error_text(e)
             rows.append(row)
             continue
-        seconds = timing["median_ms"] * 1e-3
         if impl_name == BASELINE:
             baseline_ms = timing["median_ms"]
-        tflops = case.flops / seconds / 1e12
-        gbps = case.bytes_accessed / seconds / 1e9 if case.bytes_accessed else None
-        if case.ceiling == "matmul":
-            achieved, ceiling = tflops, ceilings.get("matmul_tflops")
-        else:
-            achieved, ceiling = gbps, ceilings.get("copy_gbps")
         row.update({field: timing[field] for field in ("median_ms", "p10_ms", "p90_ms", "runs",
-                                                     "compile_ms")})
-        if case.report_memory:
-            row["peak_bytes"] = timing["peak_bytes"]
+                                                     "compile_ms", "peak_bytes")})
+        row.update(rate_against_ceiling(case, timing["median_ms"] * 1e-3, ceilings, device))
         row.update({
-            "tflops": tflops,
-            "gbps": gbps,
             "speedup_vs_xla": baseline_ms / timing["median_ms"] if baseline_ms else None,
-            "fraction_of_ceiling": achieved / ceiling if achieved and ceiling else None,
             "max_rel_error": max_relative_error(timing["output"], reference),
         })
+        rows.append(row)
+    return rows
+
+
+def check_case(case: Case, *, key, device: jax.Device | None = None) -> list[dict[str, Any]]:
+    """Runs every implementation of ``case`` once; one accuracy row per implementation.
+
+    Nothing is timed: on a host whose implementations are interpreters a time
+    says nothing about the kernels. Each row has the keys in
+    :data:`ACCURACY_ROW_KEYS`; ``max_rel_error`` is against the float64
+    reference (:func:`reference_output`) and ``error`` is None or why the
+    implementation failed (recorded, not raised, as in :func:`run_case`).
+    """
+    inputs = case.make_inputs(key)
+    reference = reference_output(case, inputs)
+    base = {"op": case.op, "case": case.name, "variant": case.variant, "shape": list(case.shape),
+            "dtype": case.dtype, "pass": case.pass_name, "ceiling": case.ceiling,
+            **device_info(device)}
+    rows = []
+    for impl_name, fn in _baseline_first(case.implementations):
+        row = {**dict.fromkeys(ACCURACY_ROW_KEYS), **base, "implementation": impl_name}
+        try:
+            output = jax.block_until_ready(jax.jit(fn)(*inputs))
+            row["max_rel_error"] = max_relative_error(output, reference)
+        except Exception as e:  # noqa: BLE001 - recorded in the row, reported, exit code 1
+            row["error"] = _error_text(e)
         rows.append(row)
     return rows
 

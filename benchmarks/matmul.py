@@ -1,9 +1,10 @@
 """Benchmark cases for ``ops.fused_matmul``: ``act(x @ w + bias)``.
 
 Each case pits our kernel (the platform's kernel implementation, see
-:func:`benchmarks.harness.kernel_implementation`) against the baseline a user
+:func:`benchmarks.harness.kernel_implementations`) against the baseline a user
 would write without us: ``act(jnp.dot(x, w) + b)``, jitted, computed in the
-inputs' dtype. Accuracy is measured against the same math in float32.
+inputs' dtype. Accuracy is measured against the same math in float64
+(:func:`benchmarks.harness.reference_output`).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def make_case(shape, dtype: str, variant: str, pass_name: str,
     for implementation in implementations:
         fns[implementation] = functools.partial(_ours, activation=activation,
                                                 implementation=implementation)
-    reference = functools.partial(_float32_reference, activation=activation)
+    reference = functools.partial(_reference, activation=activation)
     if pass_name == "fwd+bwd":
         fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
         reference = harness.forward_and_backward(reference)
@@ -110,10 +111,10 @@ def _ours(x, w, bias=None, *, activation, implementation):
     return ops.fused_matmul(x, w, bias, activation=activation, implementation=implementation)
 
 
-def _float32_reference(x, w, bias=None, *, activation):
-    """The exact answer: inputs upcast to float32, full-precision products."""
-    y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+def _reference(x, w, bias=None, *, activation):
+    """The exact answer: inputs upcast (:func:`benchmarks.harness.upcast`), full-precision products."""
+    y = jnp.dot(harness.upcast(x), harness.upcast(w), precision=lax.Precision.HIGHEST)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + harness.upcast(bias)
     act = resolve_activation(activation, "bench")
     return act(y) if act is not None else y

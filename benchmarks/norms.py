@@ -1,10 +1,10 @@
 """Benchmark cases for ``layer_norm`` and ``rms_norm`` (:mod:`ops.reduction.norms`).
 
 Each case pits our kernel (the platform's kernel implementation, see
-:func:`benchmarks.harness.kernel_implementation`) against the baseline a user
+:func:`benchmarks.harness.kernel_implementations`) against the baseline a user
 would write without us: the normalization in plain ``jnp`` (statistics in
 float32, as Flax computes them), jitted. Accuracy is measured against the
-same math on float32 inputs.
+same math in float64 (:func:`benchmarks.harness.reference_output`).
 
 Both ops are memory-bound, so cases are compared to the device's measured
 copy bandwidth (``ceiling="copy"``). ``bytes_accessed`` counts the traffic a
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks import harness
-from ops.reduction.norms import layer_norm, reference, rms_norm
+from ops.reduction.norms import layer_norm, rms_norm
 
 # op name -> (center, has bias). Both ops take a scale, as in every model.
 OPS = {"layer_norm": (True, True), "rms_norm": (False, False)}
@@ -68,22 +68,22 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
 
     ``quick`` keeps one tiny shape (still both ops and both passes), for smoke tests.
     """
-    ours = harness.kernel_implementation(platform)
+    ours = harness.kernel_implementations(platform)
     return [make_case(op, shape, dtype, pass_name, ours)
             for shape, dtype in shapes(platform, quick)
             for op in OPS
             for pass_name in harness.PASSES]
 
 
-def make_case(op: str, shape, dtype: str, pass_name: str, implementation: str) -> harness.Case:
-    """One case: ``op`` on ``shape = (rows, hidden)``, our ``implementation`` vs XLA."""
+def make_case(op: str, shape, dtype: str, pass_name: str,
+              implementations: tuple[str, ...]) -> harness.Case:
+    """One case: ``op`` on ``shape = (rows, hidden)``, our ``implementations`` vs XLA."""
     rows, hidden = shape
     center, has_bias = OPS[op]
-    fns = {
-        harness.BASELINE: functools.partial(_xla_baseline, center=center),
-        implementation: functools.partial(_ours, op=op, implementation=implementation),
-    }
-    ref = functools.partial(_float32_reference, center=center)
+    fns = {harness.BASELINE: functools.partial(_xla_baseline, center=center)}
+    for implementation in implementations:
+        fns[implementation] = functools.partial(_ours, op=op, implementation=implementation)
+    ref = functools.partial(_reference, center=center)
     if pass_name == "fwd+bwd":
         fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
         ref = harness.forward_and_backward(ref)
@@ -124,16 +124,21 @@ def _make_inputs(key, *, shape, dtype, has_bias, with_cotangent):
 
 def _xla_baseline(x, scale, bias=None, *, center):
     """What a user writes: float32 statistics (as Flax does), output in x's dtype."""
-    xf = x.astype(jnp.float32)
+    return _normalize(x.astype(jnp.float32), scale.astype(jnp.float32),
+                      None if bias is None else bias.astype(jnp.float32), center).astype(x.dtype)
+
+
+def _normalize(xf, scale, bias, center):
+    """The normalization in ``xf``'s dtype: statistics, rsqrt, scale, bias."""
     if center:
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         y = (xf - mean) * lax.rsqrt(jnp.var(xf, axis=-1, keepdims=True) + EPSILON)
     else:
         y = xf * lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + EPSILON)
-    y = y * scale.astype(jnp.float32)
+    y = y * scale
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
+        y = y + bias
+    return y
 
 
 def _ours(x, scale, bias=None, *, op, implementation):
@@ -142,7 +147,7 @@ def _ours(x, scale, bias=None, *, op, implementation):
     return rms_norm(x, scale, epsilon=EPSILON, implementation=implementation)
 
 
-def _float32_reference(x, scale, bias=None, *, center):
-    """The exact answer: the inputs upcast to float32."""
-    up = lambda a: None if a is None else a.astype(jnp.float32)
-    return reference(up(x), up(scale), up(bias), epsilon=EPSILON, center=center)
+def _reference(x, scale, bias=None, *, center):
+    """The exact answer: the inputs upcast (:func:`benchmarks.harness.upcast`)."""
+    return _normalize(harness.upcast(x), harness.upcast(scale),
+                      None if bias is None else harness.upcast(bias), center)

@@ -3,10 +3,10 @@
 Ops: ``softmax``, ``log_softmax``, ``logsumexp`` (:mod:`ops.reduction.softmax`)
 and ``sum``, ``max`` (:mod:`ops.reduction.reduce`), forward and forward +
 backward. Each case pits our kernel (the platform's kernel implementation,
-see :func:`benchmarks.harness.kernel_implementation`) against the baseline a
+see :func:`benchmarks.harness.kernel_implementations`) against the baseline a
 user would write without us: ``jax.nn.softmax(x)``, ``jnp.sum(x, axis)``...
-in the inputs' dtype, jitted. Accuracy is measured against the same math on
-float32 inputs.
+in the inputs' dtype, jitted. Accuracy is measured against the same math in
+float64 (:func:`benchmarks.harness.reference_output`).
 
 Every op here is memory-bound, so cases are compared to the device's measured
 copy bandwidth (``ceiling="copy"``). ``bytes_accessed`` counts the traffic a
@@ -92,7 +92,7 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     ``quick`` keeps one tiny shape and the ``axis=-1`` variant (still every op
     and pass), for smoke tests.
     """
-    ours = harness.kernel_implementation(platform)
+    ours = harness.kernel_implementations(platform)
     return [make_case(op, shape, dtype, variant, pass_name, ours)
             for op in OPS
             for shape, dtype in shapes(op, platform, quick)
@@ -101,19 +101,17 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
 
 
 def make_case(op: str, shape, dtype: str, variant: str, pass_name: str,
-              implementation: str) -> harness.Case:
-    """One case: ``op`` on a ``(rows, cols)`` array, our ``implementation`` vs XLA."""
+              implementations: tuple[str, ...]) -> harness.Case:
+    """One case: ``op`` on a ``(rows, cols)`` array, our ``implementations`` vs XLA."""
     rows, cols = shape
     fn, baseline, flops_fwd, flops_bwd, bytes_fwd, bytes_bwd = OPS[op]
     axis = None if variant == "axis=None" else -1
-    if op in _FAMILY:
-        ours_fn = functools.partial(fn, implementation=implementation)
-        xla_fn = baseline
-    else:
-        ours_fn = functools.partial(fn, axis=axis, implementation=implementation)
-        xla_fn = functools.partial(baseline, axis=axis)
-    fns = {harness.BASELINE: xla_fn, implementation: ours_fn}
-    reference = functools.partial(_float32_reference, xla_fn)
+    extra = {} if op in _FAMILY else {"axis": axis}
+    xla_fn = functools.partial(baseline, **extra)
+    fns = {harness.BASELINE: xla_fn}
+    for implementation in implementations:
+        fns[implementation] = functools.partial(fn, implementation=implementation, **extra)
+    reference = functools.partial(_reference, xla_fn)
     with_bwd = pass_name == "fwd+bwd"
     if with_bwd:
         fns = {name: harness.forward_and_backward(f) for name, f in fns.items()}
@@ -143,6 +141,6 @@ def _make_inputs(key, *, shape, dtype, cotangent_shape):
     return tuple(inputs)
 
 
-def _float32_reference(fn, x):
-    """The exact answer: the baseline's math on x upcast to float32."""
-    return fn(x.astype(jnp.float32))
+def _reference(fn, x):
+    """The exact answer: the baseline's math on x upcast (:func:`benchmarks.harness.upcast`)."""
+    return fn(harness.upcast(x))

@@ -1,9 +1,15 @@
 """Every registered benchmark case (:mod:`benchmarks.suite`) under pytest-benchmark.
 
-Run with ``pytest benchmarks --benchmark-only``. Each test times one
-implementation of one case on the default device (small sizes on CPU) and
-records TFLOP/s or GB/s and the error against the float32 reference in
-``extra_info``; nothing about speed is asserted.
+Run with ``pytest benchmarks --benchmark-only`` (add ``-k SUBSTR`` to pick
+cases, ``--benchmark-autosave`` to keep a run under ``.benchmarks/`` and
+``--benchmark-compare`` to compare with the last saved one). The cases are
+``python -m benchmarks``'s own (:func:`benchmarks.suite.collect_cases`),
+every implementation of each, on the default device (small sizes on a CPU,
+where ``interpret`` and ``triton`` are interpreters and their times say
+nothing about the kernels). Each test records TFLOP/s or GB/s and the error
+against the float64 reference in ``extra_info``; nothing about speed is
+asserted. The project's test command never collects this folder
+(``testpaths = ["tests"]``).
 """
 import jax
 import pytest
@@ -28,7 +34,7 @@ def test_case(benchmark, case, implementation):
         return jax.block_until_ready(compiled(*inputs))
 
     output = benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
-    reference = jax.jit(case.reference)(*inputs)
+    reference = harness.reference_output(case, inputs)
     median_s = benchmark.stats.stats.median if benchmark.stats else float("nan")
     benchmark.extra_info.update({
         "shape": list(case.shape), "dtype": case.dtype, "pass": case.pass_name,

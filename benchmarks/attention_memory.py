@@ -30,21 +30,25 @@ DEFAULT_OUT = RESULTS_ROOT / "latest" / "attention_memory.json"
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.attention_memory",
-                                     description=__doc__.split("\n")[0])
+                                     description="Compile attention's training step, ours and "
+                                     "XLA's, and report the memory each needs (nothing runs).")
     b, t, n, h = attention.MEMORY_SHAPE
-    parser.add_argument("--seq-len", type=int, default=t, help=f"T = S (default {t})")
-    parser.add_argument("--batch", type=int, default=b, help=f"B (default {b})")
-    parser.add_argument("--heads", type=int, default=n, help=f"N = K (default {n})")
-    parser.add_argument("--head-dim", type=int, default=h, help=f"H (default {h})")
+    parser.add_argument("--seq-len", type=int, default=t,
+                        help=f"Queries and keys, T = S (default {t}).")
+    parser.add_argument("--batch", type=int, default=b, help=f"Batch size B (default {b}).")
+    parser.add_argument("--heads", type=int, default=n,
+                        help=f"Query and key/value heads, N = K (default {n}).")
+    parser.add_argument("--head-dim", type=int, default=h, help=f"Head dim H (default {h}).")
     parser.add_argument("--dtype", default=attention.MEMORY_DTYPE,
-                        help=f"default {attention.MEMORY_DTYPE}")
-    parser.add_argument("--causal", action="store_true")
+                        help=f"Dtype of q, k and v (default {attention.MEMORY_DTYPE}).")
+    parser.add_argument("--causal", action="store_true", help="Causal attention (default: full).")
     parser.add_argument("--implementation", default="interpret",
-                        help="ours to compile (default interpret)")
+                        help="Our implementation to compile (default interpret).")
     parser.add_argument("--platform", default="cpu",
-                        help="device platform to compile for (default cpu)")
+                        help="Device platform to compile for (default cpu).")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"JSON file to write (default {DEFAULT_OUT})")
+                        help="JSON file to write (default benchmarks/results/latest/"
+                             "attention_memory.json, ignored by git).")
     return parser.parse_args(argv)
 
 

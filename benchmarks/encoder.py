@@ -501,27 +501,34 @@ def default_implementations() -> list[str]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.encoder",
-                                description=__doc__.split("\n")[0],
+                                description="Embed sentences with all-MiniLM-L6-v2 through stock "
+                                "Flax, through our layers and through sentence-transformers, and "
+                                "check that the embeddings agree.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sentences", type=int, default=2048,
-                   help="docstring first lines to embed (default 2048)")
-    p.add_argument("--batch-size", type=int, default=32)
+                   help="Docstring first lines to embed (default 2048).")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="Sentences per embedding batch (default 32).")
     p.add_argument("--max-len", type=int, default=None,
-                   help="truncate sentences to this many tokens (default: the model's 256)")
+                   help="Truncate sentences to this many tokens (default: the model's 256).")
     p.add_argument("--implementations", default=None,
-                   help="comma-separated ops implementations for ours (default: the "
-                        "platform's kernels: interpret on CPU, triton,pallas_triton on GPU)")
+                   help="Comma-separated ops implementations for our layers (default: the "
+                        "platform's kernels: interpret on a CPU, triton,pallas_triton on a GPU).")
     p.add_argument("--sentences-for", action="append", default=[], metavar="IMPL=N",
-                   help="embed only the first N sentences with implementation IMPL (e.g. "
-                        "triton=16 on a CPU, where Triton's interpreter is slow)")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+                   help="Embed only the first N sentences with implementation IMPL (e.g. "
+                        "triton=16 on a CPU, where Triton's interpreter is slow); repeatable.")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="Comma-separated parameter dtypes to embed with (default "
+                        "float32,bfloat16).")
     p.add_argument("--finetune-pairs", type=int, default=16,
-                   help="pairs in the fine-tuning step's batch (0: skip the step)")
+                   help="Pairs in the fine-tuning step's batch (0: skip the step).")
     p.add_argument("--finetune-implementations", default=None,
-                   help="implementations for the fine-tuning step (default: --implementations)")
-    p.add_argument("--lr", type=float, default=1e-4)
+                   help="Implementations for the fine-tuning step (default: --implementations).")
+    p.add_argument("--lr", type=float, default=1e-4,
+                   help="Learning rate of the fine-tuning step's AdamW update (default 1e-4).")
     p.add_argument("--out-dir", default=str(Path(__file__).parent / "results" / "latest"),
-                   help="where encoder.json and encoder.md go")
+                   help="Folder for encoder.json and encoder.md (default "
+                        "benchmarks/results/latest, ignored by git).")
     return p.parse_args(argv)
 
 

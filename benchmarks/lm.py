@@ -392,35 +392,51 @@ def print_report(stock: dict, ops_run: dict, log_every: int) -> None:
               f"final val loss {run['val_loss']:.5f}")
 
 
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help, except for unset (None) and flag defaults."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.lm", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.lm",
+        description="End-to-end check: a small byte-level language model trained with stock Flax "
+                    "layers and with our layers must follow the same loss curve. Exits 1 if the "
+                    "curves diverge by more than --tolerance or either run fails to learn.",
+        formatter_class=_ShowDefaults)
     p.add_argument("--implementation", default=None, choices=ops.IMPLEMENTATIONS,
-                   help="ops implementation for layers.Dense (default: the platform's, "
-                        "'xla' on CPU; use 'interpret' to run our kernels on CPU)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+                   help="The ops implementation our layers use (default: the platform's, which "
+                        "is 'xla' on a CPU; 'interpret' runs our kernels on a CPU).")
+    p.add_argument("--steps", type=int, default=300, help="Training steps of each run.")
+    p.add_argument("--batch-size", type=int, default=16, help="Sequences per training batch.")
+    p.add_argument("--seq-len", type=int, default=128, help="Bytes per training sequence.")
+    p.add_argument("--width", type=int, default=128, help="Model width (d_model).")
+    p.add_argument("--layers", type=int, default=2, help="Transformer blocks.")
+    p.add_argument("--heads", type=int, default=4,
+                   help="Attention heads per block (must divide --width).")
+    p.add_argument("--lr", type=float, default=3e-3, help="Peak AdamW learning rate.")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Seed of the parameters and of the batch sampler.")
     p.add_argument("--data-bytes", type=int, default=3_000_000,
-                   help="stdlib source bytes to read (train + val)")
+                   help="Bytes of standard-library source to read (training plus validation).")
     p.add_argument("--tolerance", type=float, default=2e-2,
-                   help="max allowed |loss_stock - loss_ops| over every step")
+                   help="Largest allowed |loss_stock - loss_ops| over every step.")
     p.add_argument("--max-final-loss", type=float, default=3.0,
-                   help=f"mean loss of the last {FINAL_WINDOW} steps must be below this")
+                   help=f"The mean loss of the last {FINAL_WINDOW} steps must be below this.")
     p.add_argument("--no-learning-check", action="store_true",
-                   help="skip the --max-final-loss check (for very short runs)")
+                   help="Skip the --max-final-loss check (for very short runs).")
     p.add_argument("--mesh", type=parse_mesh, default=None, metavar="data=N,model=M",
-                   help="also train the ops model data- and tensor-parallel over an N x M "
-                        "device mesh and compare its curve to the single-device ops run "
-                        "(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N*M)")
-    p.add_argument("--log-every", type=int, default=20)
+                   help="Also train the ops model data- and tensor-parallel over an N x M "
+                        "device mesh and compare its curve with the single-device ops run "
+                        "(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N*M).")
+    p.add_argument("--log-every", type=int, default=20,
+                   help="Print both losses every this many steps.")
     p.add_argument("--json", metavar="OUT", default=None,
-                   help="write the config, both curves and step times to this JSON file")
+                   help="Write the config, both curves and the step times to this JSON file.")
     args = p.parse_args(argv)
     if args.width % args.heads:
         p.error(f"--width ({args.width}) must be a multiple of --heads ({args.heads})")

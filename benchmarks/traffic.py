@@ -28,6 +28,11 @@ import dataclasses
 
 import numpy as np
 
+from benchmarks.harness import require_triton
+
+# Everything here runs in Triton's interpreter; so does the static gate, which imports this.
+require_triton("benchmarks.traffic (and python -m benchmarks.static)")
+
 
 @dataclasses.dataclass
 class OperandTraffic:

@@ -41,25 +41,28 @@ _OPS_HELP = ", ".join(sorted(tuning.CONFIG_FIELDS))
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tune",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one small problem per op family")
+                                     description="Fill the autotuning cache: time each op's "
+                                     "candidate configurations on the GPU and keep the fastest "
+                                     "(on a host without a GPU, only compile them for --target).")
+    parser.add_argument("--quick", action="store_true", help="One small problem per op family.")
     parser.add_argument("--ops", default=None,
-                        help=f"comma-separated ops to tune (default: all of the problem set): {_OPS_HELP}")
-    parser.add_argument("--dtype", default="bfloat16", help="input dtype (default bfloat16)")
-    parser.add_argument("--implementation", default="triton", choices=("triton", "pallas_triton"))
+                        help=f"Comma-separated ops to tune (default: all of the problem set): {_OPS_HELP}.")
+    parser.add_argument("--dtype", default="bfloat16", help="Input dtype (default bfloat16).")
+    parser.add_argument("--implementation", default="triton", choices=("triton", "pallas_triton"),
+                        help="The GPU implementation whose configurations are tuned (default triton).")
     parser.add_argument("--target", default=None,
-                        help="GPU target to compile for, e.g. sm_90 (default: the GPU's, else sm_90)")
+                        help="GPU target to compile for, e.g. sm_90 (default: the GPU's, else sm_90).")
     parser.add_argument("--out", type=Path, default=tuning.PACKAGED_CACHE,
-                        help="cache file the winners are merged into (default: the packaged cache)")
+                        help="Cache file the winners are merged into (default: the packaged cache).")
     parser.add_argument("--report", type=Path, default=None,
-                        help="JSON report of every verdict and time (default: beside --out)")
+                        help="JSON report of every verdict and time (default: beside --out).")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="stop starting new problems after this many seconds")
-    parser.add_argument("--iters", type=int, default=10, help="timed samples per candidate")
+                        help="Stop starting new problems after this many seconds.")
+    parser.add_argument("--iters", type=int, default=10, help="Timed samples per candidate.")
     parser.add_argument("--max-candidates", type=int, default=None, metavar="N",
-                        help="try only the first N candidates of each problem")
+                        help="Try only the first N candidates of each problem.")
     parser.add_argument("--merge", type=Path, default=None, metavar="FILE",
-                        help="merge FILE's entries into --out and exit")
+                        help="Merge FILE's entries into --out and exit.")
     return parser.parse_args(argv)
 
 

@@ -562,3 +562,51 @@ def test_gpu_launch_without_jax_triton_says_how_to_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_triton", None)  # makes `import jax_triton` fail
     with pytest.raises(ImportError, match=r"jax_triton.*pallas-kernels\[gpu\].*pallas_triton"):
         runtime.import_jax_triton()
+
+
+def _float32_samples(n: int, seed: int = 0) -> np.ndarray:
+    """``n`` float32 values: random bit patterns (every exponent, subnormals, both signs)
+    and, as many, uniform in [-10, 10] where tanh and gelu change fastest; no NaN or inf."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, n // 2, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    bits = np.where(np.isfinite(bits), bits, np.float32(0.5))
+    return np.concatenate([bits, rng.uniform(-10, 10, n - n // 2).astype(np.float32)])
+
+
+def _ulps(got, want64):
+    """|got - want| in float32 ulps of the float64 value (an ulp of 0 counts as the smallest subnormal's)."""
+    spacing = np.spacing(np.abs(want64).astype(np.float32)).astype(np.float64)
+    return np.abs(got.astype(np.float64) - want64) / spacing
+
+
+def test_tanh_within_two_ulps_over_the_float32_range():
+    """jnp.tanh on our Triton lowering (the epilogue of tanh and gelu activations) is a
+    polynomial below |x| = 1.2 and 1 - 2 / (exp2(2 log2(e) |x|) + 1) above (jit_helpers):
+    within 2 ulps of float64 tanh on 2**20 sampled float32 values, as computed in
+    Triton's interpreter (exact exp2 and division) and with the GPU's approximations'
+    worst errors (ex2.approx.ftz.f32: 2**-22 relative, div.full.f32: 2**-23) applied to
+    the large branch; signed zeros, infinities and NaN as XLA."""
+    x = _float32_samples(2**20).reshape(1024, 1024)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.tanh(x_ref[...])
+
+    got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                                    backend="triton")(x))
+    want = np.tanh(x.astype(np.float64))
+    assert _ulps(got, want).max() <= 2.0
+    # The large branch as the GPU computes it, at the approximations' worst errors.
+    a = np.abs(x[np.abs(x) >= 1.2])
+    with np.errstate(over="ignore"):
+        for e_err in (-(2.0**-22), 2.0**-22):
+            for q_err in (-(2.0**-23), 2.0**-23):
+                e = (np.exp2(a * np.float32(2.885390081777927)) * np.float32(1 + e_err)).astype(np.float32)
+                q = (np.float32(2) / (e + np.float32(1)) * np.float32(1 + q_err)).astype(np.float32)
+                assert _ulps(np.float32(1) - q, np.tanh(a.astype(np.float64))).max() <= 2.0
+    edges = np.array([[0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30, -1e-30, 1.2, -1.2, 9.1, -9.1,
+                       1e-45, -1e-45, 0.6, -0.6, 3e38]], np.float32)
+    got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(edges.shape, jnp.float32),
+                                    backend="triton")(edges))
+    want = np.asarray(jnp.tanh(edges))
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    np.testing.assert_allclose(got, want, rtol=2 * 2.0**-23, atol=0)

@@ -10,14 +10,20 @@ count their global-memory traffic. Per kernel it reports:
   (the pre-Hopper one), ``cp.async`` (pipelined global->shared copies) and
   ``cp.async.bulk.tensor`` (TMA) instruction counts in the PTX;
 * static ``ld.global`` / ``st.global`` instruction counts;
+* SASS instructions (``nvdisasm``, :mod:`pallas_core.triton.sass`): in the
+  whole kernel, and per iteration of each loop (what a thread issues per
+  key/value block of attention, per K step of a matmul), in address order;
 * reads and writes per element (:mod:`benchmarks.traffic`): how many times
   the kernel touches each element it touches; for a memory-bound kernel this
   is its number of passes over HBM (L2 aside).
 
 A kernel fails the gate (:func:`violations`) on a register spill, shared
 memory over the target's limit, a ``tt.dot`` of 16-bit operands that did not
-become ``wgmma``, or a memory-bound kernel reading its input more often than
-its design states (:attr:`GateCase.design_reads`). The shipped GPU
+become ``wgmma`` or any ``mma.sync`` beside such dots on sm_90, a
+memory-bound kernel reading its input more often than its design states
+(:attr:`GateCase.design_reads`), or a committed :class:`Budget` overrun
+(:data:`BUDGETS`: instructions per loop iteration, registers, instructions
+in the kernel, TMA present), each budget with its reason. The shipped GPU
 configurations are the heuristics' and every entry of the packaged tuning
 cache for the target's GPUs (:data:`ops.tuning.targets.TARGET_DEVICE_KINDS`).
 
@@ -43,6 +49,7 @@ import ops
 import ops.tuning as tuning
 import pallas_core as pl
 from benchmarks.traffic import count_traffic
+from pallas_core.triton import sass
 from ops.reduction import _rows
 from ops.reduction.norms import default_block_rows
 from ops.tuning import search
@@ -166,11 +173,12 @@ def _row_call(op, features, dtype, backward):
     return fn, tuple(args), one_program
 
 
-def attention_cases(seq=4096, head_dims=(64, 128), dtype=jnp.bfloat16) -> list[GateCase]:
+def attention_cases(seq=4096, head_dims=(64, 128), dtype=jnp.bfloat16,
+                    causal_modes=(False, True)) -> list[GateCase]:
     """Forward+backward flash attention, causal and not, 16 heads over 4 key/value heads."""
     cases = []
     for h in head_dims:
-        for causal in (False, True):
+        for causal in causal_modes:
             def fn(q, k, v, causal=causal):
                 return _loss(ops.dot_product_attention(q, k, v, is_causal=causal,
                                                        implementation="triton"))
@@ -204,11 +212,99 @@ def all_cases(target: str = "sm_90") -> list[GateCase]:
 
 def quick_cases() -> list[GateCase]:
     """The CI subset (compiles are slow on the CI host): the tensor-core kernel with
-    its epilogue, and the forward pass of a memory-bound op whose rows take
-    several chunks (the two-pass design)."""
+    its epilogue, causal flash attention at head dim 64 (forward with its two
+    key/value loops, dQ, dK/dV: every budget kind but TMA), and the forward pass
+    of a memory-bound op whose rows take several chunks (the two-pass design)."""
     matmul = [c for c in matmul_cases(sizes=(4096,)) if c.name.startswith("fused_matmul/bias+gelu/")
               and c.name.endswith("/fwd")]
-    return matmul + row_cases(features=(32768,), ops_=("softmax",), backward=False)
+    return (matmul + attention_cases(head_dims=(64,), causal_modes=(True,))
+            + row_cases(features=(32768,), ops_=("softmax",), backward=False))
+
+
+# ----------------------------------------------------------------------------
+# Budgets
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What one kernel of one gate case may cost on sm_90, and why.
+
+    Attributes:
+      loops: the most SASS instructions per iteration of each loop, in address
+        order (a kernel with a different number of loops fails: its structure
+        changed and the budget needs a look).
+      registers: the most registers per thread.
+      instructions: the most SASS instructions in the whole kernel.
+      tma: the kernel must move tiles with TMA (``cp.async.bulk.tensor``).
+      reason: where the figures come from.
+    """
+
+    reason: str
+    loops: tuple[int, ...] | None = None
+    registers: int | None = None
+    instructions: int | None = None
+    tma: bool = False
+
+
+def _attention_case(mode: str, h: int) -> str:
+    return f"dot_product_attention/{mode}/1x4096x4096x16x4x{h}/bfloat16/fwd+bwd"
+
+
+# Triton's fused-attention tutorial (06, host tensor descriptors, no warp
+# specialization) compiled for sm_90 at our tiles, warps and stages (bf16,
+# T = S = 4096): SASS per key/value iteration 515 (h64), 340 (h128), causal
+# 516 + 717 (h64) and 338 + 447 (h128); 186 (h64) and 140 (h128) registers.
+_TUTORIAL = "Triton's attention tutorial at the same tiles"
+_FROZEN = "today's figure, a regression guard (no public kernel to compare with at this shape)"
+
+BUDGETS: dict[tuple[str, str], Budget] = {
+    (_attention_case("full", 64), "flash_attention_fwd"): Budget(
+        f"{_TUTORIAL}: 515 per iteration, 186 registers (+16)", loops=(515,), registers=202),
+    (_attention_case("causal", 64), "flash_attention_fwd"): Budget(
+        f"{_TUTORIAL}: 516 + 717 per iteration (off-diagonal, diagonal); registers: "
+        f"{_FROZEN}", loops=(516, 717), registers=229),
+    (_attention_case("full", 128), "flash_attention_fwd"): Budget(
+        f"{_TUTORIAL}: 340 per iteration, 140 registers (+16)", loops=(340,), registers=156),
+    (_attention_case("causal", 128), "flash_attention_fwd"): Budget(
+        f"{_TUTORIAL}: 338 + 447 per iteration; registers: {_FROZEN}", loops=(338, 447),
+        registers=166),
+    (_attention_case("full", 64), "flash_attention_dq"): Budget(_FROZEN, loops=(414,), registers=228),
+    (_attention_case("causal", 64), "flash_attention_dq"): Budget(
+        _FROZEN, loops=(425, 638), registers=248),
+    (_attention_case("full", 128), "flash_attention_dq"): Budget(_FROZEN, loops=(272,), registers=156),
+    (_attention_case("causal", 128), "flash_attention_dq"): Budget(
+        _FROZEN, loops=(272, 420), registers=166),
+    # dK/dV with transposed tiles (every GEMM on wgmma): before, 262 / 316 + 263 (h64) and
+    # 350 / 417 + 351 (h128) instructions per iteration with half the GEMMs on mma.sync.
+    # One iteration (32 queries x 128 keys, 8 warps) is four GEMMs of 2 * 32 * 128 * H FLOPs:
+    # 2.1 MFLOP at h64, 4.2 MFLOP at h128 (8192 / 16384 per thread).
+    (_attention_case("full", 64), "flash_attention_dkdv"): Budget(_FROZEN, loops=(255,), registers=152),
+    (_attention_case("causal", 64), "flash_attention_dkdv"): Budget(
+        _FROZEN, loops=(312, 259), registers=166),
+    (_attention_case("full", 128), "flash_attention_dkdv"): Budget(
+        _FROZEN, loops=(299,), registers=212),
+    (_attention_case("causal", 128), "flash_attention_dkdv"): Budget(
+        _FROZEN, loops=(357, 311), registers=241),
+    # 03-style matmul at our 128 x 128 x 64 tile with a libdevice tanh gelu: 2848 SASS
+    # instructions; the bias+gelu kernel may take 1.25x that (the epilogue's tanh is
+    # ours: pallas_core.triton.jit_helpers, within 2 ulps). The K loop: today's figure.
+    ("fused_matmul/bias+gelu/4096x4096x4096/bfloat16/fwd", "fused_matmul_bias_gelu"): Budget(
+        "1.25x Triton's matmul tutorial with libdevice's gelu (2848 instructions); K loop: "
+        + _FROZEN, loops=(83,), instructions=3560),
+    ("fused_matmul/bias+gelu/8192x8192x8192/bfloat16/fwd", "fused_matmul_bias_gelu"): Budget(
+        "1.25x Triton's matmul tutorial with libdevice's gelu (2848 instructions); K loop: "
+        + _FROZEN, loops=(83,), instructions=3560),
+}
+
+
+def budget_fields(case: str, kernel: str) -> dict:
+    """The row fields of the budget of ``kernel`` in ``case`` (all None without one)."""
+    b = BUDGETS.get((case, kernel))
+    return dict(budget_loops=None if b is None or b.loops is None else list(b.loops),
+                budget_registers=None if b is None else b.registers,
+                budget_instructions=None if b is None else b.instructions,
+                budget_tma=None if b is None else b.tma,
+                budget_reason=None if b is None else b.reason)
 
 
 # ----------------------------------------------------------------------------
@@ -250,7 +346,7 @@ def analyze(case: GateCase, target: str = "sm_90") -> list[dict]:
     for r in reports:
         counted = traffic.get(r["name"])
         rows.append(dict(
-            case=case.name, **kernel_row(r),
+            case=case.name, **kernel_row(r), **budget_fields(case.name, r["name"]),
             reads_per_element=None if counted is None else counted.reads_per_element,
             writes_per_element=None if counted is None else counted.writes_per_element,
             design_reads=case.design_reads.get(r["name"])))
@@ -261,11 +357,14 @@ def kernel_row(report: Mapping) -> dict:
     """The gate's figures of one :func:`pallas_core.triton.compile` report (no traffic):
     what :func:`violations` checks, for tests that compile kernels of their own."""
     ttir = report["asm"]["ttir"]
+    text = sass.disassemble(report["asm"]["cubin"])
     return dict(kernel=report["name"], target=report["target"], num_warps=report["num_warps"],
                 num_stages=report["num_stages"], registers=report["registers"],
                 spill_bytes=report["spill_bytes"], shared_memory_bytes=report["shared_memory_bytes"],
                 has_dot="tt.dot" in ttir, sixteen_bit=bool(_SIXTEEN_BIT_DOT.search(ttir)),
-                **ptx_counts(report["asm"]["ptx"]))
+                **ptx_counts(report["asm"]["ptx"]),
+                sass_instructions=len(sass.instructions(text)[0]),
+                loop_instructions=[loop.size for loop in sass.loops(text)])
 
 
 def violations(row: Mapping, target: str = "sm_90") -> list[str]:
@@ -275,11 +374,33 @@ def violations(row: Mapping, target: str = "sm_90") -> list[str]:
         found.append(f"spills {row['spill_bytes']} bytes ({row['registers']} registers)")
     if row["shared_memory_bytes"] > smem_limit(target):
         found.append(f"{row['shared_memory_bytes']} bytes of shared memory > {smem_limit(target)}")
-    if row["has_dot"] and row["sixteen_bit"] and not row["wgmma"] and int(target[3:]) >= 90:
+    hopper = int(target[3:]) >= 90
+    if row["has_dot"] and row["sixteen_bit"] and not row["wgmma"] and hopper:
         found.append("a 16-bit dot that is not wgmma.mma_async")
+    if row["has_dot"] and row["sixteen_bit"] and row.get("mma_sync") and hopper:
+        found.append(f"{row['mma_sync']} mma.sync beside 16-bit dots (all of them belong on wgmma)")
+    found += _budget_overruns(row)
     design, reads = row.get("design_reads"), row.get("reads_per_element")
     if design is not None and (reads is None or reads > design + 1e-9):
         found.append(f"reads each input element {reads} times, designed {design}")
+    return found
+
+
+def _budget_overruns(row: Mapping) -> list[str]:
+    found = []
+    loops, budget = row.get("loop_instructions"), row.get("budget_loops")
+    if budget is not None:
+        if loops is None or len(loops) != len(budget):
+            found.append(f"{0 if loops is None else len(loops)} loop(s), budgeted {len(budget)}")
+        else:
+            found += [f"loop {n}: {got} instructions per iteration > {most}"
+                      for n, (got, most) in enumerate(zip(loops, budget)) if got > most]
+    for key, what in (("registers", "registers"), ("sass_instructions", "instructions")):
+        most = row.get("budget_" + ("registers" if key == "registers" else "instructions"))
+        if most is not None and (row.get(key) is None or row[key] > most):
+            found.append(f"{row.get(key)} {what} > {most}")
+    if row.get("budget_tma") and not row.get("tma"):
+        found.append("no TMA (cp.async.bulk.tensor), budgeted")
     return found
 
 
@@ -287,9 +408,9 @@ def violations(row: Mapping, target: str = "sm_90") -> list[str]:
 # Writers and CLI
 # ----------------------------------------------------------------------------
 
-COLUMNS = ("case", "kernel", "warps", "stages", "regs", "spill B", "smem KiB", "wgmma", "mma.sync",
-           "cp.async", "TMA", "ld.global", "st.global", "reads/elem", "design", "writes/elem",
-           "verdict")
+COLUMNS = ("case", "kernel", "warps", "stages", "regs (budget)", "spill B", "smem KiB", "wgmma",
+           "mma.sync", "cp.async", "TMA", "ld.global", "st.global", "SASS", "SASS/loop iteration (budget)",
+           "reads/elem", "design", "writes/elem", "verdict")
 
 
 def _fmt(value) -> str:
@@ -302,10 +423,17 @@ def _fmt(value) -> str:
 
 def format_row(row: Mapping) -> list[str]:
     bad = row.get("violations", [])
+    regs = _fmt(row["registers"])
+    if row.get("budget_registers") is not None:
+        regs += f" ({row['budget_registers']})"
+    loops = " + ".join(str(n) for n in row.get("loop_instructions") or []) or "-"
+    if row.get("budget_loops") is not None:
+        loops += " (" + " + ".join(str(n) for n in row["budget_loops"]) + ")"
     return [row["case"], row["kernel"], _fmt(row["num_warps"]), _fmt(row["num_stages"]),
-            _fmt(row["registers"]), _fmt(row["spill_bytes"]),
+            regs, _fmt(row["spill_bytes"]),
             f"{row['shared_memory_bytes'] / 1024:.1f}", _fmt(row["wgmma"]), _fmt(row["mma_sync"]),
             _fmt(row["cp_async"]), _fmt(row["tma"]), _fmt(row["ld_global"]), _fmt(row["st_global"]),
+            _fmt(row.get("sass_instructions")), loops,
             _fmt(row["reads_per_element"]), _fmt(row["design_reads"]),
             _fmt(row["writes_per_element"]), "FAIL: " + "; ".join(bad) if bad else "ok"]
 
@@ -315,7 +443,10 @@ def write_markdown(path: Path, meta: Mapping, rows: Sequence[Mapping]) -> None:
              f"- Commit: {meta['commit'] or 'unknown'}; date {meta['date']}; host without a GPU "
              "(Triton's ptxas; nothing timed).",
              f"- Shared-memory limit per block: {smem_limit(meta['target']) // 1024} KiB.",
-             "- Instruction counts are static (a loop body counts once). reads/elem and "
+             "- PTX instruction counts are static (a loop body counts once). SASS: instructions "
+             "in the kernel and per iteration of each loop, per thread (nvdisasm), with the "
+             "committed budget in parentheses; the budgets' reasons are in the JSON and in "
+             "benchmarks/static.py (BUDGETS). reads/elem and "
              "writes/elem: elements accessed over distinct elements accessed, counted in "
              "Triton's interpreter on one program's rows: the passes over HBM of a memory-bound "
              "kernel; `design` is what the op's design states (the gate fails above it).",

@@ -141,3 +141,27 @@ def _first_non_elementwise(jaxpr) -> str | None:
         if any(s not in ((), _PROBE_SHAPE) for s in shapes):
             return f"its {prim!r} works on shapes {shapes}, not element by element"
     return None
+
+
+def check_where(where, x, op: str) -> None:
+    """``where`` (the jnp / jax.nn reductions' mask): a boolean array broadcastable to x.
+
+    Raises:
+      TypeError: not a boolean array.
+      ValueError: a shape that does not broadcast to x's.
+    """
+    if not hasattr(where, "dtype") or np.dtype(where.dtype) != np.bool_:
+        raise TypeError(f"{op}: where must be a boolean array, got "
+                        f"{getattr(where, 'dtype', type(where).__name__)}.")
+    check_broadcasts_to(where, "where", x, op)
+
+
+def check_broadcasts_to(a, name: str, x, op: str) -> None:
+    """Raises ValueError naming ``name`` unless ``a``'s shape broadcasts to x's."""
+    try:
+        shape = np.broadcast_shapes(np.shape(a), tuple(x.shape))
+    except ValueError:
+        shape = None
+    if shape != tuple(x.shape):
+        raise ValueError(f"{op}: {name} of shape {tuple(np.shape(a))} does not broadcast to "
+                         f"x's shape {tuple(x.shape)}.")

@@ -6,15 +6,18 @@ multi-chunk rows forced by the ``max_chunk=`` test hook; lowering for TPU and
 CUDA from this CPU host. Interpreter compiles dominate the run time, so the
 tests share a few shapes.
 """
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from hypothesis import given, settings, strategies as st
 
 from ops.reduction import reduce as red
 from ops.reduction._rows import online_logsumexp_update
 from ops.reduction.softmax import log_softmax, logsumexp, softmax
+from tests.op_test_case import OpTestCase
 from tests.tolerances import BACKWARD, FORWARD, assert_close
 
 FAMILY = {"softmax": softmax, "log_softmax": log_softmax, "logsumexp": logsumexp}
@@ -271,3 +274,79 @@ def test_reduce_lowers(impl, kind, shape, axis):
     # mean the forward kernel is dead under grad and JAX drops it.
     assert lowered(jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32))), impl, shape,
                    jnp.bfloat16) == (1 if kind == "max" else 0)
+
+
+# ---- drop-ins for jnp / jax.nn: their extra arguments, with and without jit ---------
+
+RNG = np.random.default_rng(7)
+XD = jnp.asarray(3 * RNG.standard_normal((3, 5, 300)), jnp.float32)
+WHERE = jnp.asarray(RNG.random((3, 5, 300)) > 0.3).at[0, 0].set(False)  # one empty row
+B = jnp.asarray(RNG.standard_normal((5, 300)), jnp.float32)
+BF16 = XD.astype(jnp.bfloat16)
+
+
+def interpret(fn, **kw):
+    return lambda x: fn(x, **kw, implementation="interpret")
+
+
+def reference(fn, **kw):
+    return lambda x: fn(x, **kw)
+
+
+DROP_IN_CASES = [  # name, ours, theirs, keyword arguments, input
+    ("sum_where_initial_keepdims", red.sum, jnp.sum,
+     dict(axis=(0, 2), where=WHERE, initial=2.0, keepdims=True), XD),
+    ("sum_dtype", red.sum, jnp.sum, dict(axis=-1, dtype=jnp.float32), BF16),
+    ("mean_where_keepdims", red.mean, jnp.mean, dict(axis=1, where=WHERE, keepdims=True), XD),
+    ("mean_dtype", red.mean, jnp.mean, dict(axis=None, dtype=jnp.float32), BF16),
+    ("max_where_initial_keepdims", red.max, jnp.max,
+     dict(axis=-1, where=WHERE, initial=-1.0, keepdims=True), XD),
+    ("softmax_where", softmax, jax.nn.softmax, dict(axis=-1, where=WHERE), XD),
+    ("log_softmax_where", log_softmax, jax.nn.log_softmax, dict(axis=(0, 2), where=WHERE), XD),
+    ("logsumexp_where_keepdims_sign", logsumexp, jax.nn.logsumexp,
+     dict(axis=-1, where=WHERE, keepdims=True, return_sign=True), XD),
+    ("logsumexp_b_sign", logsumexp, jax.nn.logsumexp, dict(axis=-1, b=B, return_sign=True), XD),
+]
+
+
+class DropInTest(OpTestCase):
+    """Each extra argument of the jnp / jax.nn namesake, on the interpreter, against it."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*DROP_IN_CASES)
+    def test_matches_namesake(self, ours, theirs, kwargs, x):
+        upcast = {"dtype"} & set(kwargs) or x.dtype == jnp.float32
+        self.check_op(interpret(ours, **kwargs), reference(theirs, **kwargs), x,
+                      rtol=1e-5 if upcast else 1e-2, atol=1e-5)
+
+
+def test_max_of_nothing_names_the_argument():
+    """jnp.max's rule, with a message that says which argument is empty."""
+    with pytest.raises(ValueError, match=r"max: x of shape \(0, 3\) has no elements along "
+                                         r"axis=None.*initial"):
+        red.max(jnp.zeros((0, 3)), implementation="interpret")
+    with pytest.raises(ValueError, match=r"axis=1"):
+        red.max(jnp.zeros((4, 0)), axis=1)
+    assert red.max(jnp.zeros((4, 0)), axis=0).shape == (0,)  # nothing reduced to nothing
+    np.testing.assert_array_equal(red.max(jnp.zeros((4, 0)), axis=1, initial=0.5,
+                                          implementation="interpret"), np.full(4, 0.5))
+    np.testing.assert_array_equal(red.sum(jnp.zeros((0, 3)), implementation="interpret"), 0.0)
+    assert np.isnan(red.mean(jnp.zeros((0, 3)), implementation="interpret"))
+
+
+@pytest.mark.parametrize("call, error, pattern", [
+    (lambda: red.sum(X, out=X), ValueError, r"sum: out must be None"),
+    (lambda: red.mean(X, dtype=jnp.int32), TypeError, r"mean: dtype must be float32, bfloat16"),
+    (lambda: red.sum(X, keepdims=1), TypeError, r"sum: keepdims must be a bool"),
+    (lambda: red.sum(X, initial=jnp.ones(2)), ValueError, r"sum: initial must be a scalar"),
+    (lambda: red.max(X, where=X > 0), ValueError, r"max: where needs initial"),
+    (lambda: red.sum(X, where=X), TypeError, r"sum: where must be a boolean array"),
+    (lambda: softmax(X, where=jnp.ones((3,), bool)), ValueError,
+     r"softmax: where of shape \(3,\) does not broadcast to x's shape \(4, 8\)"),
+    (lambda: logsumexp(X, b=[1.0]), TypeError, r"logsumexp: b must be a JAX or NumPy array"),
+    (lambda: logsumexp(X, b=jnp.ones((2, 8))), ValueError, r"does not broadcast"),
+    (lambda: logsumexp(X, return_sign=None), TypeError, r"return_sign must be a bool"),
+])
+def test_bad_drop_in_arguments(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()

@@ -47,6 +47,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 import pallas_core as pl
+from ops._checks import check_where
 from ops._partitioning import (ROW, STAT, explicit_sharding, reduced_axes, reshape, run,
                                with_sharding)
 from ops.reduction._rows import (RowLayout, check_axis_op, for_each_chunk, load_chunk,
@@ -59,7 +60,8 @@ KINDS = ("sum", "mean", "max")
 # (array-per-warpgroup programming model).
 
 
-def sum(x, axis=None, *, implementation: str | None = None,  # noqa: A001 - mirrors jnp.sum
+def sum(x, axis=None, dtype=None, out=None, keepdims=False, initial=None,  # noqa: A001
+        where=None, *, implementation: str | None = None,
         max_chunk: int | None = None) -> jax.Array:
     """The sum of x's elements over ``axis``, as ``jnp.sum``, accumulated in float32.
 
@@ -68,6 +70,14 @@ def sum(x, axis=None, *, implementation: str | None = None,  # noqa: A001 - mirr
       axis: None (every axis), an int, or a tuple of ints; negative counts
         from the end. The reduced axes are moved last (a transpose, one copy
         of x, unless they already are the trailing axes).
+      dtype: the result's dtype (float32, bfloat16 or float16); None: x's. The
+        sum is accumulated in float32 whatever it is and rounded once.
+      out: must be None (JAX arrays are immutable), as in ``jnp.sum``.
+      keepdims: keep the reduced axes with size 1.
+      initial: a scalar added to every sum (``jnp.sum``'s ``initial``).
+      where: optional boolean array broadcastable to x's shape: only the elements
+        where it is True are summed (x is masked in one elementwise pass before
+        the kernel).
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
         "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
@@ -76,42 +86,110 @@ def sum(x, axis=None, *, implementation: str | None = None,  # noqa: A001 - mirr
         :func:`~ops.reduction._rows.row_layout`). None: the dtype's default.
 
     Returns:
-      x's dtype, x's shape without ``axis``.
+      ``dtype`` (default x's), x's shape without ``axis`` (with it as 1s if ``keepdims``).
 
     Raises:
-      TypeError: a non-array, an integer (or other non-float) dtype, a
-        non-int axis.
+      TypeError: a non-array, an integer (or other non-float) x or dtype, a
+        non-int axis, a non-boolean where.
       ValueError: an axis out of range or repeated (the message names
-        ``axis``), an unknown implementation, a bad max_chunk.
+        ``axis``), ``out`` given, a where that does not broadcast, an unknown
+        implementation, a bad max_chunk.
 
     Differentiable (``jax.custom_vjp``); jit- and vmap-compatible.
     """
-    return _reduce(x, axis, "sum", implementation, max_chunk)
+    return _reduce(x, axis, "sum", implementation, max_chunk, dtype=dtype, out=out,
+                   keepdims=keepdims, initial=initial, where=where)
 
 
-def mean(x, axis=None, *, implementation: str | None = None,
-         max_chunk: int | None = None) -> jax.Array:
+def mean(x, axis=None, dtype=None, out=None, keepdims=False, *, where=None,
+         implementation: str | None = None, max_chunk: int | None = None) -> jax.Array:
     """The mean over ``axis``, as ``jnp.mean``: the float32 sum divided by the
-    number of reduced elements. Arguments, result and errors as :func:`sum`;
-    an empty reduction gives NaN, as jnp's."""
-    return _reduce(x, axis, "mean", implementation, max_chunk)
+    number of reduced elements (with ``where``, of the selected ones). Arguments,
+    result and errors as :func:`sum`; an empty reduction gives NaN, as jnp's."""
+    return _reduce(x, axis, "mean", implementation, max_chunk, dtype=dtype, out=out,
+                   keepdims=keepdims, where=where)
 
 
-def max(x, axis=None, *, implementation: str | None = None,  # noqa: A001 - mirrors jnp.max
-        max_chunk: int | None = None) -> jax.Array:
+def max(x, axis=None, out=None, keepdims=False, initial=None, where=None,  # noqa: A001
+        *, implementation: str | None = None, max_chunk: int | None = None) -> jax.Array:
     """The maximum over ``axis``, as ``jnp.max``. Arguments, result and errors
-    as :func:`sum`; reducing an empty axis raises ValueError, as jnp's. The
-    gradient is ``jnp.max``'s: split equally among tied maxima."""
-    return _reduce(x, axis, "max", implementation, max_chunk)
+    as :func:`sum` (no ``dtype``, as ``jnp.max``); ``initial`` is a lower bound
+    on every maximum. The gradient is ``jnp.max``'s: split equally among tied
+    maxima (none reaches x where ``initial`` wins).
+
+    Raises:
+      ValueError: as :func:`sum`; also a reduction over zero elements without
+        ``initial`` (naming ``x`` and ``axis``), and ``where`` without
+        ``initial``, as ``jnp.max``.
+    """
+    return _reduce(x, axis, "max", implementation, max_chunk, out=out, keepdims=keepdims,
+                   initial=initial, where=where)
 
 
-def _reduce(x, axis, kind, implementation, max_chunk):
+def _reduce(x, axis, kind, implementation, max_chunk, *, dtype=None, out=None,
+            keepdims=False, initial=None, where=None):
     axes, impl = check_axis_op(x, axis, kind, implementation, max_chunk)
+    out_dtype = _check_extras(x, axes, axis, kind, dtype, out, keepdims, initial, where)
+    if where is not None:
+        where = jnp.broadcast_to(jnp.asarray(where), x.shape)
+        fill = -np.inf if kind == "max" else 0.0
+        x = jnp.where(where, x, jnp.asarray(fill, x.dtype))
+    core = "sum" if kind == "mean" and where is not None else kind
+    # The reduction itself, in float32 when more arithmetic follows, else in out_dtype.
+    exact = kind == "mean" and where is not None or initial is not None
+    result = _reduce_core(x, axes, core, impl, max_chunk,
+                          jnp.dtype(jnp.float32) if exact else out_dtype)
+    if core != kind:  # mean over the selected elements only
+        count = jnp.sum(where, axis=axes, dtype=jnp.float32)
+        result = result / count
+    if initial is not None:
+        init = jnp.asarray(initial, jnp.float32)
+        result = jnp.maximum(result, init) if kind == "max" else result + init
+    result = result.astype(out_dtype)
+    return jnp.expand_dims(result, axes) if keepdims else result
+
+
+def _check_extras(x, axes, axis, kind, dtype, out, keepdims, initial, where):
+    """The jnp arguments beyond ``axis``; returns the result dtype."""
+    if out is not None:
+        raise ValueError(f"{kind}: out must be None (JAX arrays are immutable), got "
+                         f"{type(out).__name__}.")
+    if not isinstance(keepdims, (bool, np.bool_)):
+        raise TypeError(f"{kind}: keepdims must be a bool, got {type(keepdims).__name__}.")
+    out_dtype = np.dtype(x.dtype) if dtype is None else _float_dtype(dtype, kind)
+    if initial is not None and np.ndim(initial) != 0:
+        raise ValueError(f"{kind}: initial must be a scalar, got shape {np.shape(initial)}.")
+    if where is not None:
+        check_where(where, x, kind)
+        if kind == "max" and initial is None:
+            raise ValueError("max: where needs initial (a lower bound for rows where nothing "
+                             "is selected), as jnp.max.")
+    if kind == "max" and initial is None and _count(tuple(x.shape), axes) == 0:
+        raise ValueError(f"max: x of shape {tuple(x.shape)} has no elements along axis={axis!r}; "
+                         "the maximum of zero elements is undefined: pass initial=, as jnp.max "
+                         "needs.")
+    return out_dtype
+
+
+def _float_dtype(dtype, kind):
+    try:
+        d = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(f"{kind}: dtype must be a float dtype, got {dtype!r}.") from None
+    if d not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        raise TypeError(f"{kind}: dtype must be float32, bfloat16 or float16 (the sum is "
+                        f"accumulated in float32), got {d.name}; use jnp.{kind} for others.")
+    return d
+
+
+def _reduce_core(x, axes, kind, impl, max_chunk, out_dtype):
+    """sum / mean / max over ``axes`` accumulated in float32, rounded to ``out_dtype``."""
     if impl == "xla" or x.size == 0:
-        # Empty arrays: nothing to compute; XLA gives jnp's answer (or error).
-        return reference(x, axes, kind)
+        # Empty arrays: nothing to compute; XLA gives jnp's answer.
+        return _reference_f32(x, axes, kind).astype(out_dtype)
     config = _Config(kind=kind, axes=axes, shape=tuple(x.shape), backend=impl,
-                     max_chunk=max_chunk, x_sharding=explicit_sharding(x))
+                     max_chunk=max_chunk, x_sharding=explicit_sharding(x),
+                     out_dtype=np.dtype(out_dtype), x_dtype=np.dtype(x.dtype))
     return _reduce_vjp(jnp.asarray(x), config)
 
 
@@ -121,8 +199,14 @@ def _reduce(x, axis, kind, implementation, max_chunk):
 
 def reference(x, axis=None, kind: str = "sum"):
     """``jnp.sum`` / ``jnp.mean`` / ``jnp.max`` over ``axis`` in float32, x's dtype out."""
-    fn = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}[kind]
-    return fn(jnp.asarray(x).astype(jnp.float32), axis=axis).astype(x.dtype)
+    return _reference_f32(x, axis, kind).astype(x.dtype)
+
+
+def _reference_f32(x, axis, kind):
+    x32 = jnp.asarray(x).astype(jnp.float32)
+    if kind == "max":  # empty reductions are rejected (or given initial) before this
+        return jnp.max(x32, axis=axis, initial=-jnp.inf)
+    return {"sum": jnp.sum, "mean": jnp.mean}[kind](x32, axis=axis)
 
 
 # --------------------------------------------------------------------------
@@ -138,6 +222,8 @@ class _Config:
     max_chunk: int | None = None
     # x's explicit sharding, if any: the XLA backward's dx must have x's type.
     x_sharding: NamedSharding | None = None
+    out_dtype: np.dtype | None = None  # None: x's dtype
+    x_dtype: np.dtype | None = None  # dx's dtype (None: the result's)
 
     @property
     def combine(self) -> str:
@@ -209,7 +295,7 @@ def _forward(x, config: _Config):
         total = jnp.sum(partials, axis=1)
     if config.kind == "mean":
         total = total / np.float32(features)
-    return reshape(total.astype(x.dtype), view.kept_shape)
+    return reshape(total.astype(config.out_dtype or x.dtype), view.kept_shape)
 
 
 # --------------------------------------------------------------------------
@@ -237,7 +323,7 @@ def _reduce_bwd(config, residuals, g):
     else:
         if config.kind == "mean":
             g32 = g32 / np.float32(_count(shape, axes))
-        dx = jnp.broadcast_to(g32, shape).astype(g.dtype)
+        dx = jnp.broadcast_to(g32, shape).astype(config.x_dtype or g.dtype)
     return (with_sharding(dx, config.x_sharding),)
 
 

@@ -38,8 +38,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 import pallas_core as pl
+from ops._checks import check_array, check_broadcasts_to, check_where
 from ops._partitioning import PER_ROW, ROW, STAT, reshape, rowwise
 from ops.reduction._rows import (RowLayout, check_axis_op, chunk_slice, for_each_chunk, load_chunk,
                                  logsumexp_shift, online_logsumexp_update,
@@ -52,7 +55,7 @@ MODES = ("softmax", "log_softmax", "logsumexp")
 # (array-per-warpgroup programming model).
 
 
-def softmax(x, axis=-1, *, implementation: str | None = None,
+def softmax(x, axis=-1, where=None, *, implementation: str | None = None,
             max_chunk: int | None = None) -> jax.Array:
     """``exp(x) / sum(exp(x), axis)``, computed stably, as ``jax.nn.softmax``.
 
@@ -61,6 +64,9 @@ def softmax(x, axis=-1, *, implementation: str | None = None,
       axis: the normalized axis: an int, a tuple of ints (normalized jointly)
         or None (every axis); negative counts from the end. Axes other than
         the trailing ones are moved last by a transpose (a copy each way).
+      where: optional boolean array broadcastable to x: only those elements take
+        part, and the others' output is 0, as ``jax.nn.softmax``'s ``where``
+        (x is masked with ``-inf`` in one elementwise pass before the kernel).
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
         "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
@@ -74,42 +80,93 @@ def softmax(x, axis=-1, *, implementation: str | None = None,
       over chunks, so rows of any width work).
 
     Raises:
-      TypeError: a non-array, an integer dtype, a non-int axis.
-      ValueError: an axis out of range or repeated, an unknown implementation,
-        a bad max_chunk.
+      TypeError: a non-array, an integer dtype, a non-int axis, a non-boolean where.
+      ValueError: an axis out of range or repeated, a where that does not
+        broadcast, an unknown implementation, a bad max_chunk.
 
     Differentiable (``jax.custom_vjp`` with a Pallas backward kernel); jit-
     and vmap-compatible. A row of all ``-inf`` gives NaN, as in JAX.
     """
-    return _softmax_family(x, axis, "softmax", implementation, max_chunk)
+    return _masked_family(x, axis, where, "softmax", implementation, max_chunk, fill=0.0)
 
 
-def log_softmax(x, axis=-1, *, implementation: str | None = None,
+def log_softmax(x, axis=-1, where=None, *, implementation: str | None = None,
                 max_chunk: int | None = None) -> jax.Array:
     """``x - logsumexp(x, axis)``, as ``jax.nn.log_softmax``.
 
-    Arguments, result and errors as :func:`softmax`. Computed as
-    ``(x - max) - log(sum(exp(x - max)))`` in float32, so it is exact to
-    float32 rounding even for logits of magnitude 1e4.
+    Arguments, result and errors as :func:`softmax`; elements outside ``where``
+    give ``-inf``, as jax.nn's. Computed as ``(x - max) - log(sum(exp(x - max)))``
+    in float32, so it is exact to float32 rounding even for logits of magnitude 1e4.
     """
-    return _softmax_family(x, axis, "log_softmax", implementation, max_chunk)
+    return _masked_family(x, axis, where, "log_softmax", implementation, max_chunk,
+                          fill=-jnp.inf)
 
 
-def logsumexp(x, axis=-1, *, implementation: str | None = None,
-              max_chunk: int | None = None) -> jax.Array:
-    """``log(sum(exp(x), axis))``, computed stably, as ``jax.nn.logsumexp``.
+def logsumexp(x, axis=-1, b=None, keepdims=False, return_sign=False, where=None, *,
+              implementation: str | None = None, max_chunk: int | None = None):
+    """``log(sum(b * exp(x), axis))``, computed stably, as ``jax.nn.logsumexp``.
 
-    Arguments and errors as :func:`softmax`.
+    Arguments and errors as :func:`softmax`, and:
+
+      axis: default -1, like :func:`softmax` (``jax.nn.logsumexp``'s is None:
+        pass ``axis=None`` to reduce every axis).
+      b: optional weights broadcastable to x (``jax.nn.logsumexp``'s ``b``,
+        negative ones included). Computed by the XLA reference
+        (``jax.nn.logsumexp`` in float32), not the kernel; the result has
+        ``jnp.result_type(x, b)``.
+      keepdims: keep the reduced axes with size 1.
+      return_sign: also return the sign of the sum (1, or 0 for an empty sum;
+        with ``b``, -1 where the weighted sum is negative, whose logsumexp is
+        then that of its magnitude). Without it a negative weighted sum gives NaN.
+      where: optional boolean array broadcastable to x: only those elements
+        are summed (a row with none gives ``-inf``).
 
     Returns:
-      x's dtype, x's shape without ``axis``. A row of all ``-inf`` gives
-      ``-inf``; a row holding ``+inf`` gives ``+inf`` (as JAX).
+      x's dtype, x's shape without ``axis`` (kept as 1s with ``keepdims``); with
+      ``return_sign``, the pair ``(logsumexp, sign)``. A row of all ``-inf``
+      gives ``-inf``; a row holding ``+inf`` gives ``+inf`` (as JAX).
+
+    Raises:
+      TypeError / ValueError: as :func:`softmax`; b not a float array or not
+        broadcastable to x; keepdims or return_sign not a bool.
     """
-    return _softmax_family(x, axis, "logsumexp", implementation, max_chunk)
+    axes, impl = check_axis_op(x, axis, "logsumexp", implementation, max_chunk)
+    for name, flag in (("keepdims", keepdims), ("return_sign", return_sign)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"logsumexp: {name} must be a bool, got {type(flag).__name__}.")
+    if where is not None:
+        check_where(where, x, "logsumexp")
+    if b is not None:
+        check_array(b, "b", "logsumexp")
+        if not jnp.issubdtype(b.dtype, jnp.floating) and not jnp.issubdtype(b.dtype, jnp.integer):
+            raise TypeError(f"logsumexp: b must be a real array, got {np.dtype(b.dtype).name}.")
+        check_broadcasts_to(b, "b", x, "logsumexp")
+        dtype = jnp.result_type(x.dtype, b.dtype)
+        return jax.tree.map(lambda v: v.astype(dtype), jax.nn.logsumexp(
+            jnp.asarray(x, jnp.float32), axis=axes, b=jnp.asarray(b, jnp.float32),
+            keepdims=keepdims, return_sign=return_sign, where=where))
+    masked = x if where is None else jnp.where(where, x, jnp.asarray(-jnp.inf, x.dtype))
+    out = _softmax_family(masked, axes, "logsumexp", impl, max_chunk)
+    if keepdims:
+        out = jnp.expand_dims(out, axes)
+    if not return_sign:
+        return out
+    sign = jnp.where(jnp.isnan(out), jnp.nan, jnp.where(out == -jnp.inf, 0.0, 1.0))
+    return out, lax.stop_gradient(sign.astype(out.dtype))
 
 
-def _softmax_family(x, axis, mode, implementation, max_chunk):
+def _masked_family(x, axis, where, mode, implementation, max_chunk, fill):
+    """softmax / log_softmax of x restricted to ``where`` (``fill`` outside it)."""
     axes, impl = check_axis_op(x, axis, mode, implementation, max_chunk)
+    if where is None:
+        return _softmax_family(x, axes, mode, impl, max_chunk)
+    check_where(where, x, mode)
+    y = _softmax_family(jnp.where(where, x, jnp.asarray(-jnp.inf, x.dtype)), axes, mode, impl,
+                        max_chunk)
+    return jnp.where(where, y, jnp.asarray(fill, y.dtype))
+
+
+def _softmax_family(x, axes, mode, impl, max_chunk):
     if impl == "xla" or x.size == 0:
         # Nothing to compute for an empty array: XLA's answer (and gradient) is exact.
         return REFERENCES[mode](x, axes)
@@ -118,8 +175,6 @@ def _softmax_family(x, axis, mode, implementation, max_chunk):
     if mode == "logsumexp":
         return reshape(out2, view.kept_shape)
     return view.restore(out2)
-
-
 
 
 # --------------------------------------------------------------------------

@@ -104,3 +104,15 @@ def test_softmax_activation_no_longer_gives_wrong_numbers():
     with pytest.raises(ValueError, match="'softmax' is not elementwise"):
         ops.fused_matmul(x, w, activation=jax.nn.softmax, implementation="interpret",
                          block_sizes=(8, 16, 16))
+
+
+@pytest.mark.parametrize("impl", ["interpret", "triton"])
+@pytest.mark.parametrize("N,D", [(0, 8), (3, 0)])
+def test_linear_cross_entropy_with_empty_operands(impl, N, D):
+    x, w, labels = normal(N, D), normal(D, 16), jnp.arange(N, dtype=jnp.int32)
+    loss = lambda impl, x, w: ops.linear_cross_entropy(x, w, labels, implementation=impl).sum()
+    chex.assert_trees_all_close(jax.value_and_grad(loss, (1, 2))(impl, x, w),
+                                jax.value_and_grad(loss, (1, 2))("xla", x, w), rtol=1e-6)
+    if N:  # every logit is 0: the loss is log V
+        np.testing.assert_allclose(ops.linear_cross_entropy(x, w, labels, implementation=impl),
+                                   np.full(N, np.log(16.0)), rtol=1e-6)

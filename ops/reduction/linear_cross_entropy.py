@@ -131,7 +131,8 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
     if vocab_chunk is not None and (not isinstance(vocab_chunk, (int, np.integer))
                                     or isinstance(vocab_chunk, bool) or vocab_chunk <= 0):
         raise ValueError(f"{_OP}: vocab_chunk must be a positive int, got {vocab_chunk!r}.")
-    if impl == "xla":
+    if impl == "xla" or x.size == 0:
+        # No rows, or a hidden dim of 0 (all logits 0: the loss is log V): XLA's answer.
         return reference(x, w, labels)
     lead = x.shape[:-1]
     x2 = reshape(x, (-1, x.shape[-1]))

@@ -76,6 +76,10 @@ class GateCase:
         kernel not listed is not checked for traffic.
       device_kind: the device kind lookups see while compiling (a shipped
         tuned config's), or None for the heuristics.
+      step_elements: for memory-bound cases, the input elements one program
+        handles per loop step (rows per program x chunk width; a whole row
+        block when there is no loop): instructions per element divide by it.
+      itemsize: bytes per element of the input, for bytes moved per element.
     """
 
     name: str
@@ -84,6 +88,8 @@ class GateCase:
     traffic_args: Callable[[], tuple] | None = None
     design_reads: Mapping[str, float] = dataclasses.field(default_factory=dict)
     device_kind: str | None = None
+    step_elements: int | None = None
+    itemsize: int | None = None
 
 
 def _sds(shape, dtype=jnp.bfloat16):
@@ -149,20 +155,22 @@ def row_cases(features=ROW_FEATURES, dtype=jnp.bfloat16, ops_=("layer_norm", "rm
                 design = {"cross_entropy_fwd": 1, "cross_entropy_bwd": 1}
             else:
                 design = {f"{op}_fwd": two_pass, f"{op}_bwd": two_pass}
-            fn, args, one_program = _row_call(op, f, dtype, backward)
+            fn, args, one_program, step = _row_call(op, f, dtype, backward)
             cases.append(GateCase(f"{op}/-/{ROWS}x{f}/{dt}/{'fwd+bwd' if backward else 'fwd'}", fn,
-                                  args, one_program, design))
+                                  args, one_program, design, step_elements=step,
+                                  itemsize=jnp.dtype(dtype).itemsize))
     return cases
 
 
 def _row_call(op, features, dtype, backward):
-    """``(fn, model-size args, () -> one program's concrete args)``; fn is the
-    gradient when ``backward``, else the forward pass."""
+    """``(fn, model-size args, () -> one program's concrete args, elements per loop
+    step)``; fn is the gradient when ``backward``, else the forward pass."""
     problem = search.Problem(op, (ROWS, features), jnp.dtype(dtype).name)
     forward, args = problem.function()
     argnums = (0,) if op == "cross_entropy" else tuple(range(len(args)))
     fn = jax.grad(lambda *a: _loss(forward(*a)), argnums) if backward else forward
-    block_rows = _rows.row_layout(ROWS, features, dtype, "triton").block_rows
+    layout = _rows.row_layout(ROWS, features, dtype, "triton")
+    block_rows = layout.block_rows
     if op in ("layer_norm", "rms_norm"):
         block_rows = default_block_rows(ROWS, features, dtype, "triton")
 
@@ -170,7 +178,7 @@ def _row_call(op, features, dtype, backward):
         return tuple(search.Problem(op, (block_rows, features), problem.dtype).make_inputs(
             jax.random.key(features)))
 
-    return fn, tuple(args), one_program
+    return fn, tuple(args), one_program, block_rows * min(layout.chunk, features)
 
 
 def attention_cases(seq=4096, head_dims=(64, 128), dtype=jnp.bfloat16,
@@ -349,8 +357,36 @@ def analyze(case: GateCase, target: str = "sm_90") -> list[dict]:
             case=case.name, **kernel_row(r), **budget_fields(case.name, r["name"]),
             reads_per_element=None if counted is None else counted.reads_per_element,
             writes_per_element=None if counted is None else counted.writes_per_element,
-            design_reads=case.design_reads.get(r["name"])))
+            design_reads=case.design_reads.get(r["name"]),
+            accesses_per_element=None if counted is None else _accesses_per_element(counted)))
+        rows[-1].update(per_element(rows[-1], case.step_elements, case.itemsize))
     return rows
+
+
+def _accesses_per_element(counted) -> float | None:
+    """Elements loaded and stored, over every operand, per distinct element of the
+    largest operand read (a :class:`benchmarks.traffic.KernelTraffic`)."""
+    distinct = max((o.distinct(o.load_addresses) for o in counted.operands.values()), default=0)
+    if not distinct:
+        return None
+    return sum(o.loads + o.stores for o in counted.operands.values()) / distinct
+
+
+def per_element(row: Mapping, step_elements: int | None, itemsize: int | None) -> dict:
+    """A memory-bound kernel's cost per input element: ``sass_per_element``, the SASS
+    instructions every thread of a program issues per loop step (all loops of a
+    step, or the whole kernel without one), times its threads, over the elements of
+    a step; ``bytes_per_element``, elements loaded and stored over all operands
+    (counted in the interpreter) per input element, times the input's itemsize
+    (float32 statistics and int32 labels counted at that size too)."""
+    if not step_elements:
+        return dict(sass_per_element=None, bytes_per_element=None)
+    loops = row.get("loop_instructions") or [row["sass_instructions"]]
+    issued = sum(loops) * row["num_warps"] * 32
+    moved = None
+    if itemsize and row.get("accesses_per_element") is not None:
+        moved = row["accesses_per_element"] * itemsize
+    return dict(sass_per_element=issued / step_elements, bytes_per_element=moved)
 
 
 def kernel_row(report: Mapping) -> dict:
@@ -410,7 +446,7 @@ def _budget_overruns(row: Mapping) -> list[str]:
 
 COLUMNS = ("case", "kernel", "warps", "stages", "regs (budget)", "spill B", "smem KiB", "wgmma",
            "mma.sync", "cp.async", "TMA", "ld.global", "st.global", "SASS", "SASS/loop iteration (budget)",
-           "reads/elem", "design", "writes/elem", "verdict")
+           "reads/elem", "design", "writes/elem", "SASS/elem", "bytes/elem", "verdict")
 
 
 def _fmt(value) -> str:
@@ -435,7 +471,8 @@ def format_row(row: Mapping) -> list[str]:
             _fmt(row["cp_async"]), _fmt(row["tma"]), _fmt(row["ld_global"]), _fmt(row["st_global"]),
             _fmt(row.get("sass_instructions")), loops,
             _fmt(row["reads_per_element"]), _fmt(row["design_reads"]),
-            _fmt(row["writes_per_element"]), "FAIL: " + "; ".join(bad) if bad else "ok"]
+            _fmt(row["writes_per_element"]), _fmt(row.get("sass_per_element")),
+            _fmt(row.get("bytes_per_element")), "FAIL: " + "; ".join(bad) if bad else "ok"]
 
 
 def write_markdown(path: Path, meta: Mapping, rows: Sequence[Mapping]) -> None:
@@ -449,7 +486,10 @@ def write_markdown(path: Path, meta: Mapping, rows: Sequence[Mapping]) -> None:
              "benchmarks/static.py (BUDGETS). reads/elem and "
              "writes/elem: elements accessed over distinct elements accessed, counted in "
              "Triton's interpreter on one program's rows: the passes over HBM of a memory-bound "
-             "kernel; `design` is what the op's design states (the gate fails above it).",
+             "kernel; `design` is what the op's design states (the gate fails above it). "
+             "SASS/elem (memory-bound kernels): instructions issued per input element, all "
+             "threads of a program over the elements of one loop step; bytes/elem: elements "
+             "loaded and stored over all operands per input element x the input's itemsize.",
              "", "| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     lines += ["| " + " | ".join(format_row(r)) + " |" for r in rows]
     path.write_text("\n".join(lines) + "\n")

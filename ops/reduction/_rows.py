@@ -14,6 +14,16 @@ Every row-wise op sees its input as ``[rows, features]`` and reduces along
   last chunk is masked with :func:`column_mask`; rows past the end are
   discarded on store and need no mask unless they feed a cross-row sum.
 
+Reads of the input: a kernel whose output needs a whole-row statistic (the
+norms, softmax and log-softmax, forward and backward) reads a row once when it
+fits one chunk (the chunk stays in registers between the statistics and the
+output) and twice otherwise: a row wider than a chunk cannot be held in
+registers, and re-reading it (mostly from L2) costs less than spilling it.
+Reductions that only need the statistics (logsumexp, cross-entropy's forward,
+an online logsumexp plus the label's logit) read it once. The static gate
+(``python -m benchmarks.static``) counts these reads and fails a kernel that
+reads more often than stated here.
+
 Block widths per backend: on the Triton backends the full-row block is the next
 power of two (loads are what must be powers of two, and the loop never runs
 past ``features``); on ``mosaic_tpu`` and ``interpret`` it is a whole number of

@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -132,15 +133,9 @@ def _failures(rows) -> list[str]:
 
 
 def report_tables(meta: dict, rows: list[dict], static: dict | None):
-    """``(tables, text columns)`` pairs of the run, in print order."""
-    out = []
-    if meta["timed"]:
-        out.append((tables.timing_tables(rows), 5))
-    else:
-        out.append((tables.accuracy_tables(rows), 4))
-    if static:
-        out.append((tables.static_tables(static), 2))
-    return out
+    """The run's tables (:mod:`benchmarks.tables`), in print order."""
+    found = tables.timing_tables(rows) if meta["timed"] else tables.accuracy_tables(rows)
+    return found + (tables.static_tables(static) if static else [])
 
 
 def _notes(meta: dict, static: dict | None) -> list[str]:
@@ -171,8 +166,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], static: dict | None
                      f"{meta['warmup']} warm-up calls; calls under "
                      f"{harness.MIN_SAMPLE_SECONDS * 1e3:g} ms are batched into one sample.")
     lines += [f"- {note}" for note in _notes(meta, static)] + [""]
-    for table_set, _ in report_tables(meta, rows, static):
-        lines += tables.markdown_tables(table_set)
+    lines += tables.markdown_tables(report_tables(meta, rows, static))
     failures = _failures(rows)
     if failures:
         lines += ["Failures:", ""] + [f"- {f}" for f in failures]
@@ -180,11 +174,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], static: dict | None
 
 
 def print_report(console: Console, meta: dict, rows: list[dict], static: dict | None) -> None:
-    for table_set, text_columns in report_tables(meta, rows, static):
-        for table, legend in tables.rich_tables(table_set, text_columns):
-            console.print(table)
-            console.print(legend, style="dim", markup=False, highlight=False)
-            console.print()
+    for table, legend in tables.rich_tables(report_tables(meta, rows, static)):
+        console.print(table)
+        console.print(legend, style="dim", markup=False, highlight=False)
+        console.print()
     for note in _notes(meta, static)[1:]:
         console.print(note, markup=False, highlight=False)
     for failure in _failures(rows):
@@ -218,6 +211,9 @@ def _static_report(args, console: Console) -> tuple[dict | None, str | None]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
+    # Triton's interpreter computes masked-off lanes too (0/0 in a padded tile, say);
+    # numpy's warning about them is noise: those lanes are never stored.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
     # At most 120 columns: every table fits, in a terminal and in a log.
     console = Console(width=tables.WIDTH) if not sys.stdout.isatty() else Console(
         width=min(tables.WIDTH, Console().width))

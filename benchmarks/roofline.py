@@ -52,7 +52,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # FP32 (CUDA cores) 67 TFLOP/s; GPU memory bandwidth 3.35 TB/s (HBM3, 80 GB).
 H100_SXM = {
     "name": "H100 SXM (80 GB HBM3)",
-    "source": "NVIDIA H100 Tensor Core GPU datasheet (dense = half the 'with sparsity' figures)",
+    "source": "NVIDIA H100 Tensor Core GPU datasheet; dense = half its 'with sparsity' figures",
     "bf16_tensor_tflops": 1979 / 2,
     "tf32_tensor_tflops": 989 / 2,
     "fp32_tflops": 67.0,

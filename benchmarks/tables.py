@@ -69,8 +69,7 @@ def by_op(rows: Sequence[Mapping]) -> dict[str, list[Mapping]]:
 
 def _table(title: str, headers: Sequence[str], text_columns: int) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold",
-                  box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
-                  show_edge=False)
+                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, show_edge=False)
     for i, name in enumerate(headers):
         table.add_column(name, justify="left" if i < text_columns else "right",
                          overflow="fold", no_wrap=i < text_columns)
@@ -115,12 +114,12 @@ TIMING_NOTES = (
     "the compiled executable's temporaries plus outputs.")
 
 
-def timing_tables(rows: Sequence[Mapping]) -> list[tuple[str, list[str], list[list[str]], str]]:
-    """``(op, headers, cells, legend)`` per op."""
+def timing_tables(rows: Sequence[Mapping]) -> list[tuple]:
+    """``(title, headers, cells, legend, text columns)`` per op."""
     out = []
     for op, group in by_op(rows).items():
         headers = [h.format(rate=rate_unit(group)) for h in TIMING_COLUMNS]
-        out.append((op, headers, [timing_cells(r) for r in group], legend(op)))
+        out.append((op, headers, [timing_cells(r) for r in group], legend(op), 5))
     return out
 
 
@@ -132,8 +131,9 @@ ACCURACY_NOTES = ("Each cell: max|out - ref| / max|ref| of that implementation a
                   "math in float64 (every output and gradient); nothing is timed.")
 
 
-def accuracy_tables(rows: Sequence[Mapping]) -> list[tuple[str, list[str], list[list[str]], str]]:
-    """``(op, headers, cells, legend)`` per op: a row per case, an error column per implementation."""
+def accuracy_tables(rows: Sequence[Mapping]) -> list[tuple]:
+    """``(title, headers, cells, legend, text columns)`` per op: a row per case, an error
+    column per implementation."""
     out = []
     for op, group in by_op(rows).items():
         impls = list(dict.fromkeys(r["implementation"] for r in group))
@@ -146,7 +146,7 @@ def accuracy_tables(rows: Sequence[Mapping]) -> list[tuple[str, list[str], list[
             cells.append([first["variant"], shape_text(first), dtype_text(first["dtype"]),
                           first["pass"]] + [_error_cell(per_impl.get(i)) for i in impls])
         out.append((op, ["variant", "shape", "dtype", "pass"] + [f"{i} err" for i in impls], cells,
-                    legend(op)))
+                    legend(op), 4))
     return out
 
 
@@ -160,7 +160,7 @@ def _error_cell(row: Mapping | None) -> str:
 # Static compile and roofline bound
 # ----------------------------------------------------------------------------
 
-KERNEL_COLUMNS = ("op", "kernel", "regs", "spill B", "smem KiB", "wgmma", "TMA", "cp.async",
+KERNEL_COLUMNS = ("op: kernel", "regs", "spill B", "smem KiB", "wgmma", "TMA", "cp.async",
                   "loop instrs", "reads/elem", "gate")
 BOUND_COLUMNS = ("op", "shape", "GFLOP", "MB moved", "passes", "compute us", "memory us",
                  "bound us", "bound by")
@@ -181,40 +181,49 @@ def static_notes(static: Mapping) -> str:
 def kernel_cells(case: Mapping, k: Mapping) -> list[str]:
     bad = k.get("violations") or []
     loops = k.get("loop_instructions") or []
-    return [case["op"], k["kernel"], num(k.get("registers"), "d"), num(k.get("spill_bytes"), "d"),
+    return ["  " + k["kernel"], num(k.get("registers"), "d"), num(k.get("spill_bytes"), "d"),
             num(k.get("shared_memory_bytes", 0) / 1024, ".1f"), num(k.get("wgmma"), "d"),
             num(k.get("tma"), "d"), num(k.get("cp_async"), "d"),
-            ", ".join(map(str, loops)) or "-", num(k.get("reads_per_element"), ".3g"),
+            "+".join(map(str, loops)) or "-", num(k.get("reads_per_element"), ".3g"),
             "FAIL" if bad else "ok"]
+
+
+def _amount(x: float) -> str:
+    """Four significant digits, large values as whole numbers with thousands separators."""
+    return f"{x:,.0f}" if x >= 1e4 else f"{x:.4g}"
 
 
 def bound_cells(case: Mapping) -> list[str]:
     b = case["bound"]
-    return [case["op"], "x".join(map(str, case["shape"])), num(b["flops"] / 1e9, ".4g"),
-            num(b["bytes"] / 1e6, ".4g"), num(b["passes"], ".3g"), num(b["compute_us"], ".4g"),
-            num(b["memory_us"], ".4g"), num(b["bound_us"], ".4g"), b["bound_by"]]
+    return [case["op"], "x".join(map(str, case["shape"])), _amount(b["flops"] / 1e9),
+            _amount(b["bytes"] / 1e6), num(b["passes"], ".3g"), _amount(b["compute_us"]),
+            _amount(b["memory_us"]), _amount(b["bound_us"]), b["bound_by"]]
 
 
-def static_tables(static: Mapping) -> list[tuple[str, list[str], list[list[str]], str]]:
-    kernels = [kernel_cells(c, k) for c in static["cases"] for k in c["kernels"]]
+def static_tables(static: Mapping) -> list[tuple]:
+    kernels = []
+    for c in static["cases"]:  # the op on a line of its own, its kernels indented under it
+        kernels.append([f"{c['op']}:"] + [""] * (len(KERNEL_COLUMNS) - 1))
+        kernels += [kernel_cells(c, k) for k in c["kernels"]]
     bounds = [bound_cells(c) for c in static["cases"]]
     ops = dict.fromkeys(c["op"] for c in static["cases"])
     legends = "; ".join(f"{op} {SHAPE_LEGEND[op].split(' (')[0]}" for op in ops if op in SHAPE_LEGEND)
     return [(f"{static['target']} kernels (compiled, not run)", list(KERNEL_COLUMNS), kernels,
-             "fwd+bwd, bf16, the GPU benchmark's sizes; gate: the static gate's verdict"),
+             "fwd+bwd, bf16, the GPU benchmark's sizes (shapes in the bound's table); loop "
+             "instrs: one count per inner loop; gate: the static gate's verdict", 1),
             (f"Roofline bound on an {static['gpu']['name']} (a bound, not a measurement)",
-             list(BOUND_COLUMNS), bounds, f"shape: {legends}")]
+             list(BOUND_COLUMNS), bounds, f"shape: {legends}", 2)]
 
 
 # ----------------------------------------------------------------------------
 # Rendering
 # ----------------------------------------------------------------------------
 
-def rich_tables(tables, text_columns: int) -> list[tuple[Table, str]]:
+def rich_tables(tables) -> list[tuple[Table, str]]:
     """``(rich table, legend line)`` per table; the legend goes under the table,
     as a line of its own (a caption would wrap at the table's width)."""
     out = []
-    for title, headers, cells, caption in tables:
+    for title, headers, cells, caption, text_columns in tables:
         table = _table(title, headers, text_columns)
         for row in cells:
             table.add_row(*row, style="red" if any("FAIL" in c for c in row) else None)
@@ -224,7 +233,7 @@ def rich_tables(tables, text_columns: int) -> list[tuple[Table, str]]:
 
 def markdown_tables(tables) -> list[str]:
     lines = []
-    for title, headers, cells, caption in tables:
+    for title, headers, cells, caption, _ in tables:
         lines += [f"### {title}", "", caption, "", "| " + " | ".join(headers) + " |",
                   "|" + "|".join("---" for _ in headers) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in cells]

@@ -73,9 +73,9 @@ def test_quick_run_on_a_cpu_checks_accuracy_and_compiles_for_sm90(tmp_path):
     assert "a bound, not a measurement" in text and "| interpret err |" in text
 
 
-def _render(table_set, text_columns):
+def _render(table_set):
     console = Console(width=tables.WIDTH, file=io.StringIO(), record=True)
-    for table, legend in tables.rich_tables(table_set, text_columns):
+    for table, legend in tables.rich_tables(table_set):
         console.print(table)
         console.print(legend)
     return console.export_text()
@@ -90,10 +90,26 @@ def test_timing_table_fits_120_columns_and_never_cuts_a_case():
                      "median_ms": 12345.678, "tflops": 456.789, "speedup_vs_xla": 12.345,
                      "fraction_of_ceiling": 0.987654, "max_rel_error": 1.2345e-3,
                      "peak_bytes": 123456789012, "error": None})
-    text = _render(tables.timing_tables(rows), 5)
+    text = _render(tables.timing_tables(rows))
     assert max(len(line) for line in text.splitlines()) <= tables.WIDTH
     assert "causal+gqa8+window" in text and "4x16384x16384x128x16x128" in text
     assert "pallas_triton" in text and "B=batch T=queries" in text
+
+
+def test_static_tables_fit_120_columns():
+    kernel = {"kernel": "linear_cross_entropy_dz_with_a_long_name", "registers": 255,
+              "spill_bytes": 0, "shared_memory_bytes": 232448, "wgmma": 40, "tma": 12,
+              "cp_async": 72, "loop_instructions": [1120, 865, 451], "reads_per_element": 2.0,
+              "violations": []}
+    bound = roofline.roofline_bound(norms.make_case("rms_norm", (16, 256), "bfloat16", "fwd",
+                                                    ("interpret",)), [kernel])
+    static = {"target": "sm_90", "gpu": roofline.H100_SXM, "cases": [
+        {"case": "c", "op": "dot_product_attention", "shape": [4, 16384, 16384, 128, 16, 128],
+         "dtype": "bfloat16", "pass": "fwd+bwd", "kernels": [kernel] * 2, "bound": bound}]}
+    text = _render(tables.static_tables(static))
+    assert max(len(line) for line in text.splitlines()) <= tables.WIDTH
+    assert "linear_cross_entropy_dz_with_a_long_name" in text and "1120+865+451" in text
+    assert "a bound, not a measurement" in text
 
 
 def test_cache_resident_cases_claim_no_fraction_of_the_copy_ceiling():

@@ -395,6 +395,14 @@ def rate_against_ceiling(case: Case, seconds: float, ceilings: Mapping[str, Any]
             "fraction_of_ceiling": fraction}
 
 
+def _identity(case: Case, device: jax.Device | None) -> dict[str, Any]:
+    """The fields naming a case in its rows: op, case, variant, shape, dtype, pass, ceiling,
+    device_kind, platform."""
+    return {"op": case.op, "case": case.name, "variant": case.variant, "shape": list(case.shape),
+            "dtype": case.dtype, "pass": case.pass_name, "ceiling": case.ceiling,
+            **device_info(device)}
+
+
 def _error_text(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
@@ -419,9 +427,7 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
     """
     inputs = case.make_inputs(key)
     reference = reference_output(case, inputs)
-    base = {"op": case.op, "case": case.name, "variant": case.variant, "shape": list(case.shape),
-            "dtype": case.dtype, "pass": case.pass_name, "ceiling": case.ceiling,
-            **device_info(device)}
+    base = _identity(case, device)
     rows, baseline_ms = [], None
     for impl_name, fn in _baseline_first(case.implementations):
         row = {**dict.fromkeys(ROW_KEYS), **base, "implementation": impl_name}
@@ -455,9 +461,7 @@ def check_case(case: Case, *, key, device: jax.Device | None = None) -> list[dic
     """
     inputs = case.make_inputs(key)
     reference = reference_output(case, inputs)
-    base = {"op": case.op, "case": case.name, "variant": case.variant, "shape": list(case.shape),
-            "dtype": case.dtype, "pass": case.pass_name, "ceiling": case.ceiling,
-            **device_info(device)}
+    base = _identity(case, device)
     rows = []
     for impl_name, fn in _baseline_first(case.implementations):
         row = {**dict.fromkeys(ACCURACY_ROW_KEYS), **base, "implementation": impl_name}

@@ -35,8 +35,9 @@ FAMILIES = {"fused_matmul": "matmul", "layer_norm": "norms", "rms_norm": "norms"
             "dot_product_attention": "attention"}
 _UNITS = {"matmul": ("tflops", "TFLOP/s", "matmul ceiling"),
           "copy": ("gbps", "GB/s", "copy ceiling at the case's size")}
-_ERROR = ("max_rel_error", "max |out - ref| / max |ref| vs float64 (log scale, lower is better)")
-_FLOOR = 1e-10  # an error of exactly 0 is drawn here on the log scale
+_FLOOR = 1e-10  # an error of exactly 0 is drawn here on the log scale, labelled "exact"
+_ERROR = ("max_rel_error", "max |out - ref| / max |ref| vs float64 (log scale, lower is better; "
+                           f"an exact result is drawn at {_FLOOR:g})")
 
 
 def _timed(rows: Sequence[Mapping]) -> bool:
@@ -121,7 +122,10 @@ def _draw(path: Path, meta: Mapping, parts: list[tuple[str, list[Mapping]]]) -> 
             values += xs
             drawn_bars = ax.barh(ys, xs, height, label=impl)
             if len(group) <= 40:
-                ax.bar_label(drawn_bars, labels=[f"{x:.2g}" if kind == "error" else f"{x:.3g}"
+                ax.bar_label(drawn_bars, labels=[_value_label(kind, x) for x in xs],
+                             fontsize=_FONT - 2, padding=2)
+            elif kind == "error":  # too many bars to label each: still say which are exact
+                ax.bar_label(drawn_bars, labels=[_value_label(kind, x) if x <= _FLOOR else ""
                                                  for x in xs], fontsize=_FONT - 2, padding=2)
         limit = _draw_ceiling(ax, kind, group, cases, meta)
         if kind == "error":
@@ -142,6 +146,12 @@ def _draw(path: Path, meta: Mapping, parts: list[tuple[str, list[Mapping]]]) -> 
     size = tuple(int(round(d * DPI)) for d in fig.get_size_inches())
     plt.close(fig)
     return dict(path=path, title=title, panels=drawn, size_px=size)
+
+
+def _value_label(kind: str, x: float) -> str:
+    if kind == "error":
+        return "exact" if x <= _FLOOR else f"{x:.2g}"
+    return f"{x:.3g}"
 
 
 def _draw_ceiling(ax, kind: str, group: Sequence[Mapping], cases: list[str], meta: Mapping) -> list:

@@ -517,12 +517,20 @@ def run(cases: Sequence[GateCase], target: str = "sm_90", log=print) -> list[dic
 
 def main(argv=None) -> int:
     from benchmarks.__main__ import git_commit
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.static",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="sm_90")
-    parser.add_argument("--quick", action="store_true", help="the CI subset only")
-    parser.add_argument("--filter", default=None, metavar="SUBSTR", help="only cases containing SUBSTR")
-    parser.add_argument("--out", type=Path, default=RESULTS_ROOT, help="folder for the table")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.static",
+        description="The static performance gate: compile every op's Triton kernels at model "
+                    "sizes for a GPU target on this host (no GPU needed) and fail on spills, "
+                    "shared memory over the limit, 16-bit dots off the tensor cores, extra "
+                    "passes over memory or a budget overrun. Needs triton and torch (the bench "
+                    "extra).")
+    parser.add_argument("--target", default="sm_90",
+                        help="CUDA target to compile for, sm_XY (default sm_90).")
+    parser.add_argument("--quick", action="store_true", help="The CI subset only.")
+    parser.add_argument("--filter", default=None, metavar="SUBSTR",
+                        help="Only cases whose name contains SUBSTR.")
+    parser.add_argument("--out", type=Path, default=RESULTS_ROOT,
+                        help="Folder for static_<target>.md and .json (default benchmarks/results).")
     args = parser.parse_args(argv)
     smem_limit(args.target)  # a clear error for an unknown target, before compiling anything
     cases = quick_cases() if args.quick else all_cases(args.target)

@@ -3,10 +3,10 @@
 For one essential case per op (:func:`essential_cases`: the benchmark's own
 GPU cases, at its model sizes, fwd+bwd) every Triton kernel is compiled ahead
 of time for ``sm_90`` through the static gate (:func:`benchmarks.static.analyze`:
-registers, spills, ``wgmma`` / TMA / ``cp.async`` counts, and for the
-memory-bound ops the reads per element counted in Triton's interpreter, i.e.
-the passes over HBM), plus the PTX instructions in each innermost loop body
-(:func:`innermost_loops`: the work of one iteration of the kernel's main loop).
+registers, spills, ``wgmma`` / TMA / ``cp.async`` counts, the SASS
+instructions per iteration of each loop (the work of one step of the
+kernel's main loop), and for the memory-bound ops the reads per element
+counted in Triton's interpreter, i.e. the passes over HBM).
 
 From the case's work and those passes follows a roofline bound on an H100 SXM
 (:data:`H100_SXM`, NVIDIA's datasheet figures):
@@ -34,7 +34,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,54 +112,19 @@ def _nbytes(tree) -> int:
 
 
 # ----------------------------------------------------------------------------
-# The compile: gate figures plus the innermost loops' instruction counts
+# The compile
 # ----------------------------------------------------------------------------
 
-_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
-_INSTRUCTION = re.compile(r"^\s*(?:@!?%\w+\s+)?[a-z][\w.:]*[\s;]")
-
-
-def innermost_loops(ptx: str) -> list[int]:
-    """PTX instructions in the body of each innermost loop of ``ptx``, in program order.
-
-    Loops are found by the headers LLVM marks (``// =>This Inner Loop Header:
-    Depth=d``, on the header's label line or the comment line after it) and
-    the last branch back to each; a loop is innermost when no other header
-    lies inside it. Counted: instruction lines (not labels, directives or
-    comments). One iteration of a kernel's main loop issues about this many
-    instructions per thread (static count; an instruction under a predicate
-    counts once).
-    """
-    lines = ptx.splitlines()
-    headers, label = [], None
-    for i, line in enumerate(lines):
-        if m := _LABEL.match(line):
-            label = (i, m.group(1))
-        if "Loop Header: Depth=" in line and label is not None:
-            headers.append(label)
-    spans = []
-    for start, name in dict.fromkeys(headers):
-        back = [i for i in range(start + 1, len(lines))
-                if re.search(rf"\bbra(?:\.uni)?\s+{re.escape(name)};", lines[i])]
-        if back:
-            spans.append((start, back[-1]))
-    return [sum(1 for line in lines[start + 1:end + 1] if _INSTRUCTION.match(line))
-            for start, end in spans if not any(start < other < end for other, _ in spans)]
-
-
 def compile_case(static_case: StaticCase, target: str = TARGET) -> list[dict[str, Any]]:
-    """The static gate's rows for every kernel of ``static_case`` (``benchmarks.static.analyze``),
-    each with ``loop_instructions`` (:func:`innermost_loops` of its PTX) added."""
-    import pallas_core as pl
+    """The static gate's rows (:func:`benchmarks.static.analyze`) for every kernel of
+    ``static_case``, each with its ``violations`` (:func:`benchmarks.static.violations`)."""
     from benchmarks import static
 
     case = static_case.case
-    fn, args = case.implementations["triton"], abstract_inputs(case)
-    gate = static.GateCase(case.name, fn, args, traffic_args=static_case.small)
+    gate = static.GateCase(case.name, case.implementations["triton"], abstract_inputs(case),
+                           traffic_args=static_case.small)
     rows = static.analyze(gate, target)
-    loops = [innermost_loops(r["asm"]["ptx"]) for r in pl.triton.compile(fn, *args, target=target)]
-    for row, counts in zip(rows, loops):
-        row["loop_instructions"] = counts
+    for row in rows:
         row["violations"] = static.violations(row, target)
     return rows
 

@@ -169,7 +169,7 @@ BOUND_COLUMNS = ("op", "shape", "GFLOP", "MB moved", "passes", "compute us", "me
 def static_notes(static: Mapping) -> str:
     gpu = static["gpu"]
     return (f"{static['target']} compiles on this host (Triton's ptxas), nothing run. regs: per "
-            "thread; loop instrs: PTX instructions per iteration of each innermost loop; "
+            "thread; loop instrs: SASS instructions per iteration of each loop (nvdisasm); "
             "reads/elem: passes over the largest input, counted in Triton's interpreter. Bound: "
             f"max(FLOPs / peak, bytes / bandwidth) on an {gpu['name']}: "
             f"{gpu['bf16_tensor_tflops']:g} TFLOP/s bf16 Tensor Core (dense) for matmul and "

@@ -125,24 +125,6 @@ def test_cache_resident_cases_claim_no_fraction_of_the_copy_ceiling():
     assert spilled["fraction_of_ceiling"] == spilled["gbps"] / spilled["ceiling_rate"]
 
 
-def test_innermost_loops_count_each_loop_body_once():
-    ptx = "\n".join([
-        "$L__BB0_1:                 // =>This Loop Header: Depth=1",
-        "\tadd.s32 \t%r1, %r1, 1;",
-        "$L__BB0_2:                 // %body",
-        "                           // =>This Inner Loop Header: Depth=2",
-        "\tmul.f32 \t%f1, %f1, %f2;",
-        "\t.loc\t1 2 3",
-        "\t@%p1 bra \t$L__BB0_2;",
-        "\t@%p2 bra \t$L__BB0_1;",
-        "$L__BB0_3:                 // =>This Inner Loop Header: Depth=1",
-        "\tld.global.b32 \t%r2, [%rd1];",
-        "\tst.global.b32 \t[%rd2], %r2;",
-        "\tbra.uni \t$L__BB0_3;",
-    ])
-    assert roofline.innermost_loops(ptx) == [2, 3]
-
-
 def test_roofline_bound_adds_a_read_per_extra_pass():
     case = norms.make_case("rms_norm", (16, 256), "bfloat16", "fwd", ("interpret",))
     one = roofline.roofline_bound(case, [{"reads_per_element": 1.0}])
@@ -156,7 +138,7 @@ def test_every_command_line_option_has_help_text():
     import argparse
 
     from benchmarks import __main__ as main_cli
-    from benchmarks import attention_memory, encoder, lm, tune
+    from benchmarks import attention_memory, encoder, lm, static, tune
     parsers = []
     original = argparse.ArgumentParser.parse_args
 
@@ -166,14 +148,14 @@ def test_every_command_line_option_has_help_text():
 
     argparse.ArgumentParser.parse_args = capture
     try:
-        for module in (main_cli, attention_memory, encoder, lm, tune):
+        for module in (main_cli, attention_memory, encoder, lm, static, tune):
             try:
                 (getattr(module, "parse_args", None) or module.main)([])
             except SystemExit:
                 pass
     finally:
         argparse.ArgumentParser.parse_args = original
-    assert len(parsers) == 5
+    assert len(parsers) == 6
     for parser in parsers:
         assert parser.description and parser.description.rstrip().endswith("."), parser.prog
         for action in parser._actions:

@@ -8,7 +8,8 @@ express runs Flax's own ``dot_product_attention`` instead, after a one-time
 warning naming the reason.
 
 :class:`MultiHeadAttention` is a subclass of ``flax.nnx.MultiHeadAttention``
-whose default ``attention_fn`` is that function: projections, ``normalize_qk``,
+whose default ``attention_fn`` is that function (Flax's own on the ``"xla"``
+implementation, so the stock layer's bits there): projections, ``normalize_qk``,
 the decode cache, dropout-rng handling and the parameter tree are all
 nnx.MultiHeadAttention's own code, so state made by the stock module loads
 unchanged. The Linen twins are in :mod:`layers.linen_attention`.
@@ -28,6 +29,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from layers.dense import _FUSED_DTYPES, _as_precision, _check_implementation
+from ops._implementation import resolve_implementation
 from ops.attention import dot_product_attention as _flash_attention
 
 __all__ = ["AttentionFallbackWarning", "MultiHeadAttention", "dot_product_attention"]
@@ -135,10 +137,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         dropout without ``dropout_rng``, and ``ops.dot_product_attention``'s
         shape and argument errors (ValueError / TypeError naming the argument).
     """
-    given = (query, key, value)  # unpromoted, for nnx's function (it promotes them itself)
-    linen = (isinstance(module, nn.Module) or force_fp32_for_softmax is not None
-             or einsum_dot_general is not None or qk_attn_weights_einsum is not None
-             or attn_weights_value_einsum is not None)
+    given = (query, key, value)  # unpromoted, for Flax's function (it promotes them itself)
+    linen = _called_by_linen(module, force_fp32_for_softmax, einsum_dot_general,
+                             qk_attn_weights_einsum, attn_weights_value_einsum)
     if promote_dtype is not None:
         query, key, value = promote_dtype((query, key, value), dtype=dtype)
     else:
@@ -146,20 +147,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     flax_args = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
                      dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                      deterministic=deterministic, dtype=dtype, precision=precision,
-                     module=module, is_causal=is_causal)
+                     module=module, is_causal=is_causal, promote_dtype=promote_dtype,
+                     force_fp32_for_softmax=force_fp32_for_softmax,
+                     einsum_dot_general=einsum_dot_general,
+                     qk_attn_weights_einsum=qk_attn_weights_einsum,
+                     attn_weights_value_einsum=attn_weights_value_einsum)
     reason = _fallback_reason(query, key, value, module, precision, deterministic, dropout_rate,
                               einsum_dot_general, qk_attn_weights_einsum,
                               attn_weights_value_einsum)
     if reason is not None:
         _warn_once(*reason)
-        if linen:
-            return _linen_attention(query, key, value, **flax_args,
-                                    force_fp32_for_softmax=bool(force_fp32_for_softmax),
-                                    einsum_dot_general=einsum_dot_general,
-                                    qk_attn_weights_einsum=qk_attn_weights_einsum,
-                                    attn_weights_value_einsum=attn_weights_value_einsum)
-        return nnx.dot_product_attention(*given, **flax_args,
-                                         promote_dtype=promote_dtype or nnx_dtypes.promote_dtype)
+        return _flax_attention(*given, linen=linen, **flax_args)
 
     if query.ndim != key.ndim or query.ndim != value.ndim or query.ndim < 3:
         raise ValueError("layers.dot_product_attention: query, key and value must be "
@@ -246,6 +244,56 @@ def _flatten_pair(x, batch):
     return jnp.reshape(jnp.broadcast_to(x, batch + tail), (math.prod(batch),) + tail)
 
 
+def _called_by_linen(module, force_fp32_for_softmax, einsum_dot_general, qk_einsum,
+                     value_einsum) -> bool:
+    """Whether Linen called: a Linen module, or a Linen-only keyword (Linen's
+    MultiHeadDotProductAttention always passes ``force_fp32_for_softmax``)."""
+    return (isinstance(module, nn.Module) or force_fp32_for_softmax is not None
+            or einsum_dot_general is not None or qk_einsum is not None
+            or value_einsum is not None)
+
+
+def _flax_attention(query, key, value, *, linen, promote_dtype, force_fp32_for_softmax,
+                    einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum,
+                    **flax_args):
+    """Flax's own ``dot_product_attention``: Linen's when Linen called, else nnx's."""
+    if linen:
+        return _linen_attention(query, key, value, **flax_args,
+                                force_fp32_for_softmax=bool(force_fp32_for_softmax),
+                                einsum_dot_general=einsum_dot_general,
+                                qk_attn_weights_einsum=qk_attn_weights_einsum,
+                                attn_weights_value_einsum=attn_weights_value_einsum)
+    return nnx.dot_product_attention(query, key, value, **flax_args,
+                                     promote_dtype=promote_dtype or nnx_dtypes.promote_dtype)
+
+
+def _stock_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                    precision=None, module=None, promote_dtype=None, is_causal=False, *,
+                    force_fp32_for_softmax=None, einsum_dot_general=None,
+                    qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
+    """The attention layers' ``"xla"`` implementation: Flax's own ``dot_product_attention``.
+
+    ``flax.linen.dot_product_attention`` when Linen calls (a Linen ``module`` or a
+    Linen-only keyword), else ``flax.nnx.dot_product_attention``, with every
+    argument as given: the same operations in the same order as the stock
+    modules, so :class:`MultiHeadAttention` and the Linen twins give the stock
+    module's bits on ``"xla"`` (its treatment of fully masked rows, its dropout
+    bits and ``broadcast_dropout`` included).
+    """
+    linen = _called_by_linen(module, force_fp32_for_softmax, einsum_dot_general,
+                             qk_attn_weights_einsum, attn_weights_value_einsum)
+    return _flax_attention(query, key, value, linen=linen, bias=bias, mask=mask,
+                           broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+                           dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
+                           precision=precision, module=module, is_causal=is_causal,
+                           promote_dtype=promote_dtype,
+                           force_fp32_for_softmax=force_fp32_for_softmax,
+                           einsum_dot_general=einsum_dot_general,
+                           qk_attn_weights_einsum=qk_attn_weights_einsum,
+                           attn_weights_value_einsum=attn_weights_value_einsum)
+
+
 def _linen_attention(query, key, value, *, mask, is_causal, **kwargs):
     """``flax.linen.dot_product_attention``, with is_causal as a mask and GQA as repeated heads."""
     if is_causal:
@@ -271,6 +319,8 @@ class _BoundAttention:
         self.__signature__ = _BOUND_SIGNATURE
 
     def __call__(self, *args, **kwargs):
+        if resolve_implementation(self.implementation, "layers attention") == "xla":
+            return _stock_attention(*args, **kwargs)  # stock Flax, bit for bit
         return dot_product_attention(*args, implementation=self.implementation, **kwargs)
 
     def __eq__(self, other):
@@ -303,13 +353,16 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     class only changes the default ``attention_fn`` to
     :func:`dot_product_attention` with this layer's ``implementation`` bound.
     So ``MultiHeadAttention(..., rngs=nnx.Rngs(s))`` holds the same state as
-    the stock layer built with the same arguments, either's state (or
-    checkpoint) loads into the other, and outputs and gradients agree up to
-    float rounding, except where :func:`dot_product_attention` documents a
+    the stock layer built with the same arguments and either's state (or
+    checkpoint) loads into the other. On the ``"xla"`` implementation (the CPU
+    default) the attention is Flax's own ``dot_product_attention``: outputs,
+    gradients and state are the stock layer's bit for bit (dropout bits and
+    fully masked rows included). On the kernel implementations they agree up
+    to float rounding, except where :func:`dot_product_attention` documents a
     difference: fully masked query rows give 0 (Flax: the mean of the
     values), and dropout draws different (per batch element and head) bits.
-    ``sow_weights=True`` runs Flax's attention (warned once), since the
-    kernel never forms the probabilities.
+    ``sow_weights=True`` runs Flax's attention (warned once on the kernel
+    implementations), since the kernel never forms the probabilities.
 
     Args:
       implementation: keyword-only. None (the platform's default: "xla" on

@@ -32,7 +32,10 @@ _COMMON_DOC = """
       everything else: exactly as the Flax module (same defaults), except
         that ``attention_fn`` defaults to :func:`layers.dot_product_attention`.
 
-    Outputs and gradients agree with the stock module up to float rounding,
+    On the ``"xla"`` implementation (the CPU default) the attention is Linen's
+    own ``dot_product_attention``: outputs, gradients and variables are the
+    stock module's bit for bit (dropout included). On the kernel
+    implementations they agree with the stock module up to float rounding,
     except where :func:`layers.dot_product_attention` documents a difference:
     a query row that sees no key gives 0 (Linen: the mean of the values), and
     dropout draws different bits (independent per batch element and head).

@@ -218,8 +218,8 @@ def test_nnx_bf16():
 
 
 def test_nnx_dropout():
-    """In-kernel dropout: differs from the deterministic output, reproducible for one key;
-    deterministic=True matches the stock layer (which needs no rng then)."""
+    """Dropout (on "xla", Flax's own): differs from the deterministic output, reproducible
+    for one key; deterministic=True matches the stock layer (which needs no rng then)."""
     stock, ours = _nnx_pair("xla", dropout_rate=0.5)
     x = _x(19)
     plain = _call(ours, x, deterministic=True)
@@ -459,3 +459,112 @@ def test_linen_bf16_force_fp32_softmax():
     assert attn.dtype == jnp.float32  # as Linen's attention returns it
     assert_close(out, ref32, FORWARD[jnp.bfloat16], "vs float32")
     assert_close(out, ref, FORWARD[jnp.bfloat16], "vs stock bf16")
+
+
+# --------------------------------------------------------------------------
+# implementation="xla" (the CPU default) is stock Flax, bit for bit
+# --------------------------------------------------------------------------
+
+def _assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        if jnp.issubdtype(u.dtype, jax.dtypes.prng_key):  # the dropout rng streams
+            u, v = jax.random.key_data(u), jax.random.key_data(v)
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.parametrize("case", ["mask_causal_gqa", "dropout", "fully_masked_row"])
+def test_nnx_xla_is_stock_bit_for_bit(case):
+    kw = {**KW, "bias_init": BIAS_INIT, "decode": False}
+    call = dict(mask=_key_padding_mask())
+    if case == "mask_causal_gqa":
+        kw.update(num_kv_heads=2, normalize_qk=True)
+        call.update(is_causal=True)
+    elif case == "dropout":  # Flax's own dropout bits, from the same rng stream
+        kw.update(dropout_rate=0.3)
+        call.update(deterministic=False)
+    else:  # a query that sees no key: Flax's mean of the values, not the kernels' 0
+        call["mask"] = call["mask"].at[1, :, 2, :].set(False)
+    stock = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(3))
+    ours = layers.MultiHeadAttention(**kw, implementation="xla", rngs=nnx.Rngs(3))
+    _assert_trees_equal(nnx.state(ours), nnx.state(stock))
+    x, ct = _x(60), _x(61)
+
+    @nnx.jit
+    def out_and_grads(module, x):  # gradients w.r.t. the params (nnx also advances the rngs)
+        def loss(module, x):
+            out = module(x, **call)
+            return jnp.sum(out * ct), out
+        (_, out), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(module, x)
+        return out, grads
+
+    _assert_trees_equal(out_and_grads(ours, x), out_and_grads(stock, x))
+
+
+def test_nnx_xla_sow_weights_is_stock_without_a_warning():
+    stock, ours = _nnx_pair("xla")
+    x = _x(62)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AttentionFallbackWarning)
+        out = ours(x, sow_weights=True)
+    _assert_trees_equal(out, stock(x, sow_weights=True))
+    _assert_trees_equal(nnx.state(ours, nnx.Intermediate), nnx.state(stock, nnx.Intermediate))
+
+
+@pytest.mark.parametrize("cls", ["MultiHeadDotProductAttention", "MultiHeadAttention"])
+def test_linen_xla_is_stock_bit_for_bit(cls):
+    """Outputs, gradients and variables (dropout included) of the Linen twins equal the
+    stock module's exactly."""
+    x, ct, mask = _x(63), _x(64), _key_padding_mask()
+    kw = dict(num_heads=HEADS, qkv_features=QKV, bias_init=BIAS_INIT, dropout_rate=0.2,
+              deterministic=False)
+    stock, ours = getattr(nn, cls)(**kw), getattr(layers.linen, cls)(**kw, implementation="xla")
+    variables = _init(stock, 65, x)
+    _assert_trees_equal(_init(ours, 65, x), variables)
+
+    def run(module):
+        def loss(v, x):
+            out = module.apply(v, x, mask=mask, rngs={"dropout": jax.random.key(66)})
+            return jnp.sum(out * ct), out
+        return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(variables, x)
+
+    _assert_trees_equal(run(ours), run(stock))
+
+
+def test_linen_attention_alias_equivalence():
+    """Flax's own alias test, on our twins: MultiHeadAttention and
+    MultiHeadDotProductAttention give identical outputs and variables (and so does
+    the stock alias)."""
+    query, inputs_kv = _x(67, (3, 5)), _x(68, (3, 5))
+    kw = dict(num_heads=1, qkv_features=4, kernel_init=nn.initializers.ones,
+              bias_init=nn.initializers.zeros, deterministic=False, implementation="xla")
+    results = []
+    for module in (layers.linen.MultiHeadAttention(**kw),
+                   layers.linen.MultiHeadDotProductAttention(**kw)):
+        variables = module.init(jax.random.key(69), query, inputs_kv)
+        results.append((module.apply(variables, query, inputs_kv), variables))
+    kw.pop("implementation")
+    stock = nn.MultiHeadAttention(**kw)
+    variables = stock.init(jax.random.key(69), query, inputs_kv)
+    results.append((stock.apply(variables, query, inputs_kv), variables))
+    _assert_trees_equal(results[0], results[1])
+    _assert_trees_equal(results[0], results[2])
+
+
+def test_linen_attention_alias_submodule():
+    """Flax's alias-submodule test on our twins: the alias keeps its own auto-name
+    and the same variables under a parent, as the stock alias does."""
+    def parent(cls):
+        class Parent(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return cls(num_heads=1, qkv_features=4, implementation="xla")(x) \
+                    if cls.__module__.startswith("layers") else cls(num_heads=1, qkv_features=4)(x)
+        return Parent()
+
+    x = _x(70, (3, 5))
+    ours = parent(layers.linen.MultiHeadAttention)
+    theirs = parent(nn.MultiHeadAttention)
+    v_ours, v_theirs = ours.init(jax.random.key(71), x), theirs.init(jax.random.key(71), x)
+    assert list(v_ours["params"]) == list(v_theirs["params"]) == ["MultiHeadAttention_0"]
+    _assert_trees_equal((ours.apply(v_ours, x), v_ours), (theirs.apply(v_theirs, x), v_theirs))

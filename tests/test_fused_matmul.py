@@ -1,13 +1,16 @@
 """ops.fused_matmul: forward and gradients against the XLA float32 reference."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from hypothesis import given, settings, strategies as st
 
 import ops
 from ops.activations import ACTIVATIONS, resolve_activation
 from ops.matmul import reference
+from tests.op_test_case import OpTestCase
 from tests.tolerances import BACKWARD, FORWARD, assert_close
 
 ACTS = [None, "relu", "gelu", "gelu_exact", "silu", "sigmoid", "tanh", jax.nn.softplus]
@@ -152,6 +155,22 @@ def test_empty_batch():
     assert out.shape == (0, 40)
     grads = jax.grad(lambda x, w, b: ops.fused_matmul(x, w, b, implementation="interpret").sum(),
                      (0, 1, 2))(x, w, b)
-    assert grads[0].shape == (0, 24)
-    np.testing.assert_array_equal(grads[1], jnp.zeros((24, 40)))
-    np.testing.assert_array_equal(grads[2], jnp.zeros((40,)))
+    chex.assert_trees_all_equal(grads, (jnp.zeros((0, 24)), jnp.zeros((24, 40)), jnp.zeros((40,))))
+
+
+class VariantsTest(OpTestCase):
+    """The interpreter's kernels eagerly and under jit, values and gradients (small shapes
+    that divide no block)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("bias_gelu", "gelu", True),
+                                    ("no_bias_callable", jax.nn.softplus, False))
+    def test_matches_reference(self, act, with_bias):
+        rng = np.random.default_rng(8)
+        x = jnp.asarray(rng.standard_normal((13, 40)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((40, 24)) / 6, jnp.float32)
+        b = jnp.asarray(rng.standard_normal(24), jnp.float32) if with_bias else None
+        op = lambda x, w, b: ops.fused_matmul(x, w, b, activation=act, implementation="interpret",
+                                              block_sizes=(8, 16, 16))
+        self.check_op(op, lambda x, w, b: ref32(x, w, b, act), x, w, b,
+                      argnums=(0, 1, 2) if with_bias else (0, 1), rtol=1e-5, atol=1e-5)

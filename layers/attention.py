@@ -281,17 +281,11 @@ def _stock_attention(query, key, value, bias=None, mask=None, broadcast_dropout=
     module's bits on ``"xla"`` (its treatment of fully masked rows, its dropout
     bits and ``broadcast_dropout`` included).
     """
+    args = dict(locals())  # every argument, by name, as _flax_attention takes them
+    qkv = [args.pop(n) for n in ("query", "key", "value")]
     linen = _called_by_linen(module, force_fp32_for_softmax, einsum_dot_general,
                              qk_attn_weights_einsum, attn_weights_value_einsum)
-    return _flax_attention(query, key, value, linen=linen, bias=bias, mask=mask,
-                           broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
-                           dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
-                           precision=precision, module=module, is_causal=is_causal,
-                           promote_dtype=promote_dtype,
-                           force_fp32_for_softmax=force_fp32_for_softmax,
-                           einsum_dot_general=einsum_dot_general,
-                           qk_attn_weights_einsum=qk_attn_weights_einsum,
-                           attn_weights_value_einsum=attn_weights_value_einsum)
+    return _flax_attention(*qkv, linen=linen, **args)
 
 
 def _linen_attention(query, key, value, *, mask, is_causal, **kwargs):

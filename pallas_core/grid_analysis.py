@@ -134,14 +134,19 @@ def block_index_table(mapping: BlockMapping, grid) -> IndexTable | None:
         affine = _affine_form(mapping, grid)
         if affine is not None:
             return affine
-        indices = tuple(np.unique(np.concatenate([np.arange(min(n, SAMPLE_PER_AXIS)),
-                                                  np.arange(max(0, n - SAMPLE_PER_AXIS), n)]))
-                        for n in grid)
+        indices = _sample_indices(grid)
     else:
         indices = tuple(np.arange(n) for n in grid)
     table = IndexTable(grid, axis_indices=indices, blocks=np.zeros((0, 0), np.int64))
     blocks = _evaluate(mapping, table.sample_points())
     return None if blocks is None else dataclasses.replace(table, blocks=blocks)
+
+
+def _sample_indices(grid) -> tuple[np.ndarray, ...]:
+    """Per axis, its first and last :data:`SAMPLE_PER_AXIS` indices."""
+    return tuple(np.unique(np.concatenate([np.arange(min(n, SAMPLE_PER_AXIS)),
+                                           np.arange(max(0, n - SAMPLE_PER_AXIS), n)]))
+                 for n in grid)
 
 
 def _evaluate(mapping: BlockMapping, points: np.ndarray) -> np.ndarray | None:
@@ -350,10 +355,8 @@ def _injective(table: IndexTable) -> bool:
 
 def block_index_table_sampled(table: IndexTable) -> IndexTable:
     """An affine table evaluated at the sample points of the non-affine analysis."""
-    indices = tuple(np.unique(np.concatenate([np.arange(min(n, SAMPLE_PER_AXIS)),
-                                              np.arange(max(0, n - SAMPLE_PER_AXIS), n)]))
-                    for n in table.grid)
-    sampled = IndexTable(table.grid, axis_indices=indices, blocks=np.zeros((0, 0), np.int64))
+    sampled = IndexTable(table.grid, axis_indices=_sample_indices(table.grid),
+                         blocks=np.zeros((0, 0), np.int64))
     points = sampled.sample_points()
     blocks = table.offset[None, :] + points @ table.coeffs.T
     return dataclasses.replace(sampled, blocks=blocks.astype(np.int64))

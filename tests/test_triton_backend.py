@@ -610,3 +610,39 @@ def test_tanh_within_two_ulps_over_the_float32_range():
     want = np.asarray(jnp.tanh(edges))
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
     np.testing.assert_allclose(got, want, rtol=2 * 2.0**-23, atol=0)
+
+
+@pytest.mark.parametrize("name, fn, reference", [
+    ("exp", jnp.exp, np.exp),
+    ("sigmoid", jax.nn.sigmoid, lambda x: 1.0 / (1.0 + np.exp(-x))),
+])
+def test_exp_and_sigmoid_accuracy_over_the_float32_range(name, fn, reference):
+    """lax.exp and lax.logistic on our Triton lowering reduce the argument first
+    (jit_helpers' exp: j = round(x log2 e), exp2 of x - j ln2 only), instead of
+    exp2(x * log2 e), whose rounded product costs up to ~20 ulps near |x| = 88 on a
+    GPU. Over 2**20 sampled float32 values with a normal float32 result, in Triton's
+    interpreter (whose float32 exp2 is itself up to an ulp off, at integers too): within
+    3 ulps of float64 (XLA's CPU exp and logistic: 1.8 and 2.3 on these values);
+    subnormal results are at most the smallest normal (0 where the GPU flushes);
+    edges within 4 ulps of XLA's, infinities, zeros and NaN exactly."""
+    x = _float32_samples(2**20, seed=1).reshape(1024, 1024)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = fn(x_ref[...])
+
+    def run(a):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(a.shape, jnp.float32),
+                              backend="triton")(a)
+
+    call = lambda a: np.asarray(run(a))
+    assert "_exp(" in pl.triton.source(run, x)[0]
+    got = call(x)
+    with np.errstate(over="ignore"):
+        want = reference(x.astype(np.float64))
+    normal = (want >= 2.0**-126) & (want <= np.finfo(np.float32).max)
+    assert _ulps(got[normal], want[normal]).max() <= 3.0
+    assert (got[want < 2.0**-126] <= 2.0**-126).all()
+    assert np.isinf(got[want > np.finfo(np.float32).max]).all()
+    edges = np.array([[0.0, -0.0, np.inf, -np.inf, np.nan, 88.7, 88.8, -87.3, 1e-30, -1e-30, 20.0, -20.0,
+                       100.0, -100.0, 0.5, -0.5]], np.float32)
+    np.testing.assert_allclose(call(edges), np.asarray(fn(edges)), rtol=4 * 2.0**-23, atol=0)

@@ -22,7 +22,7 @@ from pallas_core.triton.values import (Val, as_code, axis_index, cast, fit, iden
 
 _BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|", "xor": "^"}
-_UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt",
+_UNARY_TL = {"exp2": "tl.exp2", "log": "tl.log", "sqrt": "tl.sqrt",
              "rsqrt": "tl.rsqrt", "abs": "tl.abs", "floor": "tl.floor", "ceil": "tl.ceil",
              "sin": "tl.sin", "cos": "tl.cos", "erf": "tl.erf"}
 # Reductions and scans: primitive -> jit_helpers.COMBINERS entry.
@@ -124,8 +124,18 @@ class ElementwiseWriter:
     def _p_square(self, eqn, env, x):
         return self.assign(f"{as_code(x)} * {as_code(x)}", x.shape, x.dtype)
 
+    def _p_exp(self, eqn, env, x):
+        # float32 (and 16-bit floats, through it): jit_helpers' argument-reduced exp;
+        # float64 keeps tl.exp (libdevice's exp there).
+        if np.dtype(eqn.outvars[0].aval.dtype) == np.float64:
+            return self._unary("tl.exp({x})", x, eqn)
+        return self._math("exp", eqn, x)
+
     def _p_logistic(self, eqn, env, x):
-        return self._unary("1.0 / (1.0 + tl.exp(-{x}))", x, eqn)
+        if np.dtype(eqn.outvars[0].aval.dtype) == np.float64:
+            return self._unary("1.0 / (1.0 + tl.exp(-{x}))", x, eqn)
+        # 1 / (1 + exp(-x)) in float32, rounded once to the result's dtype.
+        return self._math("exp", eqn, x, wrap="1.0 / (1.0 + {}(({}) * -1.0))")
 
     def _p_tan(self, eqn, env, x):
         return self._unary("tl.sin({x}) / tl.cos({x})", x, eqn)
@@ -153,8 +163,9 @@ class ElementwiseWriter:
         v = as_code(x)
         return self.assign(f"({v} == {v}) & (tl.abs({v}) != float(\"inf\"))", x.shape, np.bool_)
 
-    def _math(self, name, eqn, *xs):
-        """``_<name>(*xs)``, a :data:`jit_helpers.MATH` helper, computed in float32."""
+    def _math(self, name, eqn, *xs, wrap: str = "{}({})"):
+        """``_<name>(*xs)``, a :data:`jit_helpers.MATH` helper, computed in float32;
+        ``wrap`` places the helper's name and arguments in a longer float32 expression."""
         aval = eqn.outvars[0].aval
         self.math.add(name)
         # Every argument as a float32 tensor of the result's shape, so helpers
@@ -162,7 +173,7 @@ class ElementwiseWriter:
         f32 = [x if np.dtype(x.dtype) == np.float32 else Val(cast(x, "tl.float32"), x.shape, np.float32)
                for x in xs]
         args = ", ".join(fit(x, aval.shape, np.float32) for x in f32)
-        expr = f"_{name}({args})"
+        expr = wrap.format(f"_{name}", args)
         if np.dtype(aval.dtype) != np.float32:
             expr = f"{expr}.to({tl_dtype(aval.dtype)})"
         return self.assign(expr, aval.shape, aval.dtype)

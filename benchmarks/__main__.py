@@ -105,8 +105,9 @@ def cpu_header(info: dict[str, str], implementations: tuple[str, ...], timing: b
     kinds = {"interpret": "interpret (our Pallas interpreter)",
              "triton": "triton (our Triton lowering, in Triton's CPU interpreter)"}
     ours = ", ".join(kinds.get(i, i) for i in implementations)
-    text = (f"No GPU on this host ({info['device_kind']}, {info['platform']}): our kernels run "
-            f"here only in interpreters: {ours}. ")
+    device = dict.fromkeys((info["device_kind"], info["platform"]))  # "cpu" once, not twice
+    text = (f"No GPU on this host (JAX device: {', '.join(device)}): our kernels run here only "
+            f"in interpreters: {ours}. ")
     if timing:
         return text + ("--time-interpreters: the times below are of interpreters against XLA "
                        "on a CPU and say nothing about the kernels' speed on a GPU.")

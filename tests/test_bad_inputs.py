@@ -116,3 +116,15 @@ def test_linear_cross_entropy_with_empty_operands(impl, N, D):
     if N:  # every logit is 0: the loss is log V
         np.testing.assert_allclose(ops.linear_cross_entropy(x, w, labels, implementation=impl),
                                    np.full(N, np.log(16.0)), rtol=1e-6)
+
+
+def test_elementwise_check_traces_each_activation_once():
+    calls = []
+
+    def act(z):
+        calls.append(z.shape)
+        return jnp.tanh(z)
+
+    for _ in range(3):
+        check_elementwise(act, "activation", "test")
+    assert calls == [(2, 3)]

@@ -82,8 +82,9 @@ return tl.where(x > 0, r, tl.where(x < 0, r * -1.0, x))"""),
     # exp with the argument reduced first (Cody & Waite): j = round(x log2(e)) (the
     # 1.5 * 2**23 shift rounds it in the addition), f = x - j ln2 in two steps (ln2's
     # high part has 16 trailing zero bits, so j * hi and the subtraction are exact),
-    # then exp2(f log2(e)) on [-0.5, 0.5] times exp2(j), a power of two (2**127 and
-    # a factor 2 when j = 128, so results up to the float32 maximum stay finite).
+    # then exp2(f log2(e)) (its argument in [-0.5, 0.5]; up to 1.7 where j is capped
+    # at 127 so that results up to the float32 maximum stay finite) times exp2(j),
+    # a power of two.
     # Building 2**j from exponent bits instead is exact everywhere (numpy's float32
     # exp2, in Triton's interpreter, can be an ulp off at integers) but costs ten
     # more instructions per element on sm_90. tl.exp alone is
@@ -94,12 +95,10 @@ return tl.where(x > 0, r, tl.where(x < 0, r * -1.0, x))"""),
     "exp": ("x", """\
 a = tl.minimum(tl.maximum(x, -88.0, propagate_nan=tl.PropagateNan.ALL), 89.0,
                propagate_nan=tl.PropagateNan.ALL)
-j = (a * 1.4426950408889634 + 12582912.0) - 12582912.0
+j = tl.minimum((a * 1.4426950408889634 + 12582912.0) - 12582912.0, 127.0)
 f = a - j * 0.693145751953125
 f = f - j * 1.428606765330187e-06
-r = tl.exp2(f * 1.4426950408889634)
-r = tl.where(j > 127.0, r * 2.0, r)
-return r * tl.exp2(tl.minimum(j, 127.0))"""),
+return tl.exp2(f * 1.4426950408889634) * tl.exp2(j)"""),
     # lax.round(..., TO_NEAREST_EVEN) (jnp.round): ties go to the even neighbour.
     # floor(x) is exact, so x - floor(x) is too; large, infinite and NaN x pass.
     "round_even": ("x", """\

@@ -1,11 +1,14 @@
 """Timing and measurement helpers shared by every op's benchmark cases.
 
 An op's benchmark module describes its work as :class:`Case` objects (the
-inputs, one function per implementation, a float32 reference); this module
-times them (:func:`time_fn`), checks their accuracy
-(:func:`max_relative_error`), measures the device's ceilings once per run
-(:func:`measure_ceilings`) and turns one case into result rows
-(:func:`run_case`). Units: times in ms, rates in TFLOP/s and GB/s.
+inputs, one function per implementation, an exact reference run in float64
+by :func:`reference_output`); this module times them (:func:`time_fn`),
+checks their accuracy (:func:`max_relative_error`), measures the device's
+ceilings (:func:`measure_ceilings`, and :func:`copy_gbps` at each
+memory-bound case's own size) and turns one case into result rows: timed
+(:func:`run_case`) or, on a host whose implementations are interpreters,
+accuracy only (:func:`check_case`). Units: times in ms, rates in TFLOP/s
+and GB/s.
 """
 from __future__ import annotations
 

@@ -107,10 +107,17 @@ def compare(on_jax: dict[str, str], on_ours: dict[str, str], expect_differ=()) -
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("dir", type=Path, help="the fetched copy of JAX's files")
-    parser.add_argument("-k", default="", help="further pytest -k selection")
-    parser.add_argument("--expect-differ", nargs="*", default=DOCUMENTED_DIFFERENCES)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.jax_pallas_tests",
+        description="Run JAX's own interpret-mode Pallas tests twice, on jax.experimental.pallas "
+                    "and on pallas_core (only the imports swapped), and report every test that "
+                    "passes on JAX but not on pallas_core.")
+    parser.add_argument("dir", type=Path,
+                        help="The fetched copy of JAX's test files (the module docstring lists them).")
+    parser.add_argument("-k", default="", help="A further pytest -k selection.")
+    parser.add_argument("--expect-differ", nargs="*", default=DOCUMENTED_DIFFERENCES,
+                        help="Tests allowed to pass on JAX only (default: the differences "
+                             "docs/pallas_core.md lists).")
     args = parser.parse_args(argv)
     select = "InterpretTest" + (f" and ({args.k})" if args.k else "")
     with tempfile.TemporaryDirectory() as scratch:

@@ -23,9 +23,12 @@ docs/pallas_core.md lists), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import re
 import subprocess
 import sys
 import tempfile
+import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -60,6 +63,72 @@ def swap_imports(source: str, swaps: dict[str, str]) -> str:
     for old, new in swaps.items():
         source = source.replace(old, new)
     return source
+
+
+# An import of another module of JAX's Pallas op library, in one of the two forms its
+# modules use: ``from PACKAGE import MODULE [as NAME]`` or ``from MODULE import NAMES``.
+_OPS_IMPORT = re.compile(r"^from (jax\.experimental\.pallas\.ops\.[\w.]+) import (\w+)( as \w+)?$",
+                         re.MULTILINE)
+_PORTED: dict[str, types.ModuleType] = {}
+
+
+def _uses_pallas(module: str) -> bool:
+    """Whether ``module`` is a module (not a name in one) whose source imports Pallas."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:  # a function or class of a module, not a module
+        return False
+    return spec is not None and spec.origin is not None and spec.origin.endswith(".py") and any(
+        old in Path(spec.origin).read_text() for old in PALLAS_CORE_IMPORTS)
+
+
+def _ported_name(module: str) -> str:
+    return "on_pallas_core__" + module.replace(".", "__")
+
+
+def load_on_pallas_core(module: str) -> types.ModuleType:
+    """A module of JAX's Pallas op library, executed from the installed jax package's
+    own source with only its imports swapped to pallas_core (the swap a kernel author
+    makes), e.g. ``load_on_pallas_core("jax.experimental.pallas.ops.tpu.megablox.gmm")``.
+
+    The modules it imports from the op library that use Pallas themselves are
+    loaded the same way (so ``megablox.ops`` calls the swapped ``megablox.gmm``);
+    those that do not (masks, quantization helpers) are JAX's, shared. Each module is
+    loaded once, as ``sys.modules["on_pallas_core__jax__experimental__..."]``.
+
+    Raises:
+      ModuleNotFoundError: no such module in the installed jax.
+    """
+    name = _ported_name(module)
+    if module in _PORTED:
+        return _PORTED[module]
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"{module}: not in the installed jax.")
+    source = swap_imports(Path(spec.origin).read_text(), PALLAS_CORE_IMPORTS)
+
+    def port(match):
+        package, item = match.group(1), match.group(2)
+        alias = match.group(3) or f" as {item}"
+        if _uses_pallas(f"{package}.{item}"):  # a module of the library
+            load_on_pallas_core(f"{package}.{item}")
+            return f"import {_ported_name(package + '.' + item)}{alias}"
+        if _uses_pallas(package):  # names from a module of the library
+            load_on_pallas_core(package)
+            return f"from {_ported_name(package)} import {item}{match.group(3) or ''}"
+        return match.group(0)
+
+    source = _OPS_IMPORT.sub(port, source)
+    ported = types.ModuleType(name)
+    ported.__file__ = spec.origin
+    sys.modules[name] = ported
+    try:
+        exec(compile(source, spec.origin, "exec"), ported.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    _PORTED[module] = ported
+    return ported
 
 
 def prepare(src: Path, dest: Path, on_pallas_core: bool) -> None:

@@ -9,6 +9,7 @@ dimension semantics, and (5) hands the resolved call to one backend.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,8 +20,11 @@ from pallas_core import _jax_internals, autodiff, backends, grid_analysis, valid
 from pallas_core.cost import as_cost_estimate
 from pallas_core.memory import ScratchShape, as_scratch_shape
 from pallas_core.params import ARBITRARY, InterpretParams, ResolvedParams, resolve_params
-from pallas_core.specs import (BlockMapping, BlockSpec, GridSpec, grid_axis_names, normalize_grid,
-                               resolve_block_mapping)
+from pallas_core.specs import (BlockMapping, BlockSpec, GridSpec, dynamic_axes, grid_axis_names,
+                               is_no_block_spec, normalize_grid, resolve_block_mapping)
+
+# Backends that take grid dims computed under jit (traced int32 scalars).
+DYNAMIC_GRID_BACKENDS = ("interpret", "mosaic_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +33,9 @@ class ResolvedCall:
 
     kernel: Callable
     name: str
-    grid: tuple[int, ...]
+    # Static dims are ints; a dim computed under jit is a traced int32 scalar
+    # (specs.dynamic_axes lists them; only DYNAMIC_GRID_BACKENDS get such grids).
+    grid: tuple
     in_mappings: tuple[BlockMapping, ...]
     out_mappings: tuple[BlockMapping, ...]
     scratch_shapes: tuple[ScratchShape, ...]
@@ -49,6 +55,11 @@ class ResolvedCall:
     # A named grid's axis names (None entries for unnamed axes), as the kernel sees the
     # grid (batch axes excluded): lax.axis_index(name) is that axis's program id.
     grid_names: tuple | None = None
+    # Outputs whose block stays put along a "parallel" axis (JAX accepts them): each
+    # simulated core of the interpreter starts its own copy of such a block.
+    core_local_outputs: tuple[int, ...] = ()
+    # pallas_call(metadata=...): string pairs JAX's Mosaic lowering attaches to the kernel.
+    metadata: Mapping[str, str] | None = None
     # What a backend traced from this call (the interpreter's grid-point body), so a
     # second call with the same shapes does not trace the kernel again. Not copied
     # by dataclasses.replace: a changed call is traced afresh.
@@ -60,7 +71,7 @@ class ResolvedCall:
 
 
 def _is_spec_leaf(x):
-    return x is None or isinstance(x, BlockSpec)
+    return is_no_block_spec(x) or isinstance(x, BlockSpec)
 
 
 def _is_shape_leaf(x):
@@ -91,7 +102,7 @@ def _flatten_specs(specs, operands, n, what, against):
     Raises:
       ValueError: the structures differ; the message lists where, as JAX does.
     """
-    if specs is None:
+    if is_no_block_spec(specs):
         return [None] * n
     if isinstance(specs, BlockSpec) or (
             isinstance(specs, (list, tuple)) and len(specs) == 1 and n == 1
@@ -111,7 +122,8 @@ def _flatten_specs(specs, operands, n, what, against):
             f"Pytree for `{what}` and `{against}` do not match. There are {len(errors)} "
             f"mismatches, including:\n{where}\nGive one BlockSpec (or None) per operand, in a "
             "pytree of the operands' structure, and None for a None operand.")
-    return jax.tree.leaves(_tuples(specs), is_leaf=_is_spec_leaf)
+    return [None if is_no_block_spec(s) else s
+            for s in jax.tree.leaves(_tuples(specs), is_leaf=_is_spec_leaf)]
 
 
 def _present(specs, operands, what):
@@ -132,27 +144,40 @@ def _needs_structure(in_tree, in_present, out_tree, out_present) -> bool:
     return not (all(in_present) and all(out_present) and _is_flat(in_tree) and _is_flat(out_tree))
 
 
-def _kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present):
+def _kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present, scratch_present):
     """``kernel`` called with the Refs of the present operands put back in their
     pytrees, None where an operand is None, as JAX calls it: one argument per
-    input (its pytree of Refs), then one per output, then the scratch Refs."""
+    input (its pytree of Refs), then one per output, then the scratch Refs (None
+    where a ``scratch_shapes`` entry is None)."""
     if not _needs_structure(in_tree, in_present, out_tree, out_present):
-        return kernel
+        if all(scratch_present):
+            return kernel
+        n_flat = len(in_present) + len(out_present)
 
-    def fill(refs, present):
-        refs, out = iter(refs), []
-        for p in present:
-            out.append(next(refs) if p else None)
-        return out, list(refs)
+        def with_none_scratch(*refs):
+            scratch, _ = fill(refs[n_flat:], scratch_present)
+            return kernel(*refs[:n_flat], *scratch)
+
+        with_none_scratch.__name__ = getattr(kernel, "__name__", "kernel")
+        return with_none_scratch
 
     def structured(*refs):
         ins, rest = fill(refs, in_present)
         outs, scratch = fill(rest, out_present)
+        scratch, _ = fill(scratch, scratch_present)
         return kernel(*jax.tree.unflatten(in_tree, ins),
                       *_out_args(jax.tree.unflatten(out_tree, outs)), *scratch)
 
     structured.__name__ = getattr(kernel, "__name__", "kernel")
     return structured
+
+
+def fill(refs, present):
+    """``(filled, rest)``: a Ref from ``refs`` where ``present`` is true, None elsewhere."""
+    refs, out = iter(refs), []
+    for p in present:
+        out.append(next(refs) if p else None)
+    return out, list(refs)
 
 
 def _checked_body(body, kernel, names_and_sizes):
@@ -187,14 +212,19 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
                 input_output_aliases: Mapping[int, int] | None = None,
                 compiler_params=None, backend: str | None = None,
                 interpret: bool | InterpretParams = False, name: str | None = None,
-                cost_estimate=None, debug: bool = False) -> Callable[..., Any]:
+                cost_estimate=None, debug: bool = False,
+                metadata: Mapping[str, str] | None = None) -> Callable[..., Any]:
     """Wraps ``kernel`` into a function of arrays that runs it over ``grid``.
 
     Args:
       kernel: ``kernel(*in_refs, *out_refs, *scratch_refs) -> None``.
       out_shape: a pytree of objects with ``.shape`` and ``.dtype``
         (``jax.ShapeDtypeStruct`` or arrays).
-      grid: an int or tuple of ints; ``()`` runs one program. A named grid
+      grid: an int or tuple of ints; ``()`` runs one program. As in JAX, a
+        dim may be an integer scalar computed under ``jit`` (e.g. a tile count
+        from data): the interpreter then runs the points in row-major order on
+        one simulated core, ``mosaic_tpu`` hands it to JAX, and the other
+        backends raise NotImplementedError naming the dim. A named grid
         ``(("i", 4), ("j", 2))`` names its axes: in the kernel
         ``lax.axis_size("i")`` / ``lax.psum(1, "i")`` give a size and
         ``lax.axis_index("i")`` the program id along it
@@ -205,7 +235,8 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         (and an operand that is a pytree of arrays reaches the kernel as that
         pytree of Refs). ``input_output_aliases`` count the array operands only.
       grid_spec: a :class:`GridSpec` instead of grid/in_specs/out_specs/scratch.
-      scratch_shapes: e.g. ``[pallas_core.tpu.VMEM((8, 128), jnp.float32)]``.
+      scratch_shapes: e.g. ``[pallas_core.tpu.VMEM((8, 128), jnp.float32)]``;
+        a None entry gives the kernel None in that position (as JAX does).
       input_output_aliases: ``{input_index: output_index}``; the output starts
         with (and may reuse the buffer of) that input.
       compiler_params: see :mod:`pallas_core.params`.
@@ -219,6 +250,10 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
         ``{"flops", "transcendentals", "bytes_accessed"}`` or JAX's
         ``CostEstimate``, forwarded to the Mosaic backends (checked elsewhere).
       debug: print what the backend generates.
+      metadata: a mapping of strings to strings (JAX's meaning): attached to
+        the kernel by JAX's lowering on the ``mosaic_tpu``, ``mosaic_gpu`` and
+        ``pallas_triton`` backends, for profilers; a checked no-op on
+        ``interpret`` and ``triton``.
 
     Returns:
       A function of the inputs returning outputs shaped like ``out_shape``.
@@ -235,12 +270,12 @@ def pallas_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None,
             out_specs=out_specs, scratch_shapes=scratch_shapes,
             input_output_aliases=input_output_aliases, compiler_params=compiler_params,
             backend=backend, interpret=interpret, name=name, cost_estimate=cost_estimate,
-            debug=debug)
+            debug=debug, metadata=metadata)
     return build_call(kernel, out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
                       grid_spec=grid_spec, scratch_shapes=scratch_shapes,
                       input_output_aliases=input_output_aliases, compiler_params=compiler_params,
                       backend=backend, interpret=interpret, name=name,
-                      cost_estimate=cost_estimate, debug=debug)
+                      cost_estimate=cost_estimate, debug=debug, metadata=metadata)
 
 
 def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_specs=None,
@@ -248,7 +283,8 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
                input_output_aliases: Mapping[int, int] | None = None, compiler_params=None,
                backend: str | None = None, interpret: bool | InterpretParams = False,
                name: str | None = None, cost_estimate=None, debug: bool = False,
-               num_scalar_prefetch: int = 0) -> Callable[..., Any]:
+               num_scalar_prefetch: int = 0,
+               metadata: Mapping[str, str] | None = None) -> Callable[..., Any]:
     """:func:`pallas_call` but for a :class:`~pallas_core.tpu.PrefetchScalarGridSpec`, which
     :mod:`pallas_core.tpu_prefetch` turns into this call with ``num_scalar_prefetch``
     leading whole-array operands (see :attr:`ResolvedCall.num_scalar_prefetch`)."""
@@ -265,11 +301,19 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
                          f"input, got {in_specs!r}.")
     axis_names = grid_axis_names(grid)
     grid = normalize_grid(grid)
+    metadata = _check_metadata(metadata)
     params = resolve_params(compiler_params)
     if not isinstance(interpret, (bool, InterpretParams)):
         raise TypeError(f"interpret: expected a bool or pallas_core.InterpretParams, got {interpret!r}.")
     interpret_params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
     chosen = backends.choose(backend, interpret)
+    dynamic = dynamic_axes(grid)
+    if dynamic and chosen not in DYNAMIC_GRID_BACKENDS:
+        raise NotImplementedError(
+            f"grid: dim {dynamic[0]} is computed under jit (a traced int32 scalar); the "
+            f"{chosen!r} backend needs every grid dim static (the {', '.join(DYNAMIC_GRID_BACKENDS)} "
+            "backends take traced dims). Pass an upper bound and skip the extra programs "
+            "with pl.when.")
     if isinstance(out_shape, list):
         out_shape = tuple(out_shape)
     out_all, out_tree = jax.tree.flatten(out_shape, is_leaf=lambda x: x is None or _is_shape_leaf(x))
@@ -279,7 +323,9 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
         if not _is_shape_leaf(o):
             raise TypeError(f"out_shape: leaf {i} is {type(o).__name__}; expected "
                             "jax.ShapeDtypeStruct or an array-like with .shape and .dtype.")
-    scratch_shapes = tuple(as_scratch_shape(s) for s in scratch_shapes or ())
+    scratch_all = tuple(as_scratch_shape(s) for s in scratch_shapes or ())
+    scratch_present = [s is not None for s in scratch_all]
+    scratch_shapes = tuple(s for s in scratch_all if s is not None)
     for s in scratch_shapes:
         if not isinstance(s, ScratchShape):
             raise TypeError("scratch_shapes: expected e.g. pallas_core.tpu.VMEM(shape, dtype), "
@@ -303,14 +349,15 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
             n_in, n_out = len(args_tree), len(_out_args(out_tree.unflatten(out_all)))
         else:
             n_in, n_out = len(args), len(out_leaves)
-        validation.check_kernel_arity(kernel, n_in, n_out, len(scratch_shapes))
+        validation.check_kernel_arity(kernel, n_in, n_out, len(scratch_all))
         in_maps = tuple(resolve_block_mapping(s, f"in_specs[{i}]", np.shape(a), a.dtype, len(grid),
                                               path=in_paths[i])
                         for i, s, a in in_flat)
         out_maps = tuple(resolve_block_mapping(s, f"out_specs[{i}]", o.shape, o.dtype, len(grid),
                                                path=out_paths[i])
                          for i, s, o in out_flat)
-        body = _checked_body(_kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present),
+        body = _checked_body(_kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present,
+                                                scratch_present),
                              kernel, tuple(zip(axis_names or (), grid)))
         _check_aliases(aliases, args, out_leaves)
         if scratch_shapes and chosen == "pallas_triton":
@@ -327,20 +374,25 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
                 validation.check_pow2(m, chosen)
         out_tables = []
         for m, is_output in [(m, False) for m in in_maps] + [(m, True) for m in out_maps]:
-            table = grid_analysis.block_index_table(m, grid)
+            # Index maps over a grid with traced dims cannot be evaluated before it runs.
+            table = None if dynamic else grid_analysis.block_index_table(m, grid)
             if table is not None:
                 grid_analysis.check_in_bounds(m, table, grid)
             if is_output:
                 out_tables.append((m.origin, table))
         given = params.dimension_semantics
-        if given is None and num_scalar_prefetch and any(t is None for _, t in out_tables):
-            # An output index map that reads prefetched scalars (not known before the
-            # call runs) may revisit blocks anywhere: every axis runs in order, as on
-            # JAX's TPU backend (pass dimension_semantics to say otherwise).
+        if given is None and (num_scalar_prefetch or dynamic) and any(t is None for _, t in out_tables):
+            # An output index map that reads prefetched scalars, or a grid whose size is
+            # not known before the call runs, may revisit blocks anywhere: every axis
+            # runs in order, as on JAX's TPU backend (pass dimension_semantics to say
+            # otherwise).
             given = (ARBITRARY,) * len(grid)
-        semantics = validation.resolve_semantics(
-            given, out_tables, grid, chosen,
-            uses_atomics=lambda: _uses_atomics(body, in_maps + out_maps, scratch_shapes, grid))
+        uses_atomics = functools.cache(
+            lambda: _uses_atomics(body, in_maps + out_maps, scratch_shapes, grid))
+        semantics = validation.resolve_semantics(given, out_tables, grid, chosen,
+                                                 uses_atomics=uses_atomics)
+        core_local = validation.outputs_kept_along_parallel_axes(out_tables, grid, semantics,
+                                                                 uses_atomics)
         return ResolvedCall(kernel=body, name=kernel_name, grid=grid, in_mappings=in_maps,
                             out_mappings=out_maps, scratch_shapes=scratch_shapes,
                             input_output_aliases=aliases, semantics=semantics, params=params,
@@ -348,14 +400,18 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
                             cost_estimate=as_cost_estimate(cost_estimate),
                             interpret_params=interpret_params,
                             num_scalar_prefetch=num_scalar_prefetch,
-                            grid_names=tuple(axis_names) if axis_names else None)
+                            grid_names=tuple(axis_names) if axis_names else None,
+                            core_local_outputs=core_local, metadata=metadata)
 
     resolved: dict = {}
 
     def wrapped(*args):
         # None operands stay in place (the kernel receives None there), as in JAX.
         all_args, in_tree = jax.tree.flatten(args, is_leaf=_is_none)
-        all_args = [a if a is None or hasattr(a, "dtype") else np.asarray(a) for a in all_args]
+        # Python scalars take JAX's dtypes (int32 / float32 unless x64 is on), as jnp.asarray.
+        all_args = [a if a is None or hasattr(a, "dtype") else
+                    np.asarray(a, jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
+                    for a in all_args]
         flat_args = [a for a in all_args if a is not None]
         key = (in_tree, tuple(None if a is None else (tuple(np.shape(a)), np.dtype(a.dtype))
                               for a in all_args))
@@ -367,6 +423,16 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
         return jax.tree.unflatten(out_tree, [next(outs) if p else None for p in out_present])
 
     return wrapped
+
+
+def _check_metadata(metadata):
+    """``metadata`` as a dict of strings (JAX's type for it), or None."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError(f"metadata: expected a mapping of str to str, got {metadata!r}.")
+    return dict(metadata)
 
 
 def _aval_text(shape, dtype) -> str:

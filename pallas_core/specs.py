@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_core.signatures import arity_error, function_source
@@ -180,12 +181,32 @@ def grid_axis_names(grid) -> tuple[str, ...] | None:
     return names
 
 
-def normalize_grid(grid) -> tuple[int, ...]:
+def is_dynamic_dim(d) -> bool:
+    """Whether a grid dim is a traced integer scalar (its size known only when the call runs)."""
+    return isinstance(d, jax.core.Tracer)
+
+
+def dynamic_axes(grid) -> tuple[int, ...]:
+    """The grid axes whose sizes are traced (see :func:`normalize_grid`)."""
+    return tuple(a for a, d in enumerate(grid) if is_dynamic_dim(d))
+
+
+def normalize_grid(grid) -> tuple:
     """An int grid becomes a 1-tuple; ``()``/``None`` means one program; a named
-    grid ``(("i", 4), ...)`` gives its sizes (see :func:`grid_axis_names`)."""
+    grid ``(("i", 4), ...)`` gives its sizes (see :func:`grid_axis_names`).
+
+    As in JAX, a dim may be an integer scalar computed under ``jit`` (a grouped
+    matmul's tile count, known only from its group sizes): such a dim stays a
+    traced int32 scalar in the returned tuple (:func:`dynamic_axes` lists them);
+    a concrete array scalar becomes an int.
+
+    Raises:
+      TypeError: a dim that is neither an int nor an integer scalar.
+      ValueError: a negative static dim.
+    """
     if grid is None:
         return ()
-    if isinstance(grid, (int, np.integer)):
+    if isinstance(grid, (int, np.integer)) or is_dynamic_dim(grid):
         grid = (grid,)
     try:
         dims = tuple(grid)
@@ -195,8 +216,15 @@ def normalize_grid(grid) -> tuple[int, ...]:
         dims = tuple(size for _, size in dims)
     out = []
     for d in dims:
+        scalar = hasattr(d, "dtype") and np.shape(d) == () and jnp.issubdtype(d.dtype, jnp.integer)
+        if is_dynamic_dim(d) and scalar:
+            out.append(jnp.asarray(d, jnp.int32))
+            continue
+        if scalar and not isinstance(d, np.integer):
+            d = int(d)  # a concrete array scalar
         if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
-            raise TypeError(f"grid: every dim must be a static int, got {grid!r}.")
+            raise TypeError(f"grid: every dim must be an int or an integer scalar (traced under "
+                            f"jit), got {grid!r}.")
         if d < 0:
             raise ValueError(f"grid: dims must be >= 0, got {grid!r}.")
         out.append(int(d))
@@ -253,6 +281,12 @@ class BlockMapping:
         return tuple(i if e else i * b for i, b, e in zip(indices, self.block_shape, self.element))
 
 
+def is_no_block_spec(spec) -> bool:
+    """None, or JAX's ``pl.no_block_spec`` (a ``NoBlockSpec``): both mean the whole array."""
+    return spec is None or (type(spec).__name__ == "NoBlockSpec"
+                            and type(spec).__module__.startswith("jax."))
+
+
 def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int,
                           path: str | None = None) -> BlockMapping:
     """Checks a user BlockSpec against its operand and normalises it.
@@ -268,7 +302,7 @@ def resolve_block_mapping(spec, origin: str, array_shape, dtype, grid_rank: int,
         does not match the grid.
     """
     path = path or origin
-    if spec is None:
+    if is_no_block_spec(spec):
         spec = BlockSpec()
     if not isinstance(spec, BlockSpec):
         raise TypeError(f"{origin}: expected a pallas_core.BlockSpec or None, got "

@@ -2,7 +2,7 @@
 
 Memory spaces (VMEM, SMEM, HBM, ANY), Mosaic TPU :class:`CompilerParams`,
 scalar prefetch (:class:`PrefetchScalarGridSpec`, :mod:`pallas_core.tpu_prefetch`),
-``roll`` and the kernel PRNG (:mod:`pallas_core.tpu_ops`), manual DMA and
+``roll``, the masked ``load`` / ``store``, ``bitcast`` and the kernel PRNG (:mod:`pallas_core.tpu_ops`), manual DMA and
 semaphores (:mod:`pallas_core.dma`). See docs/pallas_core.md.
 """
 from __future__ import annotations
@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from pallas_core.dma import AsyncCopyDescriptor, SemaphoreType, async_copy, make_async_copy, sync_copy
 from pallas_core.memory import ANY, MemorySpace
 from pallas_core.params import ARBITRARY, PARALLEL, ResolvedParams, check_semantics
-from pallas_core.tpu_ops import prng_random_bits, prng_seed, roll
+from pallas_core.tpu_ops import bitcast, load, prng_random_bits, prng_seed, roll, store
 from pallas_core.tpu_prefetch import PrefetchScalarGridSpec
 
 __all__ = ["ANY", "ARBITRARY", "AsyncCopyDescriptor", "CompilerParams", "HBM", "MemorySpace",
            "PARALLEL", "PrefetchScalarGridSpec", "SMEM", "SemaphoreType", "VMEM", "async_copy",
-           "make_async_copy", "prng_random_bits", "prng_seed", "roll", "sync_copy"]
+           "bitcast", "load", "make_async_copy", "prng_random_bits", "prng_seed", "roll", "store",
+           "sync_copy"]
 
 VMEM = MemorySpace("tpu", "VMEM")
 SMEM = MemorySpace("tpu", "SMEM")

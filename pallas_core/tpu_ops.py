@@ -1,9 +1,17 @@
-"""``pltpu.roll`` and the TPU's stateful PRNG, ``pltpu.prng_seed`` / ``prng_random_bits``.
+"""``pltpu.roll``, ``store``, ``bitcast`` and the TPU's stateful PRNG, ``prng_seed`` /
+``prng_random_bits``.
 
 * ``roll(x, shift, axis, *, stride=None, stride_axis=None)``: ``jnp.roll`` of
   ``x`` by ``shift`` along ``axis`` (element ``i`` moves to ``i + shift``,
   wrapping); with a ``stride``, slice ``k`` along ``stride_axis`` is rolled by
   ``shift + k * stride`` (the TPU's strided lane rotate).
+* ``store(ref, val, *, mask=None)``: ``ref[...] = val`` where ``mask`` is True,
+  memory unchanged elsewhere (the TPU's masked vector store); ``load(ref, *,
+  mask=None)``: ``ref[...]``, unspecified where ``mask`` is False.
+* ``bitcast(x, ty)``: ``x``'s bits seen as ``ty``; between widths the
+  second-minor dim scales by the width ratio (packed rows, as in a TPU
+  vreg: row ``r`` of a 16-bit result from a 32-bit ``x`` is the low half of
+  row ``r // 2`` when ``r`` is even and the high half when odd).
 * ``prng_seed(*seeds)`` seeds the kernel's generator; ``prng_random_bits(shape)``
   returns int32 random bits and advances it. The TPU's hardware generator is
   not reproduced bit for bit: the interpreter draws from JAX's threefry,
@@ -13,7 +21,8 @@
   per program). Drawing before any seed uses seed 0.
 
 ``mosaic_tpu`` gets JAX's own primitives. Our ``triton`` backend rolls with
-``tl.gather`` at the rolled positions; there is no PRNG there (Triton's random
+``tl.gather`` at the rolled positions, stores with a mask (``tl.store``) and
+bitcasts between equal widths; there is no PRNG there (Triton's random
 numbers are a counter-based generator of another design), and the other GPU
 lowerings have none of these: NotImplementedError.
 """
@@ -94,6 +103,76 @@ def rolled(x, shift, axis, stride, stride_axis):
     n = x.shape[axis]
     source = jnp.remainder(lax.broadcasted_iota(jnp.int32, x.shape, axis) - amount, n)
     return jnp.take_along_axis(x, source, axis)
+
+
+def load(ref, *, mask=None):
+    """``ref[...]``; where ``mask`` (booleans of the Ref's shape) is False the value is
+    unspecified (0 here, as ``pl.load`` gives without ``other``)."""
+    native = jax_tpu_or_none("load", also=("triton",))
+    if native is not None:
+        return native.load(ref, mask=mask)
+    from pallas_core.primitives import load as masked_load
+    return masked_load(ref, (), mask=mask)
+
+
+def store(ref, val, *, mask=None) -> None:
+    """``ref[...] = val`` where ``mask`` is True; elsewhere memory keeps its value.
+
+    Args:
+      ref: a Ref (narrow it with ``ref.at[...]`` first).
+      val: an array of the Ref's shape (broadcast as for ``ref[...] = val``).
+      mask: None (every element), or booleans of the Ref's shape.
+    """
+    native = jax_tpu_or_none("store", also=("triton",))
+    if native is not None:
+        native.store(ref, val, mask=mask)
+        return
+    from pallas_core.primitives import store as masked_store
+    masked_store(ref, (), val, mask=mask)
+
+
+def _bits(dtype) -> int:
+    return jnp.dtype(dtype).itemsize * 8
+
+
+def bitcast(x, ty):
+    """``x``'s bits as dtype ``ty``; the second-minor dim is scaled by the ratio of
+    the widths (rows are packed: see the module doc), the other dims kept.
+
+    Raises:
+      ValueError: ``x`` of rank < 2, or a second-minor dim that does not pack
+        evenly into ``ty`` (JAX's checks).
+      NotImplementedError: widths that differ, on the triton backend.
+    """
+    x = jnp.asarray(x)
+    ty = jnp.dtype(ty)
+    if x.ndim < 2:
+        raise ValueError(f"bitcast: x must have rank >= 2, got shape {x.shape}.")
+    src, dst = _bits(x.dtype), _bits(ty)
+    if x.shape[-2] * src % dst:
+        raise ValueError(f"bitcast: the second-minor dim of {x.dtype}{list(x.shape)} does not "
+                         f"pack evenly into {ty} ({src} -> {dst} bits).")
+    native = jax_tpu_or_none("bitcast", also=("triton",))
+    if native is not None:
+        return native.bitcast(x, ty)
+    if src != dst and _backend() == "triton":
+        raise NotImplementedError(f"bitcast: {x.dtype} -> {ty} changes the element width, which "
+                                  "the triton backend does not do (equal widths only).")
+    return bitcast_rows(x, ty)
+
+
+def bitcast_rows(x, ty):
+    """:func:`bitcast` in ``jax.numpy`` (arguments already checked)."""
+    src, dst = _bits(x.dtype), _bits(ty)
+    *lead, m, n = x.shape
+    if src < dst:  # ``packing`` consecutive rows make one row
+        packing = dst // src
+        x = jnp.swapaxes(x.reshape(*lead, m // packing, packing, n), -1, -2)
+        return lax.bitcast_convert_type(x, ty)
+    if src > dst:  # each row unpacks into ``packing`` rows
+        y = lax.bitcast_convert_type(x, ty)
+        return jnp.swapaxes(y, -1, -2).reshape(*lead, m * (src // dst), n)
+    return lax.bitcast_convert_type(x, ty)
 
 
 _IMPL = "threefry2x32"  # two uint32 words of key, whatever jax_default_prng_impl says

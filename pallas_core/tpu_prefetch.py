@@ -9,7 +9,10 @@ grid point can read before its blocks are chosen:
 * the kernel is called as ``kernel(*scalar_refs, *in_refs, *out_refs,
   *scratch_refs)``: the scalars are whole arrays (in SMEM on a TPU);
 * ``in_specs`` describe the operands after the scalars only, and
-  ``input_output_aliases`` count every operand, the scalars included.
+  ``input_output_aliases`` count every operand, the scalars included;
+* as in JAX, a scalar-prefetch operand may be None (the kernel and the index
+  maps receive None in its place) or a pytree of arrays (they receive that
+  pytree; megablox passes its group metadata as a tuple).
 
 Paged attention and mixture-of-experts kernels are built on it. Every backend
 but ``mosaic_tpu`` runs it as an ordinary ``pallas_call`` whose first ``n``
@@ -26,10 +29,10 @@ says how many) and whose index maps close over the scalar arrays:
 
 An output index map that reads the scalars cannot be analysed before the call
 runs (under ``jit``), so the grid axes then default to ``"arbitrary"`` unless
-``dimension_semantics`` says otherwise. On ``mosaic_tpu`` the specs go to JAX's
-own ``PrefetchScalarGridSpec`` (grid axes ``"arbitrary"`` unless
-``dimension_semantics`` says otherwise: data-dependent index maps defeat the
-revisit analysis). The Mosaic GPU and pallas_triton lowerings refuse it
+``dimension_semantics`` says otherwise. On ``mosaic_tpu`` the resolved call
+goes to JAX's own ``PrefetchScalarGridSpec``: the scalar operands are
+prefetched and each index map is called with JAX's scalar Refs in their place
+(:func:`scalar_refs`). The Mosaic GPU and pallas_triton lowerings refuse it
 (NotImplementedError), as JAX's do.
 """
 from __future__ import annotations
@@ -45,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_core import backends
-from pallas_core.specs import BlockSpec, _check_arity, normalize_grid
+from pallas_core.specs import BlockSpec, _check_arity, is_no_block_spec, normalize_grid
 
 SUPPORTED_BACKENDS = ("interpret", "triton", "mosaic_tpu")
 
@@ -96,19 +99,27 @@ class PrefetchScalarGridSpec:
 
 
 def _is_spec_leaf(x) -> bool:
-    return x is None or isinstance(x, BlockSpec)
+    return is_no_block_spec(x) or isinstance(x, BlockSpec)
+
+
+def _with_refs(scalars, refs):
+    """``scalars`` (operands, each None or a pytree of arrays) with their arrays
+    replaced, in order, by ``refs``."""
+    leaves, tree = jax.tree.flatten(list(scalars), is_leaf=lambda x: x is None)
+    refs = iter(refs)
+    return jax.tree.unflatten(tree, [None if x is None else next(refs) for x in leaves])
 
 
 def _bind_scalars(spec, origin, grid_rank, scalars):
     """``spec`` with an index map of the program ids only (the scalars closed over)."""
-    if spec is None or spec.index_map is None:
-        return spec
+    if is_no_block_spec(spec) or spec.index_map is None:
+        return None if is_no_block_spec(spec) else spec
     index_map = spec.index_map
     _check_arity(index_map, origin, grid_rank + len(scalars))
 
     def bound(*ids):
         override = _SCALAR_REFS.get()
-        return index_map(*ids, *(scalars if override is None else override))
+        return index_map(*ids, *(scalars if override is None else _with_refs(scalars, override)))
 
     bound.__name__ = getattr(index_map, "__name__", "index_map")
     return BlockSpec(spec.block_shape, bound, indexing_mode=spec.indexing_mode,
@@ -124,7 +135,7 @@ def _bind_tree(specs, what, grid_rank, scalars):
 
 def _whole(args, specs):
     """``specs`` as a sequence of one entry per operand in ``args`` (None: whole arrays)."""
-    if specs is None:
+    if is_no_block_spec(specs):
         return [jax.tree.map(lambda _: None, a, is_leaf=lambda x: x is None) for a in args]
     if isinstance(specs, BlockSpec):
         return [specs]
@@ -135,55 +146,18 @@ def _whole(args, specs):
 
 
 def _scalars(args, n):
-    """The first ``n`` operands, checked to be integer arrays."""
+    """The first ``n`` operands, checked to be integer arrays (or None, or pytrees of
+    integer arrays)."""
     if len(args) < n:
         raise ValueError(f"pallas_call: PrefetchScalarGridSpec(num_scalar_prefetch={n}) "
                          f"needs at least {n} operand(s), got {len(args)}.")
-    scalars = [jnp.asarray(s) for s in args[:n]]
+    scalars = [jax.tree.map(jnp.asarray, s) for s in args[:n]]
     for k, s in enumerate(scalars):
-        if not jnp.issubdtype(s.dtype, jnp.integer):
-            raise TypeError(f"pallas_call: scalar-prefetch operand {k} must be an integer "
-                            f"array, got {s.dtype}.")
+        for leaf in jax.tree.leaves(s):
+            if not jnp.issubdtype(leaf.dtype, jnp.integer):
+                raise TypeError(f"pallas_call: scalar-prefetch operand {k} must be an integer "
+                                f"array, got {leaf.dtype}.")
     return scalars
-
-
-def _on_mosaic_tpu(kernel, out_shape, grid_spec, *, input_output_aliases, compiler_params, name,
-                   cost_estimate, debug):
-    """The call through JAX's own ``PrefetchScalarGridSpec`` (one array per operand)."""
-    from pallas_core.backends import jax_pallas
-    from pallas_core.call import ResolvedCall
-    from pallas_core.cost import as_cost_estimate
-    from pallas_core.params import ARBITRARY, resolve_params
-    from pallas_core.specs import resolve_block_mapping
-
-    n = grid_spec.num_scalar_prefetch
-    grid = normalize_grid(grid_spec.grid)
-    params = resolve_params(compiler_params)
-    single = not isinstance(out_shape, (tuple, list))
-    outs = [out_shape] if single else list(out_shape)
-
-    def call(*args):
-        scalars, rest = _scalars(args, n), args[n:]
-        in_specs = _whole(rest, grid_spec.in_specs)
-        out_specs = _whole(outs, grid_spec.out_specs)
-        for what, specs, operands in (("in_specs", in_specs, rest), ("out_specs", out_specs, outs)):
-            if len(specs) != len(operands):
-                raise ValueError(f"{what}: {len(specs)} spec(s) for {len(operands)} operand(s) "
-                                 "(the scalar-prefetch operands not counted).")
-        maps = [tuple(resolve_block_mapping(s, f"{what}[{k}]", np.shape(a), a.dtype, len(grid) + n)
-                      for k, (s, a) in enumerate(zip(specs, operands)))
-                for what, specs, operands in (("in_specs", in_specs, rest),
-                                              ("out_specs", out_specs, outs))]
-        resolved = ResolvedCall(
-            kernel=kernel, name=name or getattr(kernel, "__name__", "kernel"), grid=grid,
-            in_mappings=maps[0], out_mappings=maps[1], scratch_shapes=grid_spec.scratch_shapes,
-            input_output_aliases=dict(input_output_aliases or {}),
-            semantics=params.dimension_semantics or (ARBITRARY,) * len(grid), params=params,
-            backend="mosaic_tpu", debug=debug, cost_estimate=as_cost_estimate(cost_estimate))
-        result = jax_pallas.run(resolved, [*scalars, *rest], "mosaic_tpu", num_scalar_prefetch=n)
-        return result[0] if single else type(out_shape)(result)
-
-    return call
 
 
 def prefetching_call(build_call, kernel, out_shape, grid_spec: PrefetchScalarGridSpec, *,
@@ -206,8 +180,6 @@ def prefetching_call(build_call, kernel, out_shape, grid_spec: PrefetchScalarGri
         raise NotImplementedError(
             f"PrefetchScalarGridSpec: scalar prefetch is implemented on {SUPPORTED_BACKENDS}, "
             f"not on the {chosen!r} backend.")
-    if chosen == "mosaic_tpu":
-        return _on_mosaic_tpu(kernel, out_shape, grid_spec, **kwargs)
     from pallas_core.tpu import SMEM
     n = grid_spec.num_scalar_prefetch
     grid_rank = len(normalize_grid(grid_spec.grid))
@@ -217,12 +189,13 @@ def prefetching_call(build_call, kernel, out_shape, grid_spec: PrefetchScalarGri
         rest = _whole(args[n:], grid_spec.in_specs)
         plain = dict(
             grid=grid_spec.grid,
-            in_specs=[BlockSpec(memory_space=SMEM)] * n + _bind_tree(rest, "in_specs", grid_rank,
-                                                                       scalars),
+            in_specs=[jax.tree.map(lambda _: BlockSpec(memory_space=SMEM), s) for s in scalars]
+            + _bind_tree(rest, "in_specs", grid_rank, scalars),
             out_specs=_bind_tree(grid_spec.out_specs, "out_specs", grid_rank, scalars),
             scratch_shapes=grid_spec.scratch_shapes)
+        present = len(jax.tree.leaves(scalars))  # one mapping per array; None leaves none
         return build_call(kernel, out_shape, backend=backend, interpret=interpret, **plain,
-                          num_scalar_prefetch=n, **kwargs)(*scalars, *args[n:])
+                          num_scalar_prefetch=present, **kwargs)(*scalars, *args[n:])
 
     return _one_batch_element_at_a_time(call)
 

@@ -1,6 +1,8 @@
 """Checks run before anything is lowered; each error names the spec and the rule."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from pallas_core import grid_analysis
@@ -78,11 +80,11 @@ def check_pow2(m: BlockMapping, backend: str) -> None:
 def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: False) -> tuple[str, ...]:
     """Checks given dimension_semantics against the output index maps, or infers them.
 
+    A ``"parallel"`` axis along which an output block is revisited is accepted,
+    as JAX accepts it; :func:`outputs_kept_along_parallel_axes` warns about it.
+
     Raises:
-      ValueError: wrong length; a parallel axis along which an output block is
-        revisited (a write race, unless the kernel updates memory only through
-        ``pallas_core.triton`` atomics, checked by ``uses_atomics()``); an output
-        block revisited after being left;
+      ValueError: wrong length; an output block revisited after being left;
         on backends without sequential axes, any revisited output block.
     """
     rank = len(grid)
@@ -104,12 +106,6 @@ def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: Fal
                 f"written at grid point {first}, left, and revisited at {later}; an output "
                 "block may only be revisited on consecutive grid points, so reductions "
                 "must run over the minor-most (last) grid axes (seed 002).")
-        if given is not None:
-            for a in sorted(axes):
-                if given[a] == PARALLEL and not uses_atomics():
-                    raise ValueError(
-                        f"{origin}: grid axis {a} is marked 'parallel' but the output block "
-                        "is revisited along it, which is a write race; mark it 'arbitrary'.")
     if backend in NO_SEQUENTIAL_AXES and revisits:
         raise ValueError(
             f"backend {backend!r} runs every grid point concurrently, but an output block "
@@ -118,3 +114,33 @@ def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: Fal
     if given is not None:
         return tuple(given)
     return grid_analysis.infer_semantics(revisits, rank)
+
+
+def outputs_kept_along_parallel_axes(out_tables, grid, semantics, uses_atomics=lambda: False
+                                     ) -> tuple[int, ...]:
+    """The outputs whose block index stays the same along a ``"parallel"`` axis.
+
+    JAX accepts them: on a megacore TPU each core keeps its own copy of such a
+    block in VMEM and writes it back when it leaves it, so the copy written
+    last wins (splash attention keeps per-head running statistics this way,
+    reinitialised by each program that uses them). It is a write race if the
+    kernel means to accumulate into the block across that axis, so each one is
+    reported with a :class:`UserWarning` naming the spec and the axis, unless
+    the kernel updates memory through ``pallas_core.triton`` atomics
+    (``uses_atomics()``). Returns their positions among the outputs.
+    """
+    kept = []
+    for o, (origin, table) in enumerate(out_tables):
+        if table is None:
+            continue
+        parallel = sorted(a for a in grid_analysis.revisited_axes(table, grid)
+                          if semantics[a] == PARALLEL)
+        if parallel and not uses_atomics():
+            kept.append(o)
+            warnings.warn(
+                f"{origin}: the output block stays the same along grid axis {parallel[0]}, "
+                "which is marked 'parallel': each core keeps its own copy of the block and "
+                "the copies are written back in order, the last one winning (a write race "
+                "if the kernel accumulates into it across that axis: mark the axis "
+                "'arbitrary' for that).", UserWarning, stacklevel=4)
+    return tuple(kept)

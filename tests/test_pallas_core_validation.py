@@ -86,15 +86,23 @@ def test_unknown_backend():
         call(X, in_spec=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend="cuda_magic")
 
 
-def test_parallel_axis_with_revisited_output_is_a_race():
-    def sum_kernel(x_ref, o_ref):
-        o_ref[...] += x_ref[...]
+def test_parallel_axis_with_a_kept_output_block_warns_and_runs_as_jax():
+    """An output block that stays put along a 'parallel' axis is accepted, as JAX accepts it,
+    with a warning naming the spec and the axis; the last program's write wins."""
+    from jax.experimental import pallas as jpl
 
-    with pytest.raises(ValueError, match=r"out_specs\[0\].*axis 0.*'parallel'.*write race"):
-        pl.pallas_call(sum_kernel, out_shape=jax.ShapeDtypeStruct((8, 256), X.dtype), grid=(2,),
-                       in_specs=[pl.BlockSpec((8, 256), lambda i: (i, 0))],
-                       out_specs=pl.BlockSpec((8, 256), lambda i: (0, 0)),
-                       compiler_params=pl.CompilerParams(("parallel",)), interpret=True)(X)
+    def last_block(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    kw = dict(out_shape=jax.ShapeDtypeStruct((8, 128), X.dtype), grid=(2,))
+    with pytest.warns(UserWarning, match=r"out_specs\[0\].*grid axis 0.*'parallel'"):
+        got = pl.pallas_call(last_block, **kw, in_specs=[pl.BlockSpec((8, 128), lambda i: (0, i))],
+                             out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+                             compiler_params=pl.CompilerParams(("parallel",)), interpret=True)(X)
+    want = jpl.pallas_call(last_block, **kw, in_specs=[jpl.BlockSpec((8, 128), lambda i: (0, i))],
+                           out_specs=jpl.BlockSpec((8, 128), lambda i: (0, 0)), interpret=True)(X)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, X[:8, 128:] * 2.0)
 
 
 def test_output_revisited_after_being_left():

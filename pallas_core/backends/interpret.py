@@ -11,6 +11,14 @@ A revisited output block keeps its value because outputs live in the carry.
 Grid points run in the order of ``grid_analysis.execution_order``: a
 simulated megacore (parallel axes split across cores with separate scratch)
 and, optionally, a seeded shuffle of parallel points.
+Outputs whose block stays put along a parallel axis
+(``ResolvedCall.core_local_outputs``) start as a fresh copy on each simulated
+core, as on a megacore TPU, and the copies go back in order, the last winning.
+A grid dim computed under ``jit`` (a traced scalar) makes the loops ``while``
+loops over traced trip counts (no shuffle then). Scalar-prefetch operands
+(``ResolvedCall.num_scalar_prefetch``) are each core's own copy in SMEM, as on
+a TPU: what a program writes to them the next program on that core reads
+(paged attention keeps its DMA buffer index there).
 Runs under ``jit``/``vmap`` on every platform.
 """
 from __future__ import annotations
@@ -22,7 +30,7 @@ from jax import lax
 
 from pallas_core import _jax_internals, context, grid_analysis, named_axes
 from pallas_core.memory import ScratchShape, as_scratch_shape, garbage_fill_value
-from pallas_core.specs import BlockMapping
+from pallas_core.specs import BlockMapping, dynamic_axes
 
 
 class InterpretContext(context.KernelContext):
@@ -117,25 +125,34 @@ def _write_block(buf, m: BlockMapping, starts, value, valid):
 
 
 def _pure_body(call, in_avals, out_avals, scratch_avals):
-    """One grid point's work as a pure jaxpr: (ids, blocks, scratch) -> (blocks, scratch).
+    """One grid point's work as a pure jaxpr:
+    (ids, dynamic grid sizes, in blocks, out blocks, scratch) -> (out blocks, scratch,
+    scalar-prefetch blocks).
 
     The kernel is traced once with fresh Refs over its blocks, then JAX's state
     discharge removes the Refs, so the loop below is made of plain XLA ops.
     """
     grid = call.grid
+    dynamic = dynamic_axes(grid)
     varying = []  # the manual axes the blocks vary over, found while tracing
 
-    def body(ids, in_blocks, out_blocks, scratch):
+    def body(ids, sizes, in_blocks, out_blocks, scratch):
         in_refs = [jax.new_ref(v) for v in in_blocks]
         out_refs = [jax.new_ref(v) for v in out_blocks]
         scratch_refs = [jax.new_ref(v) for v in scratch]
         varying[:] = _jax_internals.varying_axes(*in_blocks, *out_blocks, *scratch)
-        with context.installed(InterpretContext(*call.kernel_ids(ids), tuple(varying))):
+        # Traced grid dims come in as inputs (pl.num_programs gives them), not closed over.
+        traced = dict(zip(dynamic, sizes))
+        kernel_ids, kernel_grid = call.kernel_ids(ids)
+        kernel_grid = tuple(traced.get(call.num_batch_axes + a, d) for a, d in enumerate(kernel_grid))
+        with context.installed(InterpretContext(kernel_ids, kernel_grid, tuple(varying))):
             call.kernel(*in_refs, *out_refs, *scratch_refs)
-        return [jax.freeze(r) for r in out_refs], [jax.freeze(r) for r in scratch_refs]
+        return ([jax.freeze(r) for r in out_refs], [jax.freeze(r) for r in scratch_refs],
+                [jax.freeze(r) for r in in_refs[:call.num_scalar_prefetch]])
 
     ids_avals = [jax.ShapeDtypeStruct((), jnp.int32)] * len(grid)
-    closed = jax.make_jaxpr(body)(ids_avals, in_avals, out_avals, scratch_avals)
+    closed = jax.make_jaxpr(body)(ids_avals, ids_avals[:len(dynamic)], in_avals, out_avals,
+                                  scratch_avals)
     if call.grid_names:  # lax.axis_index(name) is the program id (the ids come first)
         closed = named_axes.without_axis_index(
             closed, {n: call.num_batch_axes + a for a, n in enumerate(call.grid_names)})
@@ -148,6 +165,7 @@ def run(call, args):
     """Executes a resolved pallas_call (see ``pallas_core.call``) on XLA ops."""
     grid = call.grid
     params = call.interpret_params
+    dynamic = dynamic_axes(grid)
     order = grid_analysis.execution_order(grid, call.semantics, params.num_cores,
                                           params.shuffle_seed)
     # Inside a shard_map that checks types, every buffer the loop carries varies over
@@ -160,7 +178,7 @@ def run(call, args):
         init = inputs[aliased[0]] if aliased else _pad(_garbage(m.array_shape, m.dtype), m)
         outputs.append(_jax_internals.vary(init, vma))
     scratch = [_jax_internals.vary(_fresh_scratch(s), vma) for s in call.scratch_shapes]
-    if order.size == 0:  # a grid with an empty axis runs no program
+    if not dynamic and order.size == 0:  # a grid with an empty axis runs no program
         return [_crop(o, m) for o, m in zip(outputs, call.out_mappings)]
     varying = {}  # the blocks' type: varying over vma on the shard_map's mesh
     if vma:
@@ -174,13 +192,17 @@ def run(call, args):
             call, [aval(m.ref_shape, m.dtype) for m in call.in_mappings],
             [aval(m.ref_shape, m.dtype) for m in call.out_mappings],
             [aval(s.shape, s.dtype) for s in call.scratch_shapes])
-    n_out = len(call.out_mappings)
+    n_out, n_scratch = len(call.out_mappings), len(call.scratch_shapes)
+    n_scalar = call.num_scalar_prefetch  # whole-array SMEM blocks, the first inputs
+    scalars = [_read_block(x, m, _starts(m, [jnp.int32(0)] * len(grid)), None)
+               for x, m in zip(inputs[:n_scalar], call.in_mappings)]
 
     def step(group, within, carry):
-        outs, scr = carry
+        outs, scr, scal = carry
         ids = order.ids(group, within)
+        core_start = order.core_start(group, within)
         # Each simulated core has its own scratch, garbage when the core starts.
-        scr = [jnp.where(order.core_start(group, within), _fresh_scratch(s), v)
+        scr = [jnp.where(core_start, _fresh_scratch(s), v)
                for s, v in zip(call.scratch_shapes, scr)]
         in_starts = [_starts(m, ids) for m in call.in_mappings]
         out_starts = [_starts(m, ids) for m in call.out_mappings]
@@ -188,13 +210,22 @@ def run(call, args):
         out_valid = [_bounded_valid(m, ids) for m in call.out_mappings]
         in_blocks = [_read_block(x, m, s, v)
                      for x, m, s, v in zip(inputs, call.in_mappings, in_starts, in_valid)]
+        # Each core starts from the scalar-prefetch operands as passed, then keeps its writes.
+        in_blocks[:n_scalar] = [jnp.where(core_start, first, kept)
+                                for first, kept in zip(scalars, scal)]
         out_blocks = [_read_block(o, m, s, v)
                       for o, m, s, v in zip(outs, call.out_mappings, out_starts, out_valid)]
-        results = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *in_blocks, *out_blocks, *scr)
-        new_blocks, scr = results[:n_out], list(results[n_out:])
+        for o in call.core_local_outputs:  # each core's own copy starts unwritten
+            m = call.out_mappings[o]
+            out_blocks[o] = jnp.where(core_start, _garbage(m.ref_shape, m.dtype), out_blocks[o])
+        sizes = [jnp.asarray(grid[a], jnp.int32) for a in dynamic]
+        results = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *sizes, *in_blocks,
+                                      *out_blocks, *scr)
+        new_blocks = results[:n_out]
+        scr, scal = list(results[n_out:n_out + n_scratch]), list(results[n_out + n_scratch:])
         outs = [_write_block(o, m, s, v, ok)
                 for o, m, s, v, ok in zip(outs, call.out_mappings, out_starts, new_blocks, out_valid)]
-        return outs, scr
+        return outs, scr, scal
 
     if call.debug:
         print(f"pallas_core interpret: kernel {call.name}, grid {grid}, "
@@ -203,5 +234,5 @@ def run(call, args):
     def run_group(group, carry):  # the points of one group, in row-major order
         return lax.fori_loop(0, order.group_size, lambda w, c: step(group, w, c), carry)
 
-    outs, _ = lax.fori_loop(0, order.num_groups, run_group, (outputs, scratch))
+    outs, _, _ = lax.fori_loop(0, order.num_groups, run_group, (outputs, scratch, scalars))
     return [_crop(o, m) for o, m in zip(outs, call.out_mappings)]

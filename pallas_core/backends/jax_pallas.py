@@ -10,6 +10,8 @@ from the type of the compiler params, so each backend passes its own.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from pallas_core import context
@@ -123,13 +125,30 @@ def _cost_estimate(cost):
                                remote_bytes_transferred=cost.remote_bytes_transferred)
 
 
-def run(call, args, backend, num_scalar_prefetch: int = 0):
-    """``call`` on JAX's lowering for ``backend``. With ``num_scalar_prefetch = n``
-    (mosaic_tpu only, :mod:`pallas_core.tpu_prefetch`) the first ``n`` of ``args``
-    are scalar-prefetch operands, not in ``call.in_mappings``, and the index maps
-    take them after the program ids, as in JAX's ``PrefetchScalarGridSpec``."""
-    jpl = _jpl()
+def _reading_scalar_refs(m: BlockMapping, grid_rank: int) -> BlockMapping:
+    """``m`` whose index map takes JAX's scalar-prefetch Refs after the program ids and
+    hands them to the scalar-reading index map of :mod:`pallas_core.tpu_prefetch`."""
+    from pallas_core import tpu_prefetch
+    index_map = m.index_map
 
+    def with_refs(*args):
+        with tpu_prefetch.scalar_refs(args[grid_rank:]):
+            return index_map(*args[:grid_rank])
+
+    return dataclasses.replace(m, index_map=with_refs)
+
+
+def run(call, args, backend):
+    """``call`` on JAX's lowering for ``backend``. With ``call.num_scalar_prefetch = n``
+    (mosaic_tpu only, :mod:`pallas_core.tpu_prefetch`) the first ``n`` inputs are the
+    scalar-prefetch operands: they go to JAX's ``PrefetchScalarGridSpec``, whose index
+    maps take them after the program ids."""
+    jpl = _jpl()
+    n_scalar = call.num_scalar_prefetch
+    in_mappings = [_reading_scalar_refs(m, len(call.grid)) if n_scalar else m
+                   for m in call.in_mappings[n_scalar:]]
+    out_mappings = [_reading_scalar_refs(m, len(call.grid)) if n_scalar else m
+                    for m in call.out_mappings]
     mappings = list(call.in_mappings) + list(call.out_mappings)
 
     def kernel(*refs):
@@ -142,12 +161,15 @@ def run(call, args, backend, num_scalar_prefetch: int = 0):
     kernel.__name__ = call.name
     out_shape = [jax.ShapeDtypeStruct(m.array_shape, m.dtype) for m in call.out_mappings]
     specs = dict(grid=call.grid,
-                 in_specs=[_block_spec(m, backend) for m in call.in_mappings],
-                 out_specs=[_block_spec(m, backend) for m in call.out_mappings],
+                 in_specs=[_block_spec(m, backend) for m in in_mappings],
+                 out_specs=[_block_spec(m, backend) for m in out_mappings],
                  scratch_shapes=[_scratch(s, backend) for s in call.scratch_shapes])
-    if num_scalar_prefetch:
+    if n_scalar:
+        if backend != "mosaic_tpu":
+            raise NotImplementedError(f"PrefetchScalarGridSpec: JAX's {backend} lowering has no "
+                                      "scalar prefetch.")
         from jax.experimental.pallas import tpu as pltpu
-        specs = dict(grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch, **specs))
+        specs = dict(grid_spec=pltpu.PrefetchScalarGridSpec(n_scalar, **specs))
     fn = jpl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -157,5 +179,6 @@ def run(call, args, backend, num_scalar_prefetch: int = 0):
         name=call.name,
         debug=call.debug,
         cost_estimate=_cost_estimate(call.cost_estimate),
+        metadata=call.metadata,
     )
     return list(fn(*args))

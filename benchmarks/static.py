@@ -289,11 +289,12 @@ BUDGETS: dict[tuple[str, str], Budget] = {
         _FROZEN, loops=(272, 420), registers=166),
     # dK/dV with transposed tiles (every GEMM on wgmma): before, 262 / 316 + 263 (h64) and
     # 350 / 417 + 351 (h128) instructions per iteration with half the GEMMs on mma.sync.
-    # One iteration (32 queries x 128 keys, 8 warps) is four GEMMs of 2 * 32 * 128 * H FLOPs:
-    # 2.1 MFLOP at h64, 4.2 MFLOP at h128 (8192 / 16384 per thread).
-    (_attention_case("full", 64), "flash_attention_dkdv"): Budget(_FROZEN, loops=(255,), registers=152),
+    # One iteration (64 queries x 128 keys at h64, 32 x 128 at h128; 8 warps) is four GEMMs
+    # of 2 * bq * 128 * H FLOPs: 4.2 MFLOP at h64 (396 instructions: 94 per MFLOP, against
+    # 122 with 32-query tiles), 4.2 MFLOP at h128 (299: 71 per MFLOP).
+    (_attention_case("full", 64), "flash_attention_dkdv"): Budget(_FROZEN, loops=(396,), registers=208),
     (_attention_case("causal", 64), "flash_attention_dkdv"): Budget(
-        _FROZEN, loops=(312, 259), registers=166),
+        _FROZEN, loops=(510, 400), registers=242),
     (_attention_case("full", 128), "flash_attention_dkdv"): Budget(
         _FROZEN, loops=(299,), registers=212),
     (_attention_case("causal", 128), "flash_attention_dkdv"): Budget(

@@ -47,8 +47,14 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
     * triton / pallas_triton: forward and dQ tiles of 128 query x 64 key
       rows for 16-bit inputs, halved for head dims above 128 (as
       FlashAttention-2's Triton kernels on sm_80/sm_90); the dK/dV kernel,
-      which holds two ``[block_k, H]`` float32 accumulators, takes 32 x 128
-      (32 x 64 above 128: ``wgmma`` needs 64 rows); never more than the
+      which holds two ``[block_k, H]`` float32 accumulators and forms its
+      tiles transposed (the key block is every product's M dim, which
+      ``wgmma`` needs at 64 rows or more), takes 64 query x 128 key rows at
+      (padded) head dim 64 (sm_90 bf16: 94 SASS instructions per MFLOP of the
+      loop, against 122 at 32 x 128), 32 x 128 at the others up to 128 (64 x
+      128 spills at 128, and at 32 with the 4 warps its accumulators get) and
+      16 x 64 above (the key block and its two float32 accumulators fill the
+      registers; 32 x 64 spills); never more than the
       (power-of-two rounded) sequence. 16-bit inputs at every head dim 32..256 compile for
       sm_90 without register spills (tests/test_attention_static.py). float32
       inputs multiply at IEEE precision on FMA units, not tensor cores, which
@@ -66,10 +72,12 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
         if wide:  # float32 products run on FMA units (IEEE precision): the smallest tiles
             return BlockSizes(16, 16, block_q_dkv=16, block_k_dkv=16,
                               num_warps=4 if padded_h <= 64 else 8, num_stages=1)
-        if padded_h <= 128:
+        if padded_h == 64:
+            bq, bk, bq_dkv, bk_dkv = 128, 64, 64, 128
+        elif padded_h <= 128:
             bq, bk, bq_dkv, bk_dkv = 128, 64, 32, 128
         else:
-            bq, bk, bq_dkv, bk_dkv = 64, 32, 32, 64
+            bq, bk, bq_dkv, bk_dkv = 64, 32, 16, 64
         fit_t = lambda b: min(b, max(16, pl.next_power_of_2(T)))
         fit_s = lambda b: min(b, max(16, pl.next_power_of_2(S)))
         return BlockSizes(fit_t(bq), fit_s(bk), block_q_dkv=fit_t(bq_dkv), block_k_dkv=fit_s(bk_dkv))

@@ -1,6 +1,6 @@
 """``python -m benchmarks.jax_pallas_tests DIR``: JAX's own Pallas tests against pallas_core.
 
-The measure of issue 16 §1. DIR holds a copy, fetched outside this
+The measure of compatibility with JAX's Pallas. DIR holds a copy, fetched outside this
 repository, of four files of the JAX release we follow (tag ``jax-v0.10.2``
 of jax-ml/jax)::
 
@@ -15,6 +15,13 @@ a scratch directory, each time in a pytest subprocess: once as written, on
 lines change; the tests themselves are JAX's. The report gives both pass
 counts and every test that passes on JAX but not on pallas_core, with the
 first line of its failure.
+
+The same runs JAX's tests of its TPU op library (``--files
+tpu_splash_attention_kernel_test.py --interpret-class SplashAttentionTest``,
+DIR holding that file of ``tests/pallas/`` too): on pallas_core their imports
+of the op library's kernels are swapped to the kernels loaded by
+:func:`load_on_pallas_core`, the installed jax package's own source with only
+its Pallas imports swapped.
 
 Exit status 0 when every test that passes on JAX passes on pallas_core,
 except those named with ``--expect-differ`` (the differences
@@ -33,6 +40,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 TEST_FILES = ("pallas_test.py", "indexing_test.py")
+# Tests of JAX's TPU op library (tests/pallas/ of the same tag): --files and
+# --interpret-class SplashAttentionTest run the splash attention kernel's own tests.
+OPS_TEST_FILES = ("tpu_splash_attention_kernel_test.py",)
 HELPERS = {"pallas_test_util.py": "ptu_shim", "hypothesis_test_util.py": "htu_shim"}
 # The helpers are imported from JAX's private package; the copies are imported
 # from the scratch directory instead.
@@ -105,20 +115,7 @@ def load_on_pallas_core(module: str) -> types.ModuleType:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(f"{module}: not in the installed jax.")
-    source = swap_imports(Path(spec.origin).read_text(), PALLAS_CORE_IMPORTS)
-
-    def port(match):
-        package, item = match.group(1), match.group(2)
-        alias = match.group(3) or f" as {item}"
-        if _uses_pallas(f"{package}.{item}"):  # a module of the library
-            load_on_pallas_core(f"{package}.{item}")
-            return f"import {_ported_name(package + '.' + item)}{alias}"
-        if _uses_pallas(package):  # names from a module of the library
-            load_on_pallas_core(package)
-            return f"from {_ported_name(package)} import {item}{match.group(3) or ''}"
-        return match.group(0)
-
-    source = _OPS_IMPORT.sub(port, source)
+    source = port_ops_imports(swap_imports(Path(spec.origin).read_text(), PALLAS_CORE_IMPORTS))
     ported = types.ModuleType(name)
     ported.__file__ = spec.origin
     sys.modules[name] = ported
@@ -131,27 +128,68 @@ def load_on_pallas_core(module: str) -> types.ModuleType:
     return ported
 
 
-def prepare(src: Path, dest: Path, on_pallas_core: bool) -> None:
-    """Writes the test files and helpers into ``dest`` with imports swapped."""
-    missing = [f for f in (*TEST_FILES, *HELPERS) if not (src / f).is_file()]
+def port_ops_imports(source: str, by_loader: bool = False) -> str:
+    """``source`` with its imports of modules of JAX's Pallas op library that use Pallas
+    (or of names in them) turned into imports of the modules loaded by
+    :func:`load_on_pallas_core`; other imports stay. With ``by_loader`` the new lines
+    call :func:`load_on_pallas_core` themselves (for a file run in another process)."""
+    def port(match):
+        package, item = match.group(1), match.group(2)
+        name = (match.group(3) or f" as {item}")[len(" as "):]
+        if _uses_pallas(f"{package}.{item}"):  # a module of the library
+            module, attribute = f"{package}.{item}", ""
+        elif _uses_pallas(package):  # a name from a module of the library
+            module, attribute = package, f".{item}"
+        else:
+            return match.group(0)
+        if by_loader:
+            return (f"from benchmarks.jax_pallas_tests import load_on_pallas_core as _on_pallas_core\n"
+                    f"{name} = _on_pallas_core({module!r}){attribute}")
+        load_on_pallas_core(module)
+        if attribute:
+            return f"from {_ported_name(module)} import {item} as {name}"
+        return f"import {_ported_name(module)} as {name}"
+
+    return _OPS_IMPORT.sub(port, source)
+
+
+def with_interpret_classes(source: str, classes) -> str:
+    """``source`` with, for each class ``NameTest`` of ``classes`` it defines, a subclass
+    ``NameInterpretTest`` whose ``INTERPRET`` is True (JAX's TPU op tests run their
+    kernels with ``interpret=self.INTERPRET`` but define no interpret-mode class)."""
+    for name in classes:
+        if re.search(rf"^class {name}\(", source, re.MULTILINE):
+            subclass = name.removesuffix("Test") + "InterpretTest"
+            source += f"\n\nclass {subclass}({name}):\n  INTERPRET = True\n"
+    return source
+
+
+def prepare(src: Path, dest: Path, on_pallas_core: bool, files=TEST_FILES,
+            interpret_classes=()) -> None:
+    """Writes the test files and helpers into ``dest`` with imports swapped (on
+    pallas_core, imports of JAX's Pallas op library too, see :func:`port_ops_imports`)."""
+    missing = [f for f in (*files, *HELPERS) if not (src / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{src}: missing {', '.join(missing)} (see the module doc for "
                                 "where they come from).")
     dest.mkdir(parents=True, exist_ok=True)
     swaps = dict(HELPER_IMPORTS, **(PALLAS_CORE_IMPORTS if on_pallas_core else {}))
-    for f in TEST_FILES:
-        (dest / f).write_text(swap_imports((src / f).read_text(), swaps))
+    for f in files:
+        source = swap_imports((src / f).read_text(), swaps)
+        if on_pallas_core:
+            source = port_ops_imports(source, by_loader=True)
+        (dest / f).write_text(with_interpret_classes(source, interpret_classes))
     for f, module in HELPERS.items():
         (dest / f"{module}.py").write_text(swap_imports((src / f).read_text(), swaps))
     (dest / "conftest.py").write_text("")  # keeps this repository's conftest out
 
 
-def run(dest: Path, select: str) -> dict[str, str]:
+def run(dest: Path, select: str, files=TEST_FILES) -> dict[str, str]:
     """Runs the interpret-mode classes in ``dest``; ``{class::test: outcome}``, where
     an outcome is "passed", "skipped" or "failed: <first line of the error>"."""
     report = dest / "junit.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                    "-k", select, "--junitxml", str(report), *TEST_FILES],
+                    "-k", select, "--junitxml", str(report), *files],
                    cwd=dest, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     outcomes = {}
     for case in ET.parse(report).iter("testcase"):
@@ -187,14 +225,23 @@ def main(argv=None) -> int:
     parser.add_argument("--expect-differ", nargs="*", default=DOCUMENTED_DIFFERENCES,
                         help="Tests allowed to pass on JAX only (default: the differences "
                              "docs/pallas_core.md lists).")
+    parser.add_argument("--files", nargs="+", default=TEST_FILES,
+                        help="The test files in DIR to run (default: %(default)s); e.g. "
+                             f"{OPS_TEST_FILES[0]}, a test of JAX's TPU op library, whose "
+                             "imports of the op library are swapped to the kernels loaded on "
+                             "pallas_core.")
+    parser.add_argument("--interpret-class", nargs="*", default=(), dest="interpret_classes",
+                        help="Test classes that take an INTERPRET attribute but have no "
+                             "interpret-mode subclass (e.g. SplashAttentionTest): one is added, "
+                             "its name ending in InterpretTest instead of Test.")
     args = parser.parse_args(argv)
     select = "InterpretTest" + (f" and ({args.k})" if args.k else "")
     with tempfile.TemporaryDirectory() as scratch:
         results = {}
         for label, on_pallas_core in (("jax.experimental.pallas", False), ("pallas_core", True)):
             dest = Path(scratch) / label
-            prepare(args.dir, dest, on_pallas_core)
-            results[label] = run(dest, select)
+            prepare(args.dir, dest, on_pallas_core, args.files, args.interpret_classes)
+            results[label] = run(dest, select, args.files)
     on_jax, on_ours = results["jax.experimental.pallas"], results["pallas_core"]
     passing = [t for t, o in on_jax.items() if o == "passed"]
     print(f"passed on jax.experimental.pallas: {len(passing)}")

@@ -25,7 +25,7 @@ from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
 
 import pallas_core as pl
-from benchmarks.jax_pallas_tests import load_on_pallas_core
+from benchmarks.jax_pallas_tests import load_on_pallas_core, port_ops_imports, with_interpret_classes
 
 OPS = "jax.experimental.pallas.ops.tpu."
 F32 = jnp.float32
@@ -180,6 +180,36 @@ def test_splash_attention_forward_and_backward_match_jax(fused):
         assert max_error(got, want) <= 1e-6
     ref = jax_module("splash_attention.splash_attention_kernel").make_masked_mha_reference(mask)
     np.testing.assert_allclose(results["ours"][0], ref(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dynamic_mask", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_splash_mqa_with_segments_soft_cap_and_residuals_matches_jax(dynamic_mask):
+    """The single-device MQA kernel with segment ids, a logit soft cap, the SMEM data not
+    downcast, and save_residuals (the logsumexp); the mask as numpy masks or a jax.Array."""
+    mask_lib = jax_module("splash_attention.splash_attention_mask")
+    heads, seq = 2, 256
+    mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq, seq)),
+                                   mask_lib.LocalMask((seq, seq), (32, 32), 0)])
+    if dynamic_mask:
+        mask = jnp.array(mask[:, :, :])
+    q, k, v = normal((heads, seq, 128), 25), normal((seq, 128), 26), normal((seq, 128), 27)
+    results = {}
+    for label, module in (("jax", jax_module("splash_attention.splash_attention_kernel")),
+                          ("ours", ours("splash_attention.splash_attention_kernel"))):
+        half = jnp.asarray(np.repeat([0, 1], seq // 2), jnp.int32)
+        segments = module.SegmentIds(q=half, kv=half)
+        sizes = module.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128,
+                                  block_q_dkv=128, block_kv_dkv=128, block_kv_dkv_compute=128,
+                                  block_q_dq=128, block_kv_dq=128)
+        kernel = module.make_splash_mqa_single_device(
+            mask, block_sizes=sizes, downcast_smem_data=False, attn_logits_soft_cap=10.0,
+            interpret=True)
+        with_lse = module.make_splash_mqa_single_device(mask, block_sizes=sizes,
+                                                        save_residuals=True, interpret=True)
+        out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, segments), q, k, v)
+        results[label] = (out, *vjp(out), *jax.tree.leaves(with_lse(q, k, v, segments)))
+    for got, want in zip(results["ours"], results["jax"]):
+        assert max_error(got, want) <= 1e-6
 
 
 # ---- ragged paged attention (pltpu.store, pltpu.bitcast, Ref.bitcast, manual DMA) ----------
@@ -483,3 +513,25 @@ def test_splash_and_ragged_attention_lower_for_tpu_as_jax_does(on_mosaic_tpu):
         except ValueError as e:
             errors.append(str(e).splitlines()[0])
     assert errors[1] == errors[0], errors
+
+
+# ---- the loader ------------------------------------------------------------------------
+
+def test_the_loader_swaps_only_pallas_imports_and_ports_sibling_kernels():
+    ported = ours("megablox.ops")
+    assert ported.backend is ours("megablox.gmm")  # megablox.ops calls the ported gmm
+    assert ported.backend.pl is pl and ported.backend.pltpu is pl.tpu
+    assert ours("splash_attention.splash_attention_kernel").mask_lib is jax_module(
+        "splash_attention.splash_attention_mask")  # no Pallas in it: JAX's, shared
+    source = ("from jax.experimental.pallas.ops.tpu.splash_attention import "
+              "splash_attention_kernel as splash\n"
+              "from jax.experimental.pallas.ops.tpu.splash_attention import "
+              "splash_attention_mask as mask_lib\n")
+    lines = port_ops_imports(source, by_loader=True).splitlines()
+    assert lines[1] == ("splash = _on_pallas_core("
+                        "'jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel')")
+    assert lines[2] == source.splitlines()[1]
+    added = with_interpret_classes("class SplashAttentionTest(Base):\n  pass\n",
+                                   ["SplashAttentionTest", "Absent"])
+    assert "class SplashAttentionInterpretTest(SplashAttentionTest):\n  INTERPRET = True" in added
+    assert "Absent" not in added

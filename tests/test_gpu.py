@@ -44,7 +44,7 @@ ROW_OPS = {
     "layer_norm": (lambda x, **k: ops.layer_norm(x, **k), lambda x: ops.layer_norm(x, implementation="xla")),
     "rms_norm": (lambda x, **k: ops.rms_norm(x, **k), lambda x: ops.rms_norm(x, implementation="xla")),
     "softmax": (lambda x, **k: ops.softmax(x, **k), jax.nn.softmax),
-    "logsumexp": (lambda x, **k: ops.logsumexp(x, **k), lambda x: jax.nn.logsumexp(x, axis=-1)),
+    "logsumexp": (lambda x, **k: ops.logsumexp(x, axis=-1, **k), lambda x: jax.nn.logsumexp(x, axis=-1)),
     "sum": (lambda x, **k: ops.sum(x, axis=-1, **k), lambda x: jnp.sum(x, axis=-1)),
 }
 

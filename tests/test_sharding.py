@@ -91,7 +91,7 @@ def test_row_wise_ops_rows_sharded(name):
     def op(impl):
         if name == "cross_entropy":
             return lambda x: ops.cross_entropy(x, labels, implementation=impl)
-        return lambda x: getattr(ops, name)(x, implementation=impl)
+        return lambda x: getattr(ops, name)(x, axis=-1, implementation=impl)
 
     rows = P(("data", "model"))
     check(op, (x,), (rows,), mode=EXPLICIT, argnums=(0,), out_spec=rows)

@@ -475,7 +475,7 @@ REDUCTIONS = {
     "rms_norm": (lambda x, s: ops.rms_norm(x, s, implementation="triton"), [F32(6, 40), F32(40)]),
     "softmax": (lambda x: ops.softmax(x, implementation="triton"), [F32(6, 40)]),
     "log_softmax": (lambda x: ops.log_softmax(x, implementation="triton"), [F32(6, 40)]),
-    "logsumexp": (lambda x: ops.logsumexp(x, implementation="triton"), [F32(6, 40)]),
+    "logsumexp": (lambda x: ops.logsumexp(x, axis=-1, implementation="triton"), [F32(6, 40)]),
     "sum": (lambda x: ops.sum(x, axis=-1, implementation="triton"), [F32(6, 40)]),
     "mean": (lambda x: ops.mean(x, axis=0, implementation="triton"), [F32(6, 40)]),
     "max": (lambda x: ops.max(x, implementation="triton"), [F32(6, 40)]),

@@ -102,14 +102,15 @@ def log_softmax(x, axis=-1, where=None, *, implementation: str | None = None,
                           fill=-jnp.inf)
 
 
-def logsumexp(x, axis=-1, b=None, keepdims=False, return_sign=False, where=None, *,
+def logsumexp(x, axis=None, b=None, keepdims=False, return_sign=False, where=None, *,
               implementation: str | None = None, max_chunk: int | None = None):
     """``log(sum(b * exp(x), axis))``, computed stably, as ``jax.nn.logsumexp``.
 
     Arguments and errors as :func:`softmax`, and:
 
-      axis: default -1, like :func:`softmax` (``jax.nn.logsumexp``'s is None:
-        pass ``axis=None`` to reduce every axis).
+      axis: an int, a tuple of ints, or None (the default, as
+        ``jax.nn.logsumexp``: every axis). Pass ``axis=-1`` for one value per
+        row, as :func:`softmax` normalizes.
       b: optional weights broadcastable to x (``jax.nn.logsumexp``'s ``b``,
         negative ones included). Computed by the XLA reference
         (``jax.nn.logsumexp`` in float32), not the kernel; the result has

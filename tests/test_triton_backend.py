@@ -1,4 +1,5 @@
-"""Rung 3: our Triton lowering, run in Triton's CPU interpreter and compiled for sm_90.
+"""Our Triton lowering, run in Triton's CPU interpreter and compiled for sm_90
+(the verification ladder, docs/design.md §7.3 and §7.4).
 
 Every kernel is compared with the interpret backend on the same inputs.
 """
@@ -204,7 +205,8 @@ def test_dot_precision_reaches_tl_dot(precision, expected):
 
 
 def test_arbitrary_axis_reduction_runs_as_a_loop():
-    """The TPU-style reduction of seed 002 is correct: arbitrary axes run in order."""
+    """The TPU-style reduction (docs/pallas_core.md section 5) is correct: arbitrary axes run in
+    order."""
     def sum_kernel(x_ref, o_ref):
         @pl.when(pl.program_id(1) == 0)
         def _():
@@ -291,7 +293,7 @@ def test_arrays_past_2_31_elements_use_int64_offsets():
     assert "mul.wide.s32" in report["asm"]["ptx"] or ".s64" in report["asm"]["ptx"]
 
 
-def test_seed000_program_ids_with_edge_blocks_and_squeezed_dims():
+def test_program_ids_with_edge_blocks_and_squeezed_dims():
     def program_ids_kernel(o_ref):
         o_ref[...] = jnp.full(o_ref.shape, 10 * pl.program_id(0) + pl.program_id(1), jnp.int32)
 

@@ -1,4 +1,6 @@
-"""Kernels printed in seeds 001-003, run on the interpreter against plain JAX."""
+"""The programming model's example kernels (add, templated matmul, masked load/store, a
+pipelined TPU-style reduction, scratch with Ref.at and pl.loop), run on the interpreter
+against plain JAX."""
 from functools import partial
 
 import jax
@@ -14,14 +16,14 @@ def add_kernel(x_ref, y_ref, o_ref):
     o_ref[:] = x + y
 
 
-def test_seed001_add_whole_arrays():
+def test_add_whole_arrays():
     x, y = jnp.arange(8), jnp.arange(8, 16)
     out = pl.pallas_call(add_kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.int32),
                          interpret=True)(x, y)
     np.testing.assert_array_equal(out, x + y)
 
 
-def test_seed001_add_with_blockspecs_scalar_index_map():
+def test_add_with_blockspecs_scalar_index_map():
     x, y = jnp.arange(8), jnp.arange(8, 16)
     add = pl.pallas_call(
         add_kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.int32),
@@ -52,13 +54,13 @@ def templated_matmul(x, y, *, block_shape, activation):
     return fused(x, y)
 
 
-def test_seed001_templated_matmul_ones():
+def test_templated_matmul_ones():
     x, y = jnp.ones((512, 256)), jnp.ones((256, 1024))
     z = templated_matmul(x, y, block_shape=(128, 256, 128), activation=jax.nn.gelu)
     np.testing.assert_allclose(z, jax.nn.gelu(jnp.full((512, 1024), 256.0)), rtol=1e-6)
 
 
-def test_seed001_templated_matmul_random():
+def test_templated_matmul_random():
     kx, ky = jax.random.split(jax.random.key(0))
     x, y = jax.random.normal(kx, (512, 256)), jax.random.normal(ky, (256, 1024))
     z = templated_matmul(x, y, block_shape=(128, 256, 128), activation=jax.nn.gelu)
@@ -66,7 +68,7 @@ def test_seed001_templated_matmul_random():
     np.testing.assert_allclose(z, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_seed001_load_store_with_mask_and_ds():
+def test_load_store_with_mask_and_ds():
     def kernel(x_ref, o_ref):
         idx = jnp.arange(8)
         x = pl.load(x_ref, (idx,), mask=idx < 5, other=float("-inf"))
@@ -81,7 +83,7 @@ def test_seed001_load_store_with_mask_and_ds():
     np.testing.assert_array_equal(out, jnp.concatenate([expected_head, expected_tail]))
 
 
-def test_seed001_make_kernel_higher_order():
+def test_make_kernel_higher_order():
     def make_kernel(eltwise_kernel):
         def add(x_ref, y_ref, o_ref):
             x = pl.load(x_ref, ())
@@ -100,7 +102,7 @@ def add_matrices_kernel(x_vmem_ref, y_vmem_ref, z_vmem_ref):
     z_vmem_ref[:, :] = x_vmem_ref[:, :] + y_vmem_ref[:, :]
 
 
-def test_seed002_pipelined_legacy_blockspec_order_and_megacore_dict():
+def test_pipelined_legacy_blockspec_order_and_megacore_dict():
     kx, ky = jax.random.split(jax.random.key(4))
     x, y = jax.random.normal(kx, (512, 512)), jax.random.normal(ky, (512, 512))
     block_spec = pl.BlockSpec(lambda i: (i, 0), (256, 512))
@@ -124,7 +126,7 @@ def _sum(kernel, x):
         out_shape=jax.ShapeDtypeStruct(out_shape, x.dtype), interpret=True)(x)
 
 
-def test_seed002_sum_needs_initialisation():
+def test_sum_needs_initialisation():
     def naive_sum_kernel(x_ref, o_ref):
         o_ref[...] += x_ref[...]
 
@@ -141,7 +143,7 @@ def test_seed002_sum_needs_initialisation():
     np.testing.assert_allclose(_sum(sum_kernel, x), x.sum(0), rtol=1e-5, atol=1e-5)
 
 
-def test_seed003_ref_at_scratch_gridspec_when_loop():
+def test_ref_at_scratch_gridspec_when_loop():
     def double_rows(ref_view, out_view):  # a helper that only sees sub-Refs
         out_view[...] = ref_view[...] * 2
 
@@ -173,14 +175,14 @@ def test_seed003_ref_at_scratch_gridspec_when_loop():
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
-# ---- the seed kernels whose blocks suit a TPU, lowered for it from this host ----
+# ---- the example kernels whose blocks suit a TPU, lowered for it from this host ----
 
 def _lower_tpu(fn, *shapes):
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
-def test_seed002_kernels_lower_for_tpu():
+def test_kernels_lower_for_tpu():
     spec = pl.BlockSpec(lambda i, j: (i, j), (256, 256))
     add = lambda x, y: pl.pallas_call(add_matrices_kernel, out_shape=x, in_specs=[spec, spec],
                                       out_specs=spec, grid=(2, 2), backend="mosaic_tpu",
@@ -201,7 +203,7 @@ def test_seed002_kernels_lower_for_tpu():
     assert "tpu_custom_call" in _lower_tpu(total, (8, 512, 512))
 
 
-def test_seed003_scratch_and_run_scoped_lower_for_tpu():
+def test_scratch_and_run_scoped_lower_for_tpu():
     def kernel(x_ref, o_ref, acc_ref):
         acc_ref[...] = x_ref[...] * 2
 

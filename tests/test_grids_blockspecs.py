@@ -1,4 +1,6 @@
-"""Seed 000 (grids and BlockSpecs): every printed example, exact arrays, on the interpreter."""
+"""Grids and BlockSpecs (docs/pallas_core.md sections 2-4): the ``show_program_ids`` examples
+of the Pallas grid and BlockSpec documentation, their printed arrays matched exactly, on the
+interpreter."""
 import jax
 import jax.numpy as jnp
 import numpy as np

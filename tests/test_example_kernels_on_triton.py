@@ -1,4 +1,5 @@
-"""Seed kernels (001-003) on our triton backend, wherever Triton can express them.
+"""The example kernels of tests/test_example_kernels.py on our triton backend, wherever
+Triton can express them.
 
 Each runs in Triton's CPU interpreter and is compared with the interpret
 backend. Not here: run_scoped (the triton backend raises a clear error for
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import pallas_core as pl
-from tests.test_seed_kernels import add_kernel, add_matrices_kernel, matmul_kernel
+from tests.test_example_kernels import add_kernel, add_matrices_kernel, matmul_kernel
 
 pytest.importorskip("triton")
 pytest.importorskip("torch")
@@ -25,7 +26,7 @@ def on_both(fn):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-5, atol=1e-5)
 
 
-def test_seed001_add_whole_and_blocked():
+def test_add_whole_and_blocked():
     x, y = jnp.arange(8), jnp.arange(8, 16)
     out = jax.ShapeDtypeStruct((8,), jnp.int32)
     on_both(lambda b: pl.pallas_call(add_kernel, out_shape=out, backend=b)(x, y))
@@ -34,7 +35,7 @@ def test_seed001_add_whole_and_blocked():
         out_specs=pl.BlockSpec((2,), lambda i: i), grid=(4,), backend=b)(x, y))
 
 
-def test_seed001_templated_matmul_with_activation():
+def test_templated_matmul_with_activation():
     kx, ky = jax.random.split(jax.random.key(0))
     x, y = jax.random.normal(kx, (128, 64)), jax.random.normal(ky, (64, 128))
     on_both(lambda b: pl.pallas_call(
@@ -44,7 +45,7 @@ def test_seed001_templated_matmul_with_activation():
         out_specs=pl.BlockSpec((64, 64), lambda i, j: (i, j)), grid=(2, 2), backend=b)(x, y))
 
 
-def test_seed001_make_kernel_scalars():
+def test_make_kernel_scalars():
     def make_kernel(eltwise_kernel):
         def add(x_ref, y_ref, o_ref):
             pl.store(o_ref, (), eltwise_kernel(pl.load(x_ref, ()) + pl.load(y_ref, ())))
@@ -54,7 +55,7 @@ def test_seed001_make_kernel_scalars():
     on_both(lambda b: pl.pallas_call(make_kernel(jnp.exp), out_shape=x, grid=1, backend=b)(x, x))
 
 
-def test_seed002_pipelined_and_megacore_dict():
+def test_pipelined_and_megacore_dict():
     kx, ky = jax.random.split(jax.random.key(1))
     x, y = jax.random.normal(kx, (128, 256)), jax.random.normal(ky, (128, 256))
     spec = pl.BlockSpec(lambda i, j: (i, j), (64, 128))
@@ -63,7 +64,7 @@ def test_seed002_pipelined_and_megacore_dict():
         compiler_params=dict(mosaic=dict(dimension_semantics=("parallel", "parallel"))), backend=b)(x, y))
 
 
-def test_seed002_sum_with_when_over_an_arbitrary_axis():
+def test_sum_with_when_over_an_arbitrary_axis():
     def sum_kernel(x_ref, o_ref):
         @pl.when(pl.program_id(axis=0) == 0)
         def _():
@@ -77,7 +78,7 @@ def test_seed002_sum_with_when_over_an_arbitrary_axis():
         out_shape=jax.ShapeDtypeStruct((64, 128), x.dtype), backend=b)(x))
 
 
-def test_seed003_ref_at_gridspec_scratch_when_loop():
+def test_ref_at_gridspec_scratch_when_loop():
     def double_rows(ref_view, out_view):
         out_view[...] = ref_view[...] * 2
 

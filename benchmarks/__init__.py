@@ -1,4 +1,4 @@
-"""Benchmark suite for the ops (DESIGN 5).
+"""Benchmark suite for the ops (docs/design.md §8).
 
 ``python -m benchmarks`` times every registered op against a plain-JAX (XLA)
 baseline on the default device and writes results.json / .md / .png;

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.static``: the static performance gate (issue 13 section 3; DESIGN rung 5).
+"""``python -m benchmarks.static``: the static performance gate (docs/design.md §7.4).
 
 Every op's Triton kernels, at model sizes, compiled ahead of time for
 ``sm_90`` on this host (Triton's own ptxas; no GPU needed), and, for the
@@ -214,7 +214,7 @@ def tuned_cases(target: str) -> list[GateCase]:
 
 
 def all_cases(target: str = "sm_90") -> list[GateCase]:
-    """The full gate: issue 13's model sizes and every shipped tuned config."""
+    """The full gate: every op at model sizes and every shipped tuned config."""
     return matmul_cases() + row_cases() + attention_cases() + tuned_cases(target)
 
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.tune``: fill the autotuning cache (issue 13 section 2).
+"""``python -m benchmarks.tune``: fill the autotuning cache (docs/design.md §5.4).
 
 For each problem (:func:`ops.tuning.search.main_problems`, or ``--quick``'s
 small ones) the tuner lists the op's candidate configs, drops those that do

@@ -1,4 +1,4 @@
-"""Drop-in Flax layers backed by the fused kernels in :mod:`ops` (DESIGN 4).
+"""Drop-in Flax layers backed by the fused kernels in :mod:`ops` (docs/design.md §6).
 
 * :class:`layers.Dense` -- a subclass of ``flax.nnx.Linear`` computing
   ``activation(x @ kernel + bias)`` with ``ops.fused_matmul``.

@@ -1,4 +1,4 @@
-"""Curated fused kernels for model authors (DESIGN 3).
+"""Curated fused kernels for model authors (docs/design.md §5).
 
 Every op is jit/vmap/grad-compatible and takes ``implementation=``: None
 picks the best for the platform (falling back to "xla"); see

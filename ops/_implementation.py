@@ -11,7 +11,7 @@ import jax
 
 IMPLEMENTATIONS = ("xla", "interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton")
 
-# GPUs run our own Triton lowering (DESIGN 2.3); JAX's ("pallas_triton") stays
+# GPUs run our own Triton lowering (docs/design.md §3.3); JAX's ("pallas_triton") stays
 # one argument away as the yardstick. CPUs have no fast kernel backend, so XLA
 # is best there.
 _PLATFORM_DEFAULT = {"cpu": "xla", "gpu": "triton", "cuda": "triton", "tpu": "mosaic_tpu"}

@@ -1,4 +1,4 @@
-"""How every op runs on a device mesh: one partitioning mechanism for all ops (issue 12).
+"""How every op runs on a device mesh: one partitioning mechanism for all ops (docs/design.md §5.6).
 
 An op's Pallas kernel is opaque to XLA's SPMD partitioner: left alone, XLA
 gathers every operand onto one device before the custom call (output

@@ -1,6 +1,6 @@
 """pallas_core: the Pallas programming model, implemented here.
 
-Backend-neutral names (``import pallas_core as pl``), as in the Pallas seeds::
+Backend-neutral names (``import pallas_core as pl``), as in JAX's Pallas::
 
     pl.pallas_call, pl.BlockSpec, pl.Blocked, pl.Unblocked, pl.GridSpec,
     pl.program_id, pl.num_programs, pl.cdiv, pl.when, pl.loop, pl.ds,

@@ -26,7 +26,7 @@ def discharge_refs(closed_jaxpr: jax.extend.core.ClosedJaxpr):
 # --- Forward-mode autodiff of kernels (pallas_core.autodiff) -------------------
 # A kernel is a function of Refs; JAX's jaxpr-level JVP differentiates the
 # Ref reads and writes of its jaxpr (a tangent Ref beside each primal Ref),
-# which is the "reuse JAX's infrastructure" of seed 001. The public API has no
+# so the JVP of a kernel is JAX's own JVP, not one of ours. The public API has no
 # way to trace a function of Refs or to JVP a jaxpr, so these stay here.
 from jax._src import api_util as _api_util  # noqa: E402
 from jax._src import core as _core  # noqa: E402

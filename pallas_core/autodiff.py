@@ -1,4 +1,4 @@
-"""Forward-mode autodiff of a ``pallas_call``: the JVP is itself a kernel (seed 001).
+"""Forward-mode autodiff of a ``pallas_call``: the JVP is itself a kernel (docs/pallas_core.md section 10).
 
 ``jax.jvp`` of a call runs one kernel over the same grid that computes primal
 and tangent outputs together. Its operands are the primal inputs followed by

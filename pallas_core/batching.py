@@ -1,4 +1,4 @@
-"""vmap of a pallas_call as one more grid axis (seed 001, DESIGN 2.4).
+"""vmap of a pallas_call as one more grid axis (docs/design.md §4).
 
 Batching adds a leading ``"parallel"`` grid axis of the batch size and a
 leading squeezed block dim to every batched operand's spec, whose index map

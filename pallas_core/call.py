@@ -1,4 +1,4 @@
-"""``pallas_call``: run a kernel over a grid of programs (seed 001 semantics).
+"""``pallas_call``: run a kernel over a grid of programs (docs/design.md §2).
 
 ``pallas_call(kernel, out_shape, ...)`` returns a function of the inputs. On
 each call it (1) flattens inputs, outputs and specs, (2) resolves every
@@ -296,7 +296,7 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
         scratch_shapes = grid_spec.scratch_shapes
     elif in_specs is not None and not isinstance(in_specs, (list, tuple)):
         # The inputs are a tuple of operands, so their specs are a sequence (GridSpec
-        # keeps accepting a bare BlockSpec for a single input, as seed 003 writes it).
+        # keeps accepting a bare BlockSpec for a single input, as older Pallas code writes it).
         raise ValueError(f"`in_specs` must be a tuple or a list with one BlockSpec (or None) per "
                          f"input, got {in_specs!r}.")
     axis_names = grid_axis_names(grid)

@@ -1,7 +1,7 @@
 """Compiler parameters: the backend-neutral class and their normalisation.
 
 Every accepted form (``pallas_core.CompilerParams``, the backend classes in
-``pallas_core.tpu`` / ``.triton`` / ``.gpu``, and the seed 002 dict form
+``pallas_core.tpu`` / ``.triton`` / ``.gpu``, and the older dict form
 ``dict(mosaic=dict(dimension_semantics=(...)))``) resolves to one
 :class:`ResolvedParams`, so backends read a single structure.
 """

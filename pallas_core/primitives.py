@@ -1,4 +1,4 @@
-"""Kernel-side primitives with the names of the Pallas API (seeds 001, 003).
+"""Kernel-side primitives with the names of the Pallas API (docs/pallas_core.md sections 1-8).
 
 Refs are JAX's own (``jax.Ref``): kernels read with ``ref[idx]``, write with
 ``ref[idx] = value`` and narrow with ``ref.at[idx]``. What is here adds grid

@@ -1,6 +1,6 @@
 """BlockSpec, indexing modes and GridSpec: how a grid point picks its blocks.
 
-Semantics follow the Pallas grid/BlockSpec specification (seed 000):
+Semantics follow Pallas's grids and BlockSpecs (docs/pallas_core.md sections 2-4 and 9):
 
 * ``Blocked()`` (the default): ``index_map(*program_ids)`` returns one *block*
   index per array dim; element start = block index * block size.
@@ -72,7 +72,7 @@ class BlockSpec:
 
     ``BlockSpec(block_shape=None, index_map=None, *, indexing_mode=Blocked(),
     memory_space=None, pipeline_mode=None)``. The legacy order ``BlockSpec(index_map, block_shape)``
-    (seed 002) is recognised by its callable first argument.
+    (older Pallas code's) is recognised by its callable first argument.
 
     Args:
       block_shape: one entry per array dim: a positive int, ``None`` or
@@ -93,7 +93,7 @@ class BlockSpec:
                  indexing_mode: Blocked | Unblocked | None = None,
                  memory_space: Any = None, pipeline_mode: Buffered | None = None):
         if callable(block_shape) and not callable(index_map):
-            block_shape, index_map = index_map, block_shape  # seed 002 order
+            block_shape, index_map = index_map, block_shape  # the legacy order
         if block_shape is not None:
             if isinstance(block_shape, (int, np.integer)):
                 block_shape = (block_shape,)
@@ -127,7 +127,7 @@ class BlockSpec:
 
 @dataclasses.dataclass(frozen=True)
 class GridSpec:
-    """Grid, in/out BlockSpecs and scratch shapes bundled together (seed 003)."""
+    """Grid, in/out BlockSpecs and scratch shapes bundled together."""
 
     grid: Any = ()
     in_specs: Any = None
@@ -367,7 +367,7 @@ def _normalize_index_map(index_map, origin, rank, grid_rank, bounded, what):
     def wrapped(*ids):
         out = index_map(*ids)
         if not isinstance(out, (tuple, list)):
-            out = (out,)  # a scalar for a rank-1 block (seed 001)
+            out = (out,)  # a scalar for a rank-1 block, as Pallas allows
         if len(out) != rank:
             raise ValueError(
                 f"{origin}: Index map function {what} must return {rank} values to match the rank of "

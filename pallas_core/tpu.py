@@ -32,7 +32,7 @@ class CompilerParams:
 
     Args:
       dimension_semantics: ``"parallel"`` / ``"arbitrary"`` per grid axis
-        (megacore split, seed 002).
+        (megacore split).
       vmem_limit_bytes: scoped VMEM limit in bytes, or None for Mosaic's default.
     """
 

@@ -36,7 +36,7 @@ def check_kernel_result(kernel, result) -> None:
 
 def check_tpu_tiling(m: BlockMapping) -> None:
     """Mosaic TPU: the last two block dims divisible by 8 and 128 or equal to the
-    array's; rank-1 blocks divisible by ``128 * (32 / bitwidth)`` or whole (seed 000)."""
+    array's; rank-1 blocks divisible by ``128 * (32 / bitwidth)`` or whole."""
     rank = len(m.block_shape)
     if rank == 0:
         return
@@ -62,7 +62,7 @@ def check_tpu_tiling(m: BlockMapping) -> None:
 
 
 def check_pow2(m: BlockMapping, backend: str) -> None:
-    """Triton operates on power-of-two tiles (seed 000).
+    """Triton operates on power-of-two tiles.
 
     A block dim equal to the whole array dim is exempt: kernels walk such a
     dim in power-of-two ``pl.ds`` slices (the usual GPU pattern for a
@@ -105,7 +105,7 @@ def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: Fal
                 f"{origin}: output block {table.block_at(later)} is "
                 f"written at grid point {first}, left, and revisited at {later}; an output "
                 "block may only be revisited on consecutive grid points, so reductions "
-                "must run over the minor-most (last) grid axes (seed 002).")
+                "must run over the minor-most (last) grid axes (docs/pallas_core.md section 5).")
     if backend in NO_SEQUENTIAL_AXES and revisits:
         raise ValueError(
             f"backend {backend!r} runs every grid point concurrently, but an output block "

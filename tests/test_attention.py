@@ -1,6 +1,6 @@
 """ops.dot_product_attention: every option against the float32 XLA reference.
 
-Rungs 2-4 of the ladder: the interpret backend (every option, forward and
+The verification ladder (docs/design.md §7.2, §7.3, §7.5): the interpret backend (every option, forward and
 gradients), our Triton lowering through Triton's interpreter (every option at
 least once), and lowering for ``tpu`` / ``cuda``. Shapes never divide the
 blocks (T = 37, S = 45 against 16-row tiles). The reference is jax.nn's XLA
@@ -456,7 +456,7 @@ def test_mosaic_gpu_is_not_implemented():
 
 
 # --------------------------------------------------------------------------
-# Lowering for TPU and CUDA from this host (rung 4)
+# Lowering for TPU and CUDA from this host (docs/design.md §7.5)
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("impl,platform,marker", [("mosaic_tpu", "tpu", "tpu_custom_call"),

@@ -1,4 +1,4 @@
-"""Issue 13 section 1: loop peeling, grouped program order, persistent programs and tensor
+"""docs/pallas_core.md section 11 ("The shape of the GPU program"): loop peeling, grouped program order, persistent programs and tensor
 descriptors (TMA) in our Triton code generator.
 
 Results run in Triton's CPU interpreter and are compared with the interpret
@@ -21,7 +21,7 @@ from tests.tolerances import FORWARD, assert_close
 pytest.importorskip("triton")
 pytest.importorskip("torch")
 
-# A seed-002 reduction over grid axis 2, on shapes that divide none of the blocks.
+# A TPU-style reduction (docs/pallas_core.md section 5) over grid axis 2, on shapes that divide none of the blocks.
 M, N, K = 40, 72, 100
 BM, BN, BK = 16, 32, 16
 

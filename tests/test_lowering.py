@@ -1,4 +1,4 @@
-"""Rung 4: kernels meant for TPU / GPU lower for those platforms from this CPU host."""
+"""Kernels meant for TPU / GPU lower for those platforms from this CPU host (docs/design.md §7.5)."""
 import jax
 import jax.numpy as jnp
 import pytest

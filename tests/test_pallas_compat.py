@@ -1,4 +1,4 @@
-"""Issue 16 §2: JAX Pallas idioms run unchanged on pallas_core with the import swapped.
+"""docs/pallas_core.md section 12: JAX Pallas idioms run unchanged on pallas_core with the import swapped.
 
 Each kernel is written once against a Pallas namespace pair ``(P, T)``:
 JAX's ``jax.experimental.pallas`` / ``jax.experimental.pallas.triton`` (run

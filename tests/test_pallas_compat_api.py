@@ -1,4 +1,4 @@
-"""Issue 16 §2: the rest of JAX 0.10.2's Pallas module API, with the import swapped.
+"""docs/pallas_core.md section 13: the rest of JAX 0.10.2's Pallas module API, with the import swapped.
 
 Each kernel is written once against a namespace pair ``(P, T)``: JAX's
 ``jax.experimental.pallas`` / ``.tpu`` run with ``interpret=True`` (the

@@ -1,4 +1,4 @@
-"""The static performance gate (benchmarks/static.py, issue 13 section 3) in CI.
+"""The static performance gate (benchmarks/static.py, docs/design.md §7.4) in CI.
 
 CI compiles a small subset for sm_90 (compiles are slow on the CI host): the
 fused matmul with its epilogue (wgmma, shared memory, spills, its committed

@@ -1,4 +1,4 @@
-"""Rung 3: our Triton lowering keeps XLA's semantics at the edges.
+"""Our Triton lowering keeps XLA's semantics at the edges.
 
 Inputs are the values where a plain ``tl`` builtin and XLA disagree: NaN,
 infinities, signed zeros, halfway ties, tiny arguments (log1p, expm1,
@@ -188,7 +188,7 @@ def test_our_reductions_and_scans_never_run_element_by_element(monkeypatch):
 
 def test_bfloat16_softmax_with_masked_load():
     """The bfloat16 softmax idiom of GPU kernel libraries (masked load filled with -inf, max,
-    exp, sum) runs on our lowering and agrees with the interpret backend (issue 16: it once
+    exp, sum) runs on our lowering and agrees with the interpret backend (it once
     failed in Triton's interpreter with an OverflowError on bfloat16 bit patterns)."""
     x = jax.random.normal(jax.random.key(0), (16, 128), jnp.bfloat16) * 4
 

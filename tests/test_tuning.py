@@ -1,7 +1,7 @@
 """ops.tuning on a CPU host: the cache's round trip, versioning and errors, lookup
 precedence (explicit block sizes > cache > heuristic) in every op family, and the
 compile filter dropping configs that spill or overflow shared memory on sm_90.
-Nothing is timed here (issue 13 section 2: no timing on a CPU host)."""
+Nothing is timed here: the tuner times only on a GPU (docs/design.md §5.4)."""
 from __future__ import annotations
 
 import json

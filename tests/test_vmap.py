@@ -95,7 +95,7 @@ def test_triton_vmap_is_one_launch_with_a_batch_grid_axis():
 @pytest.mark.parametrize("backend", ["interpret", "triton"])
 def test_fori_loop_in_a_kernel_under_vmap_with_jax_checks(backend):
     """vmap adds a batch grid axis on our backends, so JAX never batches the kernel's own
-    control flow (batching a discharged fori_loop body trips JAX's checker: issue 16)."""
+    control flow (batching a discharged fori_loop body trips JAX's checker)."""
     def kernel(x_ref, o_ref):
         o_ref[...] = jax.lax.fori_loop(0, 2, lambda i, acc: acc + x_ref[...], jnp.zeros(x_ref.shape))
 

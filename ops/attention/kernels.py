@@ -6,7 +6,7 @@ sequence, chosen by backend (as fused_matmul's contraction walk):
 * ``"grid"`` (interpret, mosaic_tpu): the walked blocks are the last grid
   axis, marked ``"arbitrary"``; running statistics and accumulators live in
   scratch, initialised under ``pl.when(step == 0)`` and finished under
-  ``pl.when(step == last)`` (seed 002); blocks outside the visible range are
+  ``pl.when(step == last)`` (docs/pallas_core.md section 5); blocks outside the visible range are
   skipped with ``pl.when``.
 * ``"loop"`` (triton, pallas_triton): each program walks only its visible
   range with ``lax.fori_loop(lo, hi)`` over ``pl.ds`` slices of whole-length

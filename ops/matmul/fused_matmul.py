@@ -1,7 +1,7 @@
 """Fused matmul with a bias + activation epilogue: ``act(x @ w + bias)``.
 
 The kernel is the classic tiled matmul (Triton tutorial "Matrix
-Multiplication"; seed 001's templated matmul): each program owns one
+Multiplication"; the templated matmul of the Pallas design notes): each program owns one
 ``block_m x block_n`` output tile, walks the contraction dim in ``block_k``
 steps with a float32 accumulator, and applies bias and activation to the
 accumulator before the single store, so the pre-activation never makes a
@@ -11,7 +11,7 @@ The contraction is walked one of two ways, chosen by backend:
 
 * ``"grid"`` (interpret, mosaic_tpu, triton): K is the last grid axis,
   marked ``"arbitrary"``; the accumulator is a scratch buffer initialised
-  under ``pl.when(k == 0)`` and stored under ``pl.when(k == last)`` (seed 002).
+  under ``pl.when(k == 0)`` and stored under ``pl.when(k == last)`` (docs/pallas_core.md section 5).
   Our Triton lowering runs that axis as a loop inside each program and keeps
   the accumulator in registers across it, which Triton pipelines like its
   own tutorial matmul (sm_90: cp.async, num_stages=3, wgmma).

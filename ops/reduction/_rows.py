@@ -10,7 +10,7 @@ Every row-wise op sees its input as ``[rows, features]`` and reduces along
   in-kernel loop (:func:`for_each_chunk`), so rows far wider than one chunk
   (V = 128k logits) work with a bounded working set, and no grid axis has to
   run sequentially (JAX's Pallas Triton runs every program concurrently);
-* columns at or past ``features`` hold unspecified padding (seed 000), so the
+* columns at or past ``features`` hold unspecified padding (docs/pallas_core.md section 3), so the
   last chunk is masked with :func:`column_mask`; rows past the end are
   discarded on store and need no mask unless they feed a cross-row sum.
 

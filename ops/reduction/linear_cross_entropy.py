@@ -20,7 +20,7 @@ logit. How the work is laid out depends on the backend (as in
 * ``"grid"`` (interpret, mosaic_tpu): grid ``(row blocks, vocab tiles, D
   chunks)``, the last two ``"arbitrary"``; the tile accumulator is VMEM
   scratch, the running statistics live in the (revisited) output blocks
-  (seed 002). One program per row block sees the whole vocabulary.
+  (docs/pallas_core.md section 5). One program per row block sees the whole vocabulary.
 * ``"loop"`` (pallas_triton, whose programs all run concurrently): grid
   ``(row blocks, vocab splits)``, both parallel; each program loops over its
   split's tiles and, inside, over D. Splitting the vocabulary gives the GPU

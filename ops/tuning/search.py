@@ -227,7 +227,7 @@ def compile_filter(problem: Problem, configs: Sequence[Mapping[str, int]], *,
 
 def main_problems(dtype: str = "bfloat16", implementation: str = "triton") -> list[Problem]:
     """The shapes ``python -m benchmarks.tune`` fills the cache for by default: the
-    model sizes of issue 13's static gate (matmul 4096^3 / 8192^3; norms and
+    model sizes of the static gate, ``benchmarks/static.py`` (matmul 4096^3 / 8192^3; norms and
     softmax over 4096 rows of 4096..32768 features; cross-entropy over 128256
     classes; attention at 2048 and 4096 tokens, head dims 64 and 128)."""
     # Compute-bound ops first: a session that runs out of its time budget has

@@ -1,4 +1,4 @@
-"""Backend registry and the platform default (DESIGN 2.3)."""
+"""Backend registry and the platform default (docs/design.md §3.1)."""
 from __future__ import annotations
 
 import jax

@@ -1,6 +1,6 @@
 """Edge-block masking for JAX's Pallas Triton lowering.
 
-Our semantics (seed 000, DESIGN 2.4): a block may hang over the array's end;
+Our semantics (docs/design.md §4): a block may hang over the array's end;
 what it reads there is unspecified and what it writes there is discarded.
 JAX's Pallas Triton lowering turns ``ref[idx]`` into a plain load or store
 with no bounds check, so an overhanging block would read, and worse write,

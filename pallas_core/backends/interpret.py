@@ -1,4 +1,4 @@
-"""The ``interpret`` backend: the grid as a loop of XLA ops (seed 001 "emulation mode").
+"""The ``interpret`` backend: the grid as a loop of XLA ops (docs/design.md §3.2).
 
 Each grid point slices its input blocks out of padded copies of the inputs,
 runs the kernel body on Refs over them (and over the current output blocks),

@@ -109,7 +109,7 @@ def _compiler_params(call, backend):
         semantics = tuple("sequential" if s == "arbitrary" else s for s in call.semantics)
         return plgpu.CompilerParams(dimension_semantics=semantics, **p.gpu)
     if backend == "pallas_triton":
-        # Passed explicitly: on CUDA JAX otherwise picks Mosaic GPU (DESIGN 2.3).
+        # Passed explicitly: on CUDA JAX otherwise picks Mosaic GPU (docs/design.md §3.4).
         from jax.experimental.pallas import triton as pltriton
         return pltriton.CompilerParams(num_warps=p.triton.get("num_warps", 4),
                                        num_stages=p.triton.get("num_stages", 3))

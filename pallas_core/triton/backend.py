@@ -1,4 +1,4 @@
-"""The ``triton`` backend: generate, load and launch (DESIGN 2.3)."""
+"""The ``triton`` backend: generate, load and launch (docs/design.md §3.3)."""
 from __future__ import annotations
 
 import contextlib

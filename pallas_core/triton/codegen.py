@@ -9,7 +9,7 @@ jaxpr and writes one readable ``@jit`` function:
   and emitted, gives the block origin) and any ``.at`` views, kept as one
   ``(start, size, stride)`` range or fixed index per array dim;
 * loads and stores are masked wherever a block can run past the array, so
-  edge blocks need no hand-written masks (seed 000 semantics);
+  edge blocks need no hand-written masks (docs/design.md §4);
 * Triton tensors have power-of-two dims, so a value of logical shape
   ``(8, 96)`` is a ``(8, 128)`` tensor whose padding lanes are never
   stored, are masked out of reductions and dot contractions, and never leak
@@ -18,7 +18,7 @@ jaxpr and writes one readable ``@jit`` function:
   valid lanes raise NotImplementedError;
 * parallel grid axes are the launch grid (flattened into axis 0, decoded
   with constexpr div/mod); arbitrary axes run as loops inside each program,
-  so a TPU-style reduction over a grid axis is correct (DESIGN 2.4);
+  so a TPU-style reduction over a grid axis is correct (docs/design.md §4);
 * jaxpr primitives map to ``tl`` builtins with XLA's semantics: where a
   builtin differs (NaN-dropping ``tl.maximum``, ``log(1 + x)`` for log1p,
   ``0 - x`` for negation, out-of-range conversions and shifts) the writer

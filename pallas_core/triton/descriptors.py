@@ -20,7 +20,7 @@ tensor-memory accelerator can move it as one box (CUDA programming guide,
 
 Blocks that run past the array's edge qualify: the descriptor knows the
 array's shape and the hardware zero-fills reads and drops writes outside it,
-which is what our edge masks do (DESIGN 2.4). Every other view keeps pointer
+which is what our edge masks do (docs/design.md §4). Every other view keeps pointer
 loads and stores. Before sm_90 Triton rewrites descriptors into pointer
 accesses, so the same source compiles for every target.
 """

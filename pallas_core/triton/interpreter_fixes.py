@@ -1,6 +1,6 @@
 """Makes Triton 3.6's CPU interpreter treat bfloat16 as a GPU does.
 
-The interpreter (our CI's way of running generated kernels, DESIGN §6) keeps
+The interpreter (our CI's way of running generated kernels, docs/design.md §7.3) keeps
 bfloat16 tensors as their uint16 bit patterns and then, unlike the GPU:
 
 * arithmetic and comparisons between bfloat16 tensors (``x * 2``, ``x < y``)

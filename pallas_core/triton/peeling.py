@@ -1,7 +1,7 @@
 """Loop peeling: which ``pl.when`` blocks of a kernel run before or after its loop.
 
 Our Triton lowering runs the innermost sequential (``"arbitrary"``) grid axis
-``k`` as a loop inside each program. The TPU-style reduction of seed 002
+``k`` as a loop inside each program. The TPU-style reduction (docs/pallas_core.md section 5)
 guards its initialisation with ``pl.when(k == 0)`` and its epilogue with
 ``pl.when(k == num_programs - 1)``; written as they stand, both are branches
 in every iteration of that loop. Triton's matmul tutorial instead initialises

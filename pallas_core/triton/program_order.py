@@ -15,7 +15,7 @@ axis 0 and decodes each program's grid indices from its flat id:
   loops over tiles ``program_id, program_id + P, ...``; the decode above maps
   each tile to grid indices.
 
-Parallel axes may run in any order (DESIGN 2.4), so none of this changes
+Parallel axes may run in any order (docs/design.md §4), so none of this changes
 results.
 """
 from __future__ import annotations

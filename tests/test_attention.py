@@ -1,8 +1,8 @@
 """ops.dot_product_attention: every option against the float32 XLA reference.
 
-The verification ladder (docs/design.md §7.2, §7.3, §7.5): the interpret backend (every option, forward and
-gradients), our Triton lowering through Triton's interpreter (every option at
-least once), and lowering for ``tpu`` / ``cuda``. Shapes never divide the
+The verification ladder (docs/design.md §7.2, §7.3, §7.5): the interpret backend
+(every option, forward and gradients), our Triton lowering through Triton's
+interpreter (every option at least once), and lowering for ``tpu`` / ``cuda``. Shapes never divide the
 blocks (T = 37, S = 45 against 16-row tiles). The reference is jax.nn's XLA
 path computed in float32 with the fully-masked-row convention of the op
 (output 0, logsumexp -inf); where no row is fully masked, jax.nn itself is

@@ -1,4 +1,5 @@
-"""The static gate for flash attention (docs/design.md §7.4): the shipped Triton configurations compiled for sm_90.
+"""The static gate for flash attention (docs/design.md §7.4): the shipped Triton
+configurations compiled for sm_90.
 
 Each kernel (forward, dQ, dK/dV) at the heuristic's block sizes for 16-bit
 inputs and head dims 64 / 96 / 128 / 256 must compile for Hopper with: dots

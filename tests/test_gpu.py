@@ -1,4 +1,4 @@
-"""The kernels on a real GPU (docs/design.md §7.6) (``pytest -m gpu``), skipped where there is none.
+"""The kernels on a real GPU, ``pytest -m gpu`` (docs/design.md §7.6), skipped where there is none.
 
 Every op runs through JAX's Pallas Triton lowering and through ours, on
 shapes that do not divide the blocks (so edge blocks, and on pallas_triton

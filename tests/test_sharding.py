@@ -1,4 +1,5 @@
-"""Every op partitions over a device mesh (docs/design.md §5.6), on 8 fake CPU devices (tests/conftest.py).
+"""Every op partitions over a device mesh (docs/design.md §5.6), on 8 fake CPU devices
+(tests/conftest.py).
 
 Each case runs one jitted function returning the op's output and its
 gradients on sharded operands, and checks (against the XLA reference on one

@@ -306,6 +306,13 @@ BUDGETS: dict[tuple[str, str], Budget] = {
     **{(f"fused_matmul/plain/{s}x{s}x{s}/bfloat16/fwd", "fused_matmul"): Budget(
         "K loop and registers: " + _FROZEN + "; 69 per step with TMA loads", loops=(83,),
         registers=98) for s in (4096, 8192)},
+    # The backward's two matmuls, named apart so each K loop has its budget. dx = dz @ w^T
+    # reads w transposed (156 instructions per step, 146 registers); dw = x^T @ dz reads x
+    # transposed (145, 96 registers); the forward's loop, both operands in place, takes 83.
+    ("fused_matmul/bias+gelu/4096x4096x4096/bfloat16/fwd+bwd", "fused_matmul_dx"): Budget(
+        "K loop and registers: " + _FROZEN + "; w read transposed", loops=(156,), registers=146),
+    ("fused_matmul/bias+gelu/4096x4096x4096/bfloat16/fwd+bwd", "fused_matmul_dw"): Budget(
+        "K loop and registers: " + _FROZEN + "; x read transposed", loops=(145,), registers=96),
     # 03-style matmul at our 128 x 128 x 64 tile with a libdevice tanh gelu: 2848 SASS
     # instructions; the bias+gelu kernel may take 1.25x that (the epilogue's tanh is
     # ours: pallas_core.triton.jit_helpers, within 2 ulps). The K loop: today's figure.

@@ -217,7 +217,7 @@ def _pad_axis(x, axis, size):
 
 def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=None,
                  activation=None, want_preact=False, num_warps=None, num_stages=None,
-                 group_size=None):
+                 group_size=None, name=None):
     """``act(A @ B + bias)`` with A = a contracting dim ca, B = b contracting dim cb.
 
     ``blocks = (block_rows, block_cols, block_k)`` for the output's two dims
@@ -225,8 +225,10 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
     backends; the last on ``triton`` only) None for the heuristic's. The
     contraction dim is zero-padded to a multiple of block_k (exact for a sum; a
     copy only when K does not divide); the free dims use edge blocks, whose
-    out-of-bounds rows are discarded.
+    out-of-bounds rows are discarded. ``name`` names the kernel (None: from the
+    activation and bias, :func:`_kernel_name`).
     """
+    name = name or _kernel_name(activation, bias)
     bm, bn, bk = blocks
     m, n, k = a.shape[1 - ca], b.shape[1 - cb], a.shape[ca]
     # At least one step: an empty contraction (K == 0, or M == 0 in dw) still
@@ -271,7 +273,7 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
                 num_warps=num_warps, num_stages=num_stages, group_size=group_size,
                 dimension_semantics=("parallel", "parallel", "arbitrary"))
             if backend == "triton" else pl.CompilerParams(("parallel", "parallel", "arbitrary")),
-            backend=backend, name=_kernel_name(activation, bias))
+            backend=backend, name=name)
     else:
         def spec(free, contract_dim, pick):
             def index_map(i, j):
@@ -286,7 +288,7 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
             out_shape=out_shapes, grid=grid_mn, in_specs=in_specs,
             out_specs=[out_spec] * len(out_shapes),
             compiler_params=pl.triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            backend=backend, name=_kernel_name(activation, bias))
+            backend=backend, name=name)
     outs = call(*operands)
     return tuple(outs) if want_preact else outs[0]
 
@@ -443,9 +445,12 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
     else:
         dz, dbias = g, None
     # dx[M, K] = dz[M, N] @ w[K, N]^T: output tiles (bm, bk), contraction over N by bn.
-    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, bn), backend=backend, out_dtype=x.dtype)
+    # Distinct kernel names, so the static gate budgets the two K loops apart.
+    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, bn), backend=backend, out_dtype=x.dtype,
+                      name="fused_matmul_dx")
     # dw[K, N] = x[M, K]^T @ dz[M, N]: output tiles (bk, bn), contraction over M by bm.
-    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, bm), backend=backend, out_dtype=w.dtype)
+    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, bm), backend=backend, out_dtype=w.dtype,
+                      name="fused_matmul_dw")
     return dx, dw, dbias
 
 

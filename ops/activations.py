@@ -12,25 +12,26 @@ _TWO_OVER_SQRT_PI = 1.1283791670955126
 _INV_SQRT_2PI = 0.3989422804014327
 # Polynomial coefficients, lowest degree first: least-squares fits (reweighted
 # towards minimax) of float64 references, each coefficient rounded to float32 in
-# turn with the rest refitted. Hart et al., "Computer Approximations" (1968), ch. 6,
-# for the two-range structure: an odd polynomial near 0, exp of a polynomial in the tail.
+# turn with the rest refitted, in the usual two-range structure (Hart et al., "Computer
+# Approximations", 1968): an odd polynomial near 0, exp2 of a polynomial in the tail
+# (exp2: one ex2.approx on a GPU, no argument reduction, the fitted argument being bounded).
 # erf(x) = x + x * R(x^2) for |x| < 0.88 (relative fit).
 _ERF_SMALL = (0.12837915122509003, -0.3761250972747803, 0.11282000690698624,
               -0.02677370421588421, 0.005004049278795719, -0.0006048360373824835)
-# erfc(t) = exp(Q(t)) for 0.88 <= t <= 4 (absolute fit of log erfc); erf(t) rounds to 1 above 3.92.
-_LOG_ERFC = (0.0002943211584351957, -1.130131721496582, -0.631994903087616,
-             -0.10992559790611267, 0.02633577212691307, -0.004730359651148319,
-             0.000590730516705662, -4.535620610113256e-05, 1.602561724212137e-06)
+# erfc(t) = exp2(Q(t)) for 0.88 <= t <= 4 (absolute fit of log2 erfc); erf(t) rounds to 1 above 3.92.
+_LOG_ERFC = (0.00042461566044948995, -1.6304353475570679, -0.9117761254310608,
+             -0.15858890116214752, 0.0379943810403347, -0.006824439391493797,
+             0.0008522412390448153, -6.543526251334697e-05, 2.3120348942029523e-06)
 # Phi(x) = 1/2 + x * G(x^2) for -0.45 < x < 1.25 (relative fit of Phi - 1/2).
 _PHI_SMALL = (0.3989422917366028, -0.06649082899093628, 0.009976522997021675,
               -0.001194541691802442, 0.0001233417569892481, -1.3357615898712538e-05,
               1.3124691804478061e-06)
-# Phi(-a) = exp(H(a)) for 0.45 <= a <= 5.7 (absolute fit of log Phi(-a)); below
+# Phi(-a) = exp2(H(a)) for 0.45 <= a <= 5.7 (absolute fit of log2 Phi(-a)); below
 # x = -5.7, Phi(x) < 6e-9 is taken as 0.
-_LOG_PHI_TAIL = (-0.6931033134460449, -0.7981755137443542, -0.31751760840415955,
-                 -0.03751133009791374, 0.005845740903168917, -0.0005796382902190089,
-                 1.6834683265187778e-05, 3.825224666798022e-06, -5.061581873633259e-07,
-                 2.0198971384388642e-08)
+_LOG_PHI_TAIL = (-0.9999366998672485, -1.1515239477157593, -0.45808082818984985,
+                 -0.054117750376462936, 0.008433880284428596, -0.0008363584638573229,
+                 2.4319551812368445e-05, 5.513349606189877e-06, -7.297581419152266e-07,
+                 2.9123075506731766e-08)
 _PHI_TAIL_END = 5.7
 
 
@@ -43,24 +44,24 @@ def _horner(coefs, x):
 
 @jax.custom_jvp
 def erf(x):
-    """The error function from ``exp``, arithmetic and selects; float32 result within 2 ulps.
+    """The error function from ``exp2``, arithmetic and selects; float32 result within 2 ulps.
 
-    ``|x| < 0.88``: ``x + x R(x^2)`` (R of degree 5); above: ``1 - exp(Q(|x|))``
-    with Q of degree 8 fitted to ``log erfc`` on [0.88, 4] (the argument is clamped
-    at 4, where erf rounds to 1). Against float64 over the whole float32 range: 1.3
-    ulps with a correctly rounded exp, 1.8 with exp 2 ulps off either way (the
-    GPU's ``expf`` bound; tests/test_triton_backend.py). One exp,
-    no division: libdevice's ``erff`` cost. Kernels use it because JAX's Pallas
-    Triton lowering implements neither ``erf`` nor ``erfc`` (and Mosaic TPU lacks
-    ``erfc``). Its derivative is the exact ``2/sqrt(pi) * exp(-x^2)``, not the
-    polynomials'. Computed in float32, returned in x's dtype; NaN stays NaN,
-    ``erf(+-inf) = +-1``, signed zeros keep their sign.
+    ``|x| < 0.88``: ``x + x R(x^2)`` (R of degree 5); above: ``1 - exp2(Q(|x|))``
+    with Q of degree 8 fitted to ``log2 erfc`` on [0.88, 4] (the argument is clamped
+    at 4, where erf rounds to 1). Against float64 over the whole float32 range
+    (sampled): 1.2 ulps with a correctly rounded exp2, 1.7 with exp2 2 ulps off either
+    way (the GPU's ``exp2f`` bound), 1.3 in Triton's interpreter and on XLA's CPU
+    (tests/test_triton_backend.py). One exp2, no division: libdevice's ``erff`` cost.
+    Kernels use it because JAX's Pallas Triton lowering implements neither ``erf``
+    nor ``erfc`` (and Mosaic TPU lacks ``erfc``). Its derivative is the exact
+    ``2/sqrt(pi) * exp(-x^2)``, not the polynomials'. Computed in float32, returned
+    in x's dtype; NaN stays NaN, ``erf(+-inf) = +-1``, signed zeros keep their sign.
     """
     x = jnp.asarray(x)
     z = x.astype(jnp.float32)
     t = jnp.abs(z)
     small = z + z * _horner(_ERF_SMALL, z * z)
-    big = 1.0 - jnp.exp(_horner(_LOG_ERFC, jnp.minimum(t, 4.0)))
+    big = 1.0 - jnp.exp2(_horner(_LOG_ERFC, jnp.minimum(t, 4.0)))
     y = jnp.where(t < 0.88, small, jnp.where(z < 0, -big, big))
     return y.astype(x.dtype)
 
@@ -78,7 +79,7 @@ def _normal_cdf(x):
     relative error would grow to ``x^2 * 2**-24`` of the tail's)."""
     a = jnp.abs(x)
     small = 0.5 + x * _horner(_PHI_SMALL, x * x)
-    tail = jnp.exp(_horner(_LOG_PHI_TAIL, jnp.minimum(a, _PHI_TAIL_END)))  # Phi(-|x|)
+    tail = jnp.exp2(_horner(_LOG_PHI_TAIL, jnp.minimum(a, _PHI_TAIL_END)))  # Phi(-|x|)
     lower = jnp.where(x < -_PHI_TAIL_END, 0.0, tail)
     return jnp.where(x <= -0.45, lower, jnp.where(x >= 1.25, 1.0 - tail, small))
 
@@ -88,14 +89,15 @@ def gelu_exact(x):
     """GELU in its exact form, ``x * Phi(x)`` (Hendrycks & Gimpel, 2016): ``jax.nn.gelu(x,
     approximate=False)``, which computes it as ``x * erfc(-x / sqrt(2)) / 2``.
 
-    Phi from exp, arithmetic and selects, so that every kernel backend lowers it
-    (one exp, no division): ``1/2 + x G(x^2)`` for -0.45 < x < 1.25, ``exp(H(|x|))``
-    below (the lower tail without cancellation), ``1 - exp(H(x))`` above, 0 below
-    x = -5.7 (absolute error < 4e-8 there). Against float64 over the float32 range:
+    Phi from exp2, arithmetic and selects, so that every kernel backend lowers it
+    (one exp2, no division): ``1/2 + x G(x^2)`` for -0.45 < x < 1.25, ``exp2(H(|x|))``
+    below (the lower tail without cancellation), ``1 - exp2(H(x))`` above, 0 below
+    x = -5.7 (absolute error < 4e-8 there). Against float64 over sampled float32
+    values, with a correctly rounded exp2 (and with exp2 2 ulps off either way):
     within 1.8 ulps for x >= 0; for x < 0 the error grows with ``|log Phi(x)|`` (the
-    float32 rounding of H): 3.3 ulps at x >= -0.5, 8 at x >= -2, 53 near -5.5, where
-    XLA's erfc form (jax.nn.gelu on a CPU) measures 1.9, 12 and 41. Computed in
-    float32, returned in x's dtype. Derivative: ``Phi(x) + x phi(x)`` with
+    float32 rounding of H): 3.3 (5.2) ulps at x >= -0.5, 10 (12) at x >= -2, 46 (49)
+    near -5.6, where XLA's erfc form (jax.nn.gelu on a CPU) measures 1.9, 12 and 41.
+    Computed in float32, returned in x's dtype. Derivative: ``Phi(x) + x phi(x)`` with
     ``phi(x) = exp(-x^2 / 2) / sqrt(2 pi)``.
     """
     x = jnp.asarray(x)

@@ -651,11 +651,12 @@ def test_exp_and_sigmoid_accuracy_over_the_float32_range(name, fn, reference):
 
 
 def test_erf_and_gelu_exact_accuracy_over_the_float32_range():
-    """ops.activations' erf (x + x R(x^2), or 1 - exp(Q(|x|))) and gelu_exact (x Phi(x) with
-    Phi's lower tail as exp(H(|x|)), no cancellation) on our Triton lowering, in Triton's
-    interpreter, against float64 over sampled float32 values: erf within 2 ulps everywhere
-    (the GPU's expf bound, 2 ulps, costs up to 1.8); gelu_exact within 2 ulps for x >= 0 and,
-    for x < 0, within the bounds its docstring states (XLA's erfc form measures alike)."""
+    """ops.activations' erf (x + x R(x^2), or 1 - exp2(Q(|x|))) and gelu_exact (x Phi(x) with
+    Phi's lower tail as exp2(H(|x|)), no cancellation) on our Triton lowering, in Triton's
+    interpreter, against float64 over sampled float32 values: erf within 2 ulps everywhere,
+    also with exp2 at the GPU's exp2f bound (2 ulps); gelu_exact within 2 ulps for x >= 0
+    and, for x < 0, within the bounds its docstring states for that exp2 (XLA's erfc form
+    measures alike)."""
     from scipy.special import erf as erf64, ndtr
 
     x = _float32_samples(2**18, seed=2).reshape(512, 512)
@@ -674,6 +675,26 @@ def test_erf_and_gelu_exact_accuracy_over_the_float32_range():
     err = _ulps(got, want)
     normal = np.abs(want) >= 2.0**-126
     assert err[normal & (x >= 0)].max() <= 2.0
-    assert err[normal & (x >= -0.5)].max() <= 4.0
-    assert err[normal & (x >= -2)].max() <= 10.0
+    assert err[normal & (x >= -0.5)].max() <= 6.0
+    assert err[normal & (x >= -2)].max() <= 13.0
     assert np.abs(got - want)[x < -5.7].max() <= 4e-8
+    # erf's formula in float32 numpy with exp2 correctly rounded, then 2 ulps off either
+    # way (the GPU's exp2f bound): still within 2 ulps.
+    act = ops.activations
+    f32 = np.float32
+
+    def horner(coefs, v):
+        p = np.full_like(v, f32(coefs[-1]))
+        for c in coefs[-2::-1]:
+            p = (p * v + f32(c)).astype(f32)
+        return p
+
+    z = x.ravel()
+    t = np.abs(z)
+    with np.errstate(over="ignore"):  # z * z of huge z, in the branch not taken
+        small = z + z * horner(act._ERF_SMALL, z * z)
+    exact = np.exp2(horner(act._LOG_ERFC, np.minimum(t, f32(4))).astype(np.float64)).astype(f32)
+    for off in (-2, 0, 2):
+        big = f32(1) - (exact + f32(off) * np.spacing(exact))
+        sim = np.where(t < 0.88, small, np.where(z < 0, -big, big))
+        assert _ulps(sim, erf64(z.astype(np.float64)))[t >= 2.0**-120].max() <= 2.0

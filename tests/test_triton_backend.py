@@ -698,3 +698,50 @@ def test_erf_and_gelu_exact_accuracy_over_the_float32_range():
         big = f32(1) - (exact + f32(off) * np.spacing(exact))
         sim = np.where(t < 0.88, small, np.where(z < 0, -big, big))
         assert _ulps(sim, erf64(z.astype(np.float64)))[t >= 2.0**-120].max() <= 2.0
+
+
+def _helper_in_numpy(name, exp2):
+    """jit_helpers' ``_<name>`` run in float32 numpy, with ``tl.exp2`` replaced by ``exp2``:
+    the formula the kernel emits, every operation rounded once, as on the GPU without
+    fused multiply-adds."""
+    from pallas_core.triton import jit_helpers
+
+    class tl:  # the few tl functions the exp helper calls, in numpy
+        PropagateNan = type("PropagateNan", (), {"ALL": None})
+        minimum = staticmethod(lambda a, b, propagate_nan=None: np.minimum(a, np.float32(b)))
+        maximum = staticmethod(lambda a, b, propagate_nan=None: np.maximum(a, np.float32(b)))
+
+    tl.exp2 = staticmethod(exp2)
+    namespace = {"tl": tl, "jit": lambda f: f}
+    exec(jit_helpers.math_source(name), namespace)
+    return namespace[f"_{name}"]
+
+
+def test_exp_and_sigmoid_formulas_with_an_exact_exp2():
+    """The exp helper's formula (and 1 / (1 + exp(-x)) on it) with exp2 correctly rounded
+    (numpy's float64 exp2 rounded to float32; Triton's interpreter's float32 exp2 is itself
+    up to an ulp off): exp within 1 ulp of float64, sigmoid within 2.5 (its result in the
+    binade below exp's doubles exp's rounding in ulps); with exp2 one ulp off either way
+    at non-integers (powers of two exact), exp within 2 ulps. Sampled float32 values with
+    normal results."""
+    x = np.concatenate([_float32_samples(2**18, seed=3),
+                        np.linspace(-88, 89, 2**18, dtype=np.float32)])
+
+    def exp2(off):  # off ulps away at non-integers; powers of two exact
+        def f(v):
+            v = np.asarray(v)
+            e = np.exp2(v.astype(np.float64)).astype(np.float32)
+            return np.where(v == np.floor(v), e, e + np.float32(off) * np.spacing(e))
+        return f
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = np.exp(x.astype(np.float64))
+        sigmoid = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+        normal = (want >= 2.0**-126) & (want <= np.finfo(np.float32).max)
+        exp = _helper_in_numpy("exp", exp2(0))
+        assert _ulps(exp(x)[normal], want[normal]).max() <= 1.0
+        got = np.float32(1) / (np.float32(1) + exp(x * np.float32(-1)))
+        assert _ulps(got[sigmoid >= 2.0**-126], sigmoid[sigmoid >= 2.0**-126]).max() <= 2.5
+        for off in (-1, 1):
+            got = _helper_in_numpy("exp", exp2(off))(x)
+            assert _ulps(got[normal], want[normal]).max() <= 2.0

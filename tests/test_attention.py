@@ -19,8 +19,9 @@ from hypothesis import given, settings, strategies as st
 import ops
 from ops.attention import BlockSizes
 from ops.attention import dropout as dropout_lib
-from ops.attention.masking import (RANGE_FIELDS, MaskSpec, block_full_visibility, block_ranges,
-                                   block_visibility, masked_sides)
+from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
+                                   masked_sides)
+from ops.attention.range_table import RANGE_FIELDS, BlockRange, RangeTable, pack
 from tests.tolerances import BACKWARD, FORWARD, assert_close
 
 B, T, S, N, K, H = 2, 37, 45, 4, 2, 32
@@ -237,9 +238,25 @@ def test_skipped_blocks_are_never_read(impl, case):
 
 
 def _table(vis, full=None, rows=16, sides=(True, True)):
-    """block_ranges' first ``rows`` rows as ``[rows, RANGE_FIELDS]``: lo, hi, full_lo, full_hi."""
-    flat = np.asarray(block_ranges(vis, 1, full=full, sides=sides))
-    return flat[:rows * RANGE_FIELDS].reshape(rows, RANGE_FIELDS)
+    """block_ranges' first ``rows`` rows as ``[rows, 4]``: lo, hi, full_lo, full_hi."""
+    ranges = block_ranges(vis, 1, full=full, sides=sides)
+    return np.stack([np.asarray(field)[0] for field in ranges], axis=1)[:rows]
+
+
+def test_range_table_layout():
+    """pack writes what RangeTable reads: the seed (0 without one), then every
+    program row's BlockRange, the whole zero-padded to a power-of-two length."""
+    fields = np.arange(3 * 5 * RANGE_FIELDS, dtype=np.int32).reshape(RANGE_FIELDS, 3, 5) + 1
+    for seed, want in ((jnp.uint32(7), 7), (None, 0)):
+        flat = np.asarray(pack(seed, BlockRange(*map(jnp.asarray, fields))))
+        size = flat.shape[0]
+        assert flat.dtype == np.int32 and size >= 61 and size & (size - 1) == 0 and not flat[61:].any()
+        table = RangeTable(flat, blocks=5)
+        assert table.seed == want
+        for b in range(3):
+            for i in range(5):
+                assert tuple(table.row(b, i).read()) == tuple(fields[:, b, i])
+        assert (table.row(2, 1).full_lo, table.row(2, 1).hi) == (fields[2, 2, 1], fields[1, 2, 1])
 
 
 def test_causal_visits_about_half_the_blocks():

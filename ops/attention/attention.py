@@ -20,7 +20,7 @@ from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import resolve_implementation
 from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
-from ops.attention import kernels
+from ops.attention import kernels, range_table
 from ops.attention.block_sizes import BlockSizes, select_block_sizes
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
                                    fold_lengths, masked_sides)
@@ -320,8 +320,8 @@ def _tables(cfg: kernels.Config, q_seg, kv_seg, seed):
         # kernel's sides (bound_q) include the forward's, so one table serves both.
         full = block_full_visibility(cfg.spec, bq, bk, q_seg, kv_seg) if cfg.strategy == "loop" else None
         sides = masked_sides(cfg.spec, bq, bk, transpose=transpose, bound_q=bound_q)
-        table = block_ranges(vis, cfg.batch, transpose=transpose, full=full, sides=sides)
-        return kernels.scalar_table(seed, table)
+        return range_table.pack(seed, block_ranges(vis, cfg.batch, transpose=transpose,
+                                                   full=full, sides=sides))
 
     return (ranges(cfg.block_q, cfg.block_k),
             ranges(cfg.block_q_dkv, cfg.block_k_dkv, transpose=True, bound_q=True))

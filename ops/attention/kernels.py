@@ -53,7 +53,8 @@ from jax import lax
 
 import pallas_core as pl
 from ops.attention import dropout as dropout_lib
-from ops.attention.masking import RANGE_FIELDS, masked_sides, MaskSpec, visible
+from ops.attention.masking import masked_sides, MaskSpec, visible
+from ops.attention.range_table import BlockRange, RangeTable
 from ops.reduction._rows import logsumexp_shift
 
 LOG2E = math.log2(math.e)
@@ -352,14 +353,6 @@ def _table_spec(cfg: Config):
     return pl.BlockSpec(memory_space=space) if space is not None else pl.BlockSpec()
 
 
-def scalar_table(seed, ranges):
-    """``[seed, ranges...]`` as one flat int32 vector of power-of-two length."""
-    seed = jnp.zeros((), jnp.int32) if seed is None else seed.astype(jnp.int32)
-    flat = jnp.concatenate([seed.reshape(1), ranges])
-    size = pl.next_power_of_2(flat.shape[0])
-    return jnp.pad(flat, (0, size - flat.shape[0]))
-
-
 def _params(cfg: Config, semantics, accumulator_rows: int, threshold: int = 128 * 128):
     """Compiler params; Triton gets 8 warps once the float32 accumulator tiles
     (``accumulator_rows x H``, H padded to a power of two) reach ``threshold``
@@ -411,22 +404,15 @@ class _QueryProgram:
     i: jax.Array
     head: jax.Array  # b * N + n
     seed: jax.Array
-    lo: jax.Array  # the visible key/value blocks are [lo, hi),
-    hi: jax.Array
-    full_lo: jax.Array  # the fully visible ones [full_lo, full_hi) (masking.block_ranges)
-    full_hi: jax.Array
+    ranges: BlockRange  # the key/value blocks it walks
     q_seg: jax.Array | None
-
-    @property
-    def ranges(self):
-        return self.lo, self.hi, self.full_lo, self.full_hi
 
 
 def _query_program(cfg: Config, table_ref, qs_ref) -> _QueryProgram:
     b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row = 1 + RANGE_FIELDS * (b * pl.cdiv(cfg.spec.T, cfg.block_q) + i)
-    return _QueryProgram(i=i, head=b * cfg.heads + n, seed=table_ref[0], lo=table_ref[row],
-                         hi=table_ref[row + 1], full_lo=table_ref[row + 2], full_hi=table_ref[row + 3],
+    table = RangeTable(table_ref, pl.cdiv(cfg.spec.T, cfg.block_q))
+    row = table.row(b, i)
+    return _QueryProgram(i=i, head=b * cfg.heads + n, seed=table.seed, ranges=row.read(),
                          q_seg=None if qs_ref is None else qs_ref[...])
 
 
@@ -482,7 +468,7 @@ def _forward_kernel(*refs, cfg: Config):
                                                       cfg.spec.segments, cfg.spec.segments)
     table_ref, out_ref, lse_ref, *scratch = rest
     prog = _query_program(cfg, table_ref, qs_ref)
-    q, seed, lo, hi = q_ref[...], prog.seed, prog.lo, prog.hi
+    q, seed, lo, hi = q_ref[...], prog.seed, prog.ranges.lo, prog.ranges.hi
     kv_refs = (k_ref, v_ref, ks_ref, bias_ref, mask_ref)
 
     def step(j, carry, masked=True):
@@ -624,7 +610,7 @@ def _dq_kernel(*refs, cfg: Config, want_dbias: bool):
     table_ref, dq_ref, *rest = rest
     dbias_ref = rest.pop(0) if want_dbias else None
     prog = _query_program(cfg, table_ref, qs_ref)
-    seed, lo, hi = prog.seed, prog.lo, prog.hi
+    seed, lo, hi = prog.seed, prog.ranges.lo, prog.ranges.hi
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     kv_refs = (k_ref, v_ref, ks_ref, bias_ref, mask_ref)
 
@@ -726,9 +712,10 @@ def _dkdv_kernel(*refs, cfg: Config):
     b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     nk = pl.cdiv(cfg.spec.S, bk)
     nq = pl.cdiv(cfg.spec.T, bq)
-    seed = table_ref[0]
-    row = 1 + RANGE_FIELDS * (b * nk + j)
-    lo, hi = table_ref[row], table_ref[row + 1]
+    table = RangeTable(table_ref, nk)
+    seed = table.seed
+    row = table.row(b, j)
+    lo, hi = row.lo, row.hi
     k, v = k_ref[...], v_ref[...]
     k_seg = None if ks_ref is None else ks_ref[...]
     if not grid_walk:  # transposed tiles (backward_tile): per-key ids are a column
@@ -779,7 +766,7 @@ def _dkdv_kernel(*refs, cfg: Config):
 
             return lax.fori_loop(0, g * count, flat_step, carry)
 
-        ranges = (lo, hi, table_ref[row + 2], table_ref[row + 3])
+        ranges = BlockRange(lo, hi, row.full_lo, row.full_hi)
         sides = masked_sides(cfg.spec, bq, bk, transpose=True, bound_q=True)
         finish(*_walk_blocks(ranges, blocks, (zeros, zeros), sides))
         return

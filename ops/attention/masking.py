@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_core as pl
+from ops.attention.range_table import BlockRange
 
 QUERY_PAD = np.int32(np.iinfo(np.int32).min)  # the id of a query past its sequence length
 KEY_PAD = np.int32(np.iinfo(np.int32).min + 1)  # the id of a key past its sequence length
@@ -178,9 +179,6 @@ def _first_last(vis):
     return jnp.where(any_, lo, 0).astype(jnp.int32), jnp.where(any_, hi, 0).astype(jnp.int32)
 
 
-RANGE_FIELDS = 4  # entries per block in a block_ranges table: lo, hi, full_lo, full_hi
-
-
 def masked_sides(spec: MaskSpec, block_q: int, block_k: int, *, transpose: bool = False,
                  bound_q: bool = False) -> tuple[bool, bool]:
     """``(leading, trailing)``: whether a walk over a block's visible range may meet
@@ -207,22 +205,22 @@ def masked_sides(spec: MaskSpec, block_q: int, block_k: int, *, transpose: bool 
 
 
 def block_ranges(vis, batch: int, *, transpose: bool = False, full=None,
-                 sides: tuple[bool, bool] = (True, True)):
-    """The per-block loop ranges as a flat int32 table.
+                 sides: tuple[bool, bool] = (True, True)) -> BlockRange:
+    """The per-block loop ranges, a :class:`~ops.attention.range_table.BlockRange`
+    of int32 ``[batch, blocks]`` arrays (:func:`ops.attention.range_table.pack`
+    puts them in the kernels' scalar table).
 
     ``vis`` is :func:`block_visibility`'s ``[B or 1, nq, nk]``, ``full``
     :func:`block_full_visibility`'s (None: no block is known to be fully
-    visible). Without ``transpose``, row ``r = b * nq + i`` (entries
-    ``RANGE_FIELDS * r ...``) describes query block ``i`` of batch ``b``:
-    ``lo, hi``, the key/value blocks it visits, and ``full_lo, full_hi``, a
-    sub-range ``lo <= full_lo <= full_hi <= hi`` of blocks every pair of which
-    is visible. ``sides`` (:func:`masked_sides`) says which of ``[lo, full_lo)``
-    and ``[full_hi, hi)`` a kernel walks with masks; the sub-range is emptied
-    (set to ``hi, hi`` or, without a leading side, ``lo, lo``) when there is
-    none, when it has gaps, or when it would leave masked blocks on a side the
-    kernel does not walk. With ``transpose`` the roles swap
-    (query blocks per key/value block, ``r = b * nk + j``). The table is padded
-    to a power-of-two length, so it is one whole-array block on every backend.
+    visible). Without ``transpose``, entry ``[b, i]`` describes query block
+    ``i`` of batch ``b``: ``lo, hi``, the key/value blocks it visits, and
+    ``full_lo, full_hi``, a sub-range ``lo <= full_lo <= full_hi <= hi`` of
+    blocks every pair of which is visible. ``sides`` (:func:`masked_sides`)
+    says which of ``[lo, full_lo)`` and ``[full_hi, hi)`` a kernel walks with
+    masks; the sub-range is emptied (set to ``hi, hi`` or, without a leading
+    side, ``lo, lo``) when there is none, when it has gaps, or when it would
+    leave masked blocks on a side the kernel does not walk. With ``transpose``
+    the roles swap (query blocks per key/value block, entry ``[b, j]``).
     """
     if transpose:
         vis = jnp.swapaxes(vis, 1, 2)
@@ -242,6 +240,4 @@ def block_ranges(vis, batch: int, *, transpose: bool = False, full=None,
         ok &= (first == lo) | leading
         ok &= (last == hi) | trailing
         full_lo, full_hi = jnp.where(ok, first, empty), jnp.where(ok, last, empty)
-    flat = jnp.stack([lo, hi, full_lo, full_hi], axis=-1).reshape(-1)
-    size = pl.next_power_of_2(max(flat.shape[0], 2))
-    return jnp.pad(flat, (0, size - flat.shape[0]))
+    return BlockRange(lo, hi, full_lo, full_hi)

@@ -22,6 +22,7 @@ from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
 from ops.attention import kernels, range_table
 from ops.attention.block_sizes import BlockSizes, select_block_sizes
+from ops.attention.config import Config
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
                                    fold_lengths, masked_sides)
 from ops.attention.reference import attention_reference
@@ -132,7 +133,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         out = out.astype(q.dtype)
     else:
         blocks = _check_block_sizes(block_sizes, T, S, q.shape[-1], q.dtype, impl)
-        cfg = kernels.Config(
+        cfg = Config(
             backend=impl, layout="BNTH" if impl == "mosaic_tpu" else "BTNH", spec=spec,
             batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
             scale=args["scale"], softcap=args["cap"], dropout_rate=rate,
@@ -311,7 +312,7 @@ def _check_block_sizes(block_sizes, T, S, H, dtype, backend) -> BlockSizes:
 # recomputed in the backward, on each device's batch block)
 # --------------------------------------------------------------------------
 
-def _tables(cfg: kernels.Config, q_seg, kv_seg, seed):
+def _tables(cfg: Config, q_seg, kv_seg, seed):
     """The scalar tables of the forward/dQ kernels and of the dK/dV kernel."""
     def ranges(bq, bk, transpose=False, bound_q=False):
         vis = block_visibility(cfg.spec, bq, bk, q_seg, kv_seg)
@@ -392,7 +393,7 @@ class _Signature:
     gather: tuple[str, ...]
 
 
-def _dims(cfg: kernels.Config, bias, mask) -> _Signature:
+def _dims(cfg: Config, bias, mask) -> _Signature:
     def pair(full):  # bias / mask [B or 1, N or 1, T or 1, S or 1]
         if full is None:
             return ""
@@ -405,7 +406,7 @@ def _dims(cfg: kernels.Config, bias, mask) -> _Signature:
         out="b t (k g) h", lse="b (k g) t one", gather=gather)
 
 
-def _local_config(cfg: kernels.Config, q, k) -> kernels.Config:
+def _local_config(cfg: Config, q, k) -> Config:
     """``cfg`` for this device's block of batch and heads."""
     return dataclasses.replace(cfg, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2])
 

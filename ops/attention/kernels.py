@@ -45,246 +45,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 import pallas_core as pl
-from ops.attention import dropout as dropout_lib
-from ops.attention.masking import masked_sides, MaskSpec, visible
+from ops.attention.config import Config
+from ops.attention.masking import masked_sides
 from ops.attention.range_table import BlockRange, RangeTable
-from ops.reduction._rows import logsumexp_shift
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything static about one attention call (hashable: a custom_vjp nondiff argument).
-
-    Attributes:
-      layout: "BTNH" (operands as given) or "BNTH" (heads before the
-        sequence, what TPU tiling needs; transposed outside the kernels).
-      bias_full / mask_full: per dim of the 4-D bias / mask, whether it is full
-        size (True) or broadcast (size 1); None when absent.
-      block_q, block_k: forward / dQ tiles; block_q_dkv, block_k_dkv: dK/dV tiles.
-    """
-
-    backend: str
-    layout: str
-    spec: MaskSpec
-    batch: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scale: float
-    softcap: float | None
-    dropout_rate: float
-    bias_full: tuple[bool, ...] | None
-    mask_full: tuple[bool, ...] | None
-    block_q: int
-    block_k: int
-    block_q_dkv: int
-    block_k_dkv: int
-    num_warps: int | None = None
-    num_stages: int | None = None
-
-    @property
-    def group(self) -> int:
-        return self.heads // self.kv_heads
-
-    @property
-    def strategy(self) -> str:
-        return "loop" if self.backend in pl.TRITON_BACKENDS else "grid"
-
-
-# --------------------------------------------------------------------------
-# Per-tile math, shared by every kernel and both strategies
-# --------------------------------------------------------------------------
-
-def _dot(a, b, ca: int, cb: int):
-    """A @ B contracting a's dim ca with b's dim cb, float32 accumulation."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
-
-
-def _div(a, b):
-    """``a // b`` for non-negative ints as one truncating division (jnp's floor
-    division adds sign fix-ups, which Mosaic TPU cannot lower off a TPU)."""
-    return lax.div(a, jnp.int32(b)) if isinstance(b, int) else lax.div(a, b)
-
-
-def _rem(a, b):
-    """``a % b`` for non-negative ints (see :func:`_div`)."""
-    return lax.rem(a, jnp.int32(b)) if isinstance(b, int) else lax.rem(a, b)
-
-
-def _positions(first, block: int, shape, axis: int):
-    return first * block + lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
-def _zero_rows_past(x, first, block: int, limit: int, axis: int = 0):
-    """Rows (entries along ``axis``) of a tile at or past ``limit`` set to 0 (edge tiles
-    hold unspecified padding, and 0 * NaN would leak into products)."""
-    if limit % block == 0:
-        return x
-    rows = _positions(first, block, x.shape, axis)
-    return jnp.where(rows < limit, x, jnp.zeros_like(x))
-
-
-@dataclasses.dataclass
-class Tile:
-    """What one (query block, key/value block) pair needs, already read from refs."""
-
-    q: jax.Array  # [bq, H]
-    k: jax.Array  # [bk, H]
-    i: jax.Array  # query block index
-    j: jax.Array  # key/value block index
-    head: jax.Array  # b * N + n, for dropout
-    bias: jax.Array | None = None  # [bq or 1, bk or 1]
-    mask: jax.Array | None = None
-    q_seg: jax.Array | None = None  # [bq, 1] ([1, bq] when transposed)
-    k_seg: jax.Array | None = None  # [1, bk] ([bk, 1] when transposed)
-    transposed: bool = False  # the tile's products are k q^T, [bk, bq] (see backward_tile)
-
-
-def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False,
-                masked: bool = True, scaled: bool = True):
-    """``(s2, capped)``: masked logits in log2 units ``[bq, bk]`` (-inf where not visible)
-    and ``tanh(scores / cap)`` for the soft cap's derivative (None without one).
-
-    ``masked=False``: the tile is known to be fully visible (a block of the
-    ``full_lo .. full_hi`` range of :func:`ops.attention.masking.block_ranges`),
-    so the positional, segment and edge conditions are not evaluated; an
-    explicit ``mask`` operand still is.
-
-    ``scaled=False`` (only without soft cap and bias, see :func:`log2_factor`):
-    the raw products ``q k^T`` come back, masked, and the caller folds the
-    factor ``scale * log2(e)`` into its next operation (the forward pass's
-    max subtraction: one fused multiply-add per score instead of a multiply and
-    a subtraction).
-    """
-    t = tile.transposed
-    s = _dot(tile.k, tile.q, 1, 1) if t else _dot(tile.q, tile.k, 1, 1)
-    capped = None
-    if cfg.softcap is not None:
-        capped = jnp.tanh(s * (cfg.scale / cfg.softcap))
-        s2 = capped * (cfg.softcap * LOG2E)
-    elif scaled or tile.bias is not None:
-        s2 = s * (cfg.scale * LOG2E)
-    else:
-        s2 = s
-    if tile.bias is not None:
-        s2 = s2 + _pair_tile(tile.bias, t).astype(jnp.float32) * LOG2E
-    vis = None
-    if masked:
-        shape, q_axis = ((bk, bq), 1) if t else ((bq, bk), 0)
-        q_pos = _positions(tile.i, bq, shape, q_axis)
-        k_pos = _positions(tile.j, bk, shape, 1 - q_axis)
-        vis = visible(cfg.spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=cfg.spec.S % bk != 0)
-        if bound_q and cfg.spec.T % bq:
-            vis = (q_pos < cfg.spec.T) if vis is None else vis & (q_pos < cfg.spec.T)
-    if tile.mask is not None:
-        m = _pair_tile(tile.mask, t) != 0
-        vis = m if vis is None else vis & m
-    if vis is not None:
-        s2 = jnp.where(vis, s2, -jnp.inf)
-    return s2, capped
-
-
-def _pair_tile(x, transposed: bool):
-    """A ``[bq|1, bk|1]`` bias / mask tile in the tile's orientation."""
-    return x.T if transposed else x
-
-
-def log2_factor(cfg: Config, tile: Tile) -> float:
-    """What :func:`logits_log2` with ``scaled=False`` left for the caller to multiply
-    the logits by: ``scale * log2(e)`` for plain scores, 1 when a soft cap or a
-    bias already put them in log2 units."""
-    return 1.0 if (cfg.softcap is not None or tile.bias is not None) else cfg.scale * LOG2E
-
-
-def dropout_keep(cfg: Config, tile: Tile, seed, bq: int, bk: int):
-    """The keep bits of the tile's entries (in its orientation), or None without dropout."""
-    if cfg.dropout_rate == 0.0:
-        return None
-    shape, q_axis = ((bk, bq), 1) if tile.transposed else ((bq, bk), 0)
-    return dropout_lib.keep_mask(seed, tile.head, _positions(tile.i, bq, shape, q_axis),
-                                 _positions(tile.j, bk, shape, 1 - q_axis), cfg.dropout_rate)
-
-
-def _apply_dropout(cfg: Config, x, keep):
-    if keep is None:
-        return x
-    return jnp.where(keep, x * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
-
-
-def _rows_column(x, like):
-    """A per-row statistic as a column broadcasting against ``like`` ``[rows, cols]``:
-    1-D ``[rows]`` statistics (the loop strategy's carries) gain a trailing axis."""
-    return x[:, None] if x.ndim == 1 < like.ndim else x
-
-
-def forward_update(cfg: Config, carry, tile: Tile, v, seed, bq: int, bk: int, masked: bool = True):
-    """One online-softmax step (FA-2 Algorithm 1, lines 8-10) for one key/value block.
-
-    The running max ``m`` and sum ``l`` are ``[bq]`` vectors (loop strategy:
-    each thread holds its rows' statistics once, so the ``exp2`` of the
-    rescale factor and the finiteness test run once per row) or ``[bq, 1]``
-    columns (grid strategy: TPU scratch). The row max is taken on the raw
-    products and then scaled (the factor is positive, so the order is the
-    same), and the scale meets the max subtraction in one multiply-add,
-    ``s * c - m``, before ``exp2``.
-    """
-    m, l, acc = carry
-    s, _ = logits_log2(cfg, tile, bq, bk, masked=masked, scaled=False)
-    c = log2_factor(cfg, tile)
-    row_max = jnp.max(s, axis=1, keepdims=m.ndim == 2)
-    m_new = jnp.maximum(m, row_max * c if c != 1.0 else row_max)
-    shift = logsumexp_shift(m_new)
-    p = jnp.exp2((s * c if c != 1.0 else s) - _rows_column(shift, s))
-    alpha = jnp.exp2(m - shift)
-    l = l * alpha + jnp.sum(p, axis=1, keepdims=m.ndim == 2)
-    p = _apply_dropout(cfg, p, dropout_keep(cfg, tile, seed, bq, bk))
-    acc = acc * _rows_column(alpha, acc) + _dot(p.astype(v.dtype), v, 1, 0)
-    return m_new, l, acc
-
-
-def forward_finish(m, l, acc):
-    """``(out, lse)``: a row that saw no key gets 0 and -inf (``lse`` shaped as ``m``)."""
-    seen = l > 0
-    out = acc / _rows_column(jnp.where(seen, l, 1.0), acc)
-    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
-    return out, lse
-
-
-def backward_tile(cfg: Config, tile: Tile, v, do, lse, delta, seed, bq: int, bk: int,
-                  masked: bool = True):
-    """``(p_dropped, dscores, dbias)`` of one tile (FA-2 Algorithm 2, lines 11-14).
-
-    ``dscores`` is the gradient of the scaled scores ``scale * q.k`` (before the
-    soft cap); ``dbias`` that of the logits after it, i.e. of the bias.
-
-    A transposed tile (``tile.transposed``, the dK/dV kernel on the loop
-    strategy) forms everything as ``[bk, bq]``: ``s^T = k q^T`` and ``dp^T =
-    v dO^T``, with ``lse`` and ``delta`` given as ``[1, bq]`` rows. The
-    key/value block is then the products' M dimension, so with 64 or more key
-    rows every 16-bit product runs on Hopper's ``wgmma`` (a ``[32, 128]``
-    tile has M = 32 and lowers to ``mma.sync``), and ``dv += p^T dO``,
-    ``dk += ds^T q`` take the tiles as they are.
-    """
-    s2, capped = logits_log2(cfg, tile, bq, bk, bound_q=True, masked=masked)
-    p = jnp.exp2(s2 - logsumexp_shift(lse * LOG2E))
-    keep = dropout_keep(cfg, tile, seed, bq, bk)
-    dp = _dot(v, do, 1, 1) if tile.transposed else _dot(do, v, 1, 1)
-    dp = _apply_dropout(cfg, dp, keep)
-    dbias = p * (dp - delta)
-    dscores = dbias if capped is None else dbias * (1.0 - capped * capped)
-    return _apply_dropout(cfg, p, keep), dscores, dbias
+from ops.attention.tile_math import (Tile, backward_tile, div, dot, forward_finish, forward_update,
+                                     rem, zero_rows_past)
 
 
 # --------------------------------------------------------------------------
@@ -452,11 +223,11 @@ def _kv_tile(cfg: Config, prog: _QueryProgram, q, j, k_ref, v_ref, ks_ref, bias_
     k_seg = None
     if ks_ref is not None:
         k_seg = ks_ref[...] if grid_walk else _slice_rows(ks_ref, j * bk, bk, axis=1)
-    tile = Tile(q=q, k=_zero_rows_past(k, j, bk, cfg.spec.S), i=prog.i, j=j, head=prog.head,
+    tile = Tile(q=q, k=zero_rows_past(k, j, bk, cfg.spec.S), i=prog.i, j=j, head=prog.head,
                 q_seg=prog.q_seg, k_seg=k_seg,
                 bias=_pair_block(bias_ref, cfg.bias_full, False, j, bk, grid_walk),
                 mask=_pair_block(mask_ref, cfg.mask_full, False, j, bk, grid_walk))
-    return tile, _zero_rows_past(v, j, bk, cfg.spec.S)
+    return tile, zero_rows_past(v, j, bk, cfg.spec.S)
 
 
 def _forward_kernel(*refs, cfg: Config):
@@ -560,13 +331,13 @@ def _query_block_layout(cfg: Config) -> _QueryBlockLayout:
     if cfg.strategy == "grid":
         return _QueryBlockLayout(
             grid=(cfg.batch, cfg.heads, nq, nk), semantics=("parallel",) * 3 + ("arbitrary",),
-            kv_block=bk, q_pick=q_pick, kv_pick=lambda b, n, i, j: (b, j, _div(n, g)),
+            kv_block=bk, q_pick=q_pick, kv_pick=lambda b, n, i, j: (b, j, div(n, g)),
             pair=lambda b, n, i, j: (b, i, j, n),
             seg_k=pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j)))
     kv_block = padded_length(cfg.spec.S, bk, cfg.backend)
     return _QueryBlockLayout(
         grid=(cfg.batch, cfg.heads, nq), semantics=("parallel",) * 3, kv_block=kv_block,
-        q_pick=q_pick, kv_pick=lambda b, n, i: (b, 0, _div(n, g)), pair=lambda b, n, i: (b, i, 0, n),
+        q_pick=q_pick, kv_pick=lambda b, n, i: (b, 0, div(n, g)), pair=lambda b, n, i: (b, i, 0, n),
         seg_k=pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0)))
 
 
@@ -622,7 +393,7 @@ def _dq_kernel(*refs, cfg: Config, want_dbias: bool):
                 dbias_ref[...] = dbias
             else:
                 dbias_ref[:, pl.ds(j * bk, bk)] = dbias
-        return dq + _dot(dscores.astype(tile.k.dtype), tile.k, 1, 0)
+        return dq + dot(dscores.astype(tile.k.dtype), tile.k, 1, 0)
 
     zeros = jnp.zeros((bq, cfg.head_dim), jnp.float32)
     if not grid_walk:
@@ -741,15 +512,15 @@ def _dkdv_kernel(*refs, cfg: Config):
             q_seg = None if qs_ref is None else qs_ref[rows, :].reshape(1, bq)
             bias, mask = (_pair_rows(r, full, n, rows) for r, full in
                           ((bias_ref, cfg.bias_full), (mask_ref, cfg.mask_full)))
-        q = _zero_rows_past(q, i, bq, cfg.spec.T)
-        do = _zero_rows_past(do, i, bq, cfg.spec.T)
-        delta = _zero_rows_past(delta, i, bq, cfg.spec.T, axis=0 if grid_walk else 1)
+        q = zero_rows_past(q, i, bq, cfg.spec.T)
+        do = zero_rows_past(do, i, bq, cfg.spec.T)
+        delta = zero_rows_past(delta, i, bq, cfg.spec.T, axis=0 if grid_walk else 1)
         tile = Tile(q=q, k=k, i=i, j=j, head=b * cfg.heads + n, q_seg=q_seg, k_seg=k_seg,
                     bias=bias, mask=mask, transposed=not grid_walk)
         p, dscores, _ = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk, masked)
         contract = 0 if grid_walk else 1  # the query axis of p / dscores
-        dv = dv + _dot(p.astype(do.dtype), do, contract, 0)
-        dk = dk + _dot(dscores.astype(q.dtype), q, contract, 0)
+        dv = dv + dot(p.astype(do.dtype), do, contract, 0)
+        dk = dk + dot(dscores.astype(q.dtype), q, contract, 0)
         return dk, dv
 
     def finish(dk, dv):
@@ -762,7 +533,7 @@ def _dkdv_kernel(*refs, cfg: Config):
             count = last - first
 
             def flat_step(t, carry):  # t walks (query head of the group, query block)
-                return step(_div(t, count), first + _rem(t, count), carry, masked)
+                return step(div(t, count), first + rem(t, count), carry, masked)
 
             return lax.fori_loop(0, g * count, flat_step, carry)
 
@@ -772,7 +543,7 @@ def _dkdv_kernel(*refs, cfg: Config):
         return
     dk_acc, dv_acc = scratch
     t = pl.program_id(3)
-    gi, i = _div(t, nq), _rem(t, nq)
+    gi, i = div(t, nq), rem(t, nq)
 
     @pl.when(t == 0)
     def _init():
@@ -806,9 +577,9 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
     if grid_walk:
         grid = (cfg.batch, cfg.kv_heads, nk, g * nq)
         q_block, all_heads = bq, False
-        q_pick = lambda b, kh, j, t: (b, _rem(t, nq), kh * g + _div(t, nq))
-        pair = lambda b, kh, j, t: (b, _rem(t, nq), j, kh * g + _div(t, nq))
-        seg_q = pl.BlockSpec((None, bq, 1), lambda b, kh, j, t: (b, _rem(t, nq), 0))
+        q_pick = lambda b, kh, j, t: (b, rem(t, nq), kh * g + div(t, nq))
+        pair = lambda b, kh, j, t: (b, rem(t, nq), j, kh * g + div(t, nq))
+        seg_q = pl.BlockSpec((None, bq, 1), lambda b, kh, j, t: (b, rem(t, nq), 0))
     else:
         grid = (cfg.batch, cfg.kv_heads, nk)
         q_block, all_heads = padded_length(T, bq, cfg.backend), True

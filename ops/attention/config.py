@@ -1,0 +1,49 @@
+"""The static description of one attention call, shared by its kernels."""
+from __future__ import annotations
+
+import dataclasses
+
+import pallas_core as pl
+from ops.attention.masking import MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything static about one attention call (hashable: a custom_vjp nondiff argument).
+
+    Attributes:
+      layout: "BTNH" (operands as given) or "BNTH" (heads before the
+        sequence, what TPU tiling needs; transposed outside the kernels).
+      bias_full / mask_full: per dim of the 4-D bias / mask, whether it is full
+        size (True) or broadcast (size 1); None when absent.
+      block_q, block_k: forward / dQ tiles; block_q_dkv, block_k_dkv: dK/dV tiles.
+    """
+
+    backend: str
+    layout: str
+    spec: MaskSpec
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    softcap: float | None
+    dropout_rate: float
+    bias_full: tuple[bool, ...] | None
+    mask_full: tuple[bool, ...] | None
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_k_dkv: int
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def strategy(self) -> str:
+        """How the kernels walk the other sequence: ``"loop"`` on the Triton backends
+        (:mod:`ops.attention.loop_walk`), ``"grid"`` elsewhere (:mod:`ops.attention.grid_walk`)."""
+        return "loop" if self.backend in pl.TRITON_BACKENDS else "grid"

@@ -1,0 +1,211 @@
+"""Per-tile math of the attention kernels (FlashAttention-2, Dao 2023).
+
+What one (query block, key/value block) pair computes, whichever kernel and
+whichever walk it belongs to: the masked logits in log2 units
+(:func:`logits_log2`), the forward pass's online-softmax update of one
+key/value tile (:func:`forward_update`, Algorithm 1, lines 8-10) and its
+finish (:func:`forward_finish`, lines 12-13), and the backward pass's tile
+(:func:`backward_tile`, Algorithm 2, lines 11-14): probabilities recomputed
+from the saved logsumexp, their dropout, and the score gradients. Everything
+is float32 whatever the input dtype; the products accumulate in float32
+(:func:`dot`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ops.attention import dropout as dropout_lib
+from ops.attention.config import Config
+from ops.attention.masking import visible
+from ops.reduction._rows import logsumexp_shift
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def dot(a, b, ca: int, cb: int):
+    """A @ B contracting a's dim ca with b's dim cb, float32 accumulation."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def div(a, b):
+    """``a // b`` for non-negative ints as one truncating division (jnp's floor
+    division adds sign fix-ups, which Mosaic TPU cannot lower off a TPU)."""
+    return lax.div(a, jnp.int32(b)) if isinstance(b, int) else lax.div(a, b)
+
+
+def rem(a, b):
+    """``a % b`` for non-negative ints (see :func:`div`)."""
+    return lax.rem(a, jnp.int32(b)) if isinstance(b, int) else lax.rem(a, b)
+
+
+def positions(first, block: int, shape, axis: int):
+    return first * block + lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def zero_rows_past(x, first, block: int, limit: int, axis: int = 0):
+    """Rows (entries along ``axis``) of a tile at or past ``limit`` set to 0 (edge tiles
+    hold unspecified padding, and 0 * NaN would leak into products)."""
+    if limit % block == 0:
+        return x
+    rows = positions(first, block, x.shape, axis)
+    return jnp.where(rows < limit, x, jnp.zeros_like(x))
+
+
+@dataclasses.dataclass
+class Tile:
+    """What one (query block, key/value block) pair needs, already read from refs."""
+
+    q: jax.Array  # [bq, H]
+    k: jax.Array  # [bk, H]
+    i: jax.Array  # query block index
+    j: jax.Array  # key/value block index
+    head: jax.Array  # b * N + n, for dropout
+    bias: jax.Array | None = None  # [bq or 1, bk or 1]
+    mask: jax.Array | None = None
+    q_seg: jax.Array | None = None  # [bq, 1] ([1, bq] when transposed)
+    k_seg: jax.Array | None = None  # [1, bk] ([bk, 1] when transposed)
+    transposed: bool = False  # the tile's products are k q^T, [bk, bq] (see backward_tile)
+
+
+def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False,
+                masked: bool = True, scaled: bool = True):
+    """``(s2, capped)``: masked logits in log2 units ``[bq, bk]`` (-inf where not visible)
+    and ``tanh(scores / cap)`` for the soft cap's derivative (None without one).
+
+    ``masked=False``: the tile is known to be fully visible (a block of the
+    ``full_lo .. full_hi`` range of :func:`ops.attention.masking.block_ranges`),
+    so the positional, segment and edge conditions are not evaluated; an
+    explicit ``mask`` operand still is.
+
+    ``scaled=False`` (only without soft cap and bias, see :func:`log2_factor`):
+    the raw products ``q k^T`` come back, masked, and the caller folds the
+    factor ``scale * log2(e)`` into its next operation (the forward pass's
+    max subtraction: one fused multiply-add per score instead of a multiply and
+    a subtraction).
+    """
+    t = tile.transposed
+    s = dot(tile.k, tile.q, 1, 1) if t else dot(tile.q, tile.k, 1, 1)
+    capped = None
+    if cfg.softcap is not None:
+        capped = jnp.tanh(s * (cfg.scale / cfg.softcap))
+        s2 = capped * (cfg.softcap * LOG2E)
+    elif scaled or tile.bias is not None:
+        s2 = s * (cfg.scale * LOG2E)
+    else:
+        s2 = s
+    if tile.bias is not None:
+        s2 = s2 + _pair_tile(tile.bias, t).astype(jnp.float32) * LOG2E
+    vis = None
+    if masked:
+        shape, q_axis = ((bk, bq), 1) if t else ((bq, bk), 0)
+        q_pos = positions(tile.i, bq, shape, q_axis)
+        k_pos = positions(tile.j, bk, shape, 1 - q_axis)
+        vis = visible(cfg.spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=cfg.spec.S % bk != 0)
+        if bound_q and cfg.spec.T % bq:
+            vis = (q_pos < cfg.spec.T) if vis is None else vis & (q_pos < cfg.spec.T)
+    if tile.mask is not None:
+        m = _pair_tile(tile.mask, t) != 0
+        vis = m if vis is None else vis & m
+    if vis is not None:
+        s2 = jnp.where(vis, s2, -jnp.inf)
+    return s2, capped
+
+
+def _pair_tile(x, transposed: bool):
+    """A ``[bq|1, bk|1]`` bias / mask tile in the tile's orientation."""
+    return x.T if transposed else x
+
+
+def log2_factor(cfg: Config, tile: Tile) -> float:
+    """What :func:`logits_log2` with ``scaled=False`` left for the caller to multiply
+    the logits by: ``scale * log2(e)`` for plain scores, 1 when a soft cap or a
+    bias already put them in log2 units."""
+    return 1.0 if (cfg.softcap is not None or tile.bias is not None) else cfg.scale * LOG2E
+
+
+def dropout_keep(cfg: Config, tile: Tile, seed, bq: int, bk: int):
+    """The keep bits of the tile's entries (in its orientation), or None without dropout."""
+    if cfg.dropout_rate == 0.0:
+        return None
+    shape, q_axis = ((bk, bq), 1) if tile.transposed else ((bq, bk), 0)
+    return dropout_lib.keep_mask(seed, tile.head, positions(tile.i, bq, shape, q_axis),
+                                 positions(tile.j, bk, shape, 1 - q_axis), cfg.dropout_rate)
+
+
+def _apply_dropout(cfg: Config, x, keep):
+    if keep is None:
+        return x
+    return jnp.where(keep, x * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
+
+
+def _rows_column(x, like):
+    """A per-row statistic as a column broadcasting against ``like`` ``[rows, cols]``:
+    1-D ``[rows]`` statistics (the loop strategy's carries) gain a trailing axis."""
+    return x[:, None] if x.ndim == 1 < like.ndim else x
+
+
+def forward_update(cfg: Config, carry, tile: Tile, v, seed, bq: int, bk: int, masked: bool = True):
+    """One online-softmax step (FA-2 Algorithm 1, lines 8-10) for one key/value block.
+
+    The running max ``m`` and sum ``l`` are ``[bq]`` vectors (loop strategy:
+    each thread holds its rows' statistics once, so the ``exp2`` of the
+    rescale factor and the finiteness test run once per row) or ``[bq, 1]``
+    columns (grid strategy: TPU scratch). The row max is taken on the raw
+    products and then scaled (the factor is positive, so the order is the
+    same), and the scale meets the max subtraction in one multiply-add,
+    ``s * c - m``, before ``exp2``.
+    """
+    m, l, acc = carry
+    s, _ = logits_log2(cfg, tile, bq, bk, masked=masked, scaled=False)
+    c = log2_factor(cfg, tile)
+    row_max = jnp.max(s, axis=1, keepdims=m.ndim == 2)
+    m_new = jnp.maximum(m, row_max * c if c != 1.0 else row_max)
+    shift = logsumexp_shift(m_new)
+    p = jnp.exp2((s * c if c != 1.0 else s) - _rows_column(shift, s))
+    alpha = jnp.exp2(m - shift)
+    l = l * alpha + jnp.sum(p, axis=1, keepdims=m.ndim == 2)
+    p = _apply_dropout(cfg, p, dropout_keep(cfg, tile, seed, bq, bk))
+    acc = acc * _rows_column(alpha, acc) + dot(p.astype(v.dtype), v, 1, 0)
+    return m_new, l, acc
+
+
+def forward_finish(m, l, acc):
+    """``(out, lse)``: a row that saw no key gets 0 and -inf (``lse`` shaped as ``m``)."""
+    seen = l > 0
+    out = acc / _rows_column(jnp.where(seen, l, 1.0), acc)
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
+    return out, lse
+
+
+def backward_tile(cfg: Config, tile: Tile, v, do, lse, delta, seed, bq: int, bk: int,
+                  masked: bool = True):
+    """``(p_dropped, dscores, dbias)`` of one tile (FA-2 Algorithm 2, lines 11-14).
+
+    ``dscores`` is the gradient of the scaled scores ``scale * q.k`` (before the
+    soft cap); ``dbias`` that of the logits after it, i.e. of the bias.
+
+    A transposed tile (``tile.transposed``, the dK/dV kernel on the loop
+    strategy) forms everything as ``[bk, bq]``: ``s^T = k q^T`` and ``dp^T =
+    v dO^T``, with ``lse`` and ``delta`` given as ``[1, bq]`` rows. The
+    key/value block is then the products' M dimension, so with 64 or more key
+    rows every 16-bit product runs on Hopper's ``wgmma`` (a ``[32, 128]``
+    tile has M = 32 and lowers to ``mma.sync``), and ``dv += p^T dO``,
+    ``dk += ds^T q`` take the tiles as they are.
+    """
+    s2, capped = logits_log2(cfg, tile, bq, bk, bound_q=True, masked=masked)
+    p = jnp.exp2(s2 - logsumexp_shift(lse * LOG2E))
+    keep = dropout_keep(cfg, tile, seed, bq, bk)
+    dp = dot(v, do, 1, 1) if tile.transposed else dot(do, v, 1, 1)
+    dp = _apply_dropout(cfg, dp, keep)
+    dbias = p * (dp - delta)
+    dscores = dbias if capped is None else dbias * (1.0 - capped * capped)
+    return _apply_dropout(cfg, p, keep), dscores, dbias
+

@@ -530,7 +530,7 @@ ROW_CASES = {
     "log_softmax": (lambda x, **k: ops.log_softmax(x, **k), jax.nn.log_softmax),
     "sum_max": (lambda x, **k: ops.sum(x, axis=-1, **k) + ops.max(x, axis=-1, **k),
                 lambda x: jnp.sum(x, -1) + jnp.max(x, -1)),
-    "logsumexp": (lambda x, **k: ops.logsumexp(x, **k), lambda x: jax.nn.logsumexp(x, axis=-1)),
+    "logsumexp": (lambda x, **k: ops.logsumexp(x, axis=-1, **k), lambda x: jax.nn.logsumexp(x, axis=-1)),
     "cross_entropy": (lambda x, **k: ops.cross_entropy(x, jnp.arange(5) * 7, **k),
                       lambda x: ops.cross_entropy(x, jnp.arange(5) * 7, implementation="xla")),
 }

@@ -89,12 +89,12 @@ return tl.where(x > 0, r, tl.where(x < 0, r * -1.0, x))"""),
     # exp2, in Triton's interpreter, can be an ulp off at integers) but costs ten
     # more instructions per element on sm_90. tl.exp alone is
     # exp2(x * log2(e)), whose rounded product costs up to |x| * 2**-24 of relative
-    # accuracy (about 20 ulps near |x| = 88). x is clamped to [-88, 89] (NaN passes):
-    # above, the result overflows to inf; below, it is subnormal, or 0 where the
-    # GPU's flush-to-zero exp2 meets 2**-127.
+    # accuracy (about 20 ulps near |x| = 88). x is clamped below at -88 (NaN passes;
+    # -inf would make f NaN): the result is subnormal there, or 0 where the GPU's
+    # flush-to-zero exp2 meets 2**-127. Above, no clamp is needed: j stays 127 and
+    # exp2 of the remainder overflows to inf (x = +inf included).
     "exp": ("x", """\
-a = tl.minimum(tl.maximum(x, -88.0, propagate_nan=tl.PropagateNan.ALL), 89.0,
-               propagate_nan=tl.PropagateNan.ALL)
+a = tl.maximum(x, -88.0, propagate_nan=tl.PropagateNan.ALL)
 j = tl.minimum((a * 1.4426950408889634 + 12582912.0) - 12582912.0, 127.0)
 f = a - j * 0.693145751953125
 f = f - j * 1.428606765330187e-06

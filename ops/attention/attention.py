@@ -1,9 +1,11 @@
 """``ops.dot_product_attention``: flash attention, a drop-in for ``jax.nn.dot_product_attention``.
 
-Argument checks and normalisation live here; the kernels are in
-:mod:`ops.attention.kernels`, the masks in :mod:`ops.attention.masking`, the
-dropout hash in :mod:`ops.attention.dropout` and the XLA reference in
-:mod:`ops.attention.reference`.
+Argument checks and normalisation live here; the kernels' pallas_calls are in
+:mod:`ops.attention.calls` (the kernels themselves in :mod:`ops.attention.grid_walk`
+and :mod:`ops.attention.loop_walk`, their programs in :mod:`ops.attention.programs`,
+the per-tile math in :mod:`ops.attention.tile_math`), the masks and block ranges in
+:mod:`ops.attention.masking` and :mod:`ops.attention.range_table`, the dropout hash
+in :mod:`ops.attention.dropout` and the XLA reference in :mod:`ops.attention.reference`.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import resolve_implementation
 from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
-from ops.attention import kernels, range_table
+from ops.attention import calls, range_table
 from ops.attention.block_sizes import BlockSizes, select_block_sizes
 from ops.attention.config import Config
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
@@ -316,7 +318,7 @@ def _tables(cfg: Config, q_seg, kv_seg, seed):
     """The scalar tables of the forward/dQ kernels and of the dK/dV kernel."""
     def ranges(bq, bk, transpose=False, bound_q=False):
         vis = block_visibility(cfg.spec, bq, bk, q_seg, kv_seg)
-        # Only the loop strategy skips masks on fully visible blocks (kernels._walk_blocks).
+        # Only the loop strategy skips masks on fully visible blocks (loop_walk.walk_blocks).
         # A kernel must walk with masks every side the table was built with: the dQ
         # kernel's sides (bound_q) include the forward's, so one table serves both.
         full = block_full_visibility(cfg.spec, bq, bk, q_seg, kv_seg) if cfg.strategy == "loop" else None
@@ -353,9 +355,9 @@ def _flash_bwd(cfg, saved, cotangents):
         # delta = rowsum(dO * O) (FA-2 Algorithm 2, line 4): one fused XLA pass over O and dO.
         delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
         delta = jnp.transpose(delta, (0, 2, 1))[..., None]
-        dq, dbias = kernels.dq_call(c, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg,
+        dq, dbias = calls.dq_call(c, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg,
                                     table[0], want_dbias=bias_wanted)
-        dk, dv = kernels.dkdv_call(c, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg,
+        dk, dv = calls.dkdv_call(c, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg,
                                    table[1])
         if not bias_wanted:
             return dq, dk, dv
@@ -412,11 +414,11 @@ def _local_config(cfg: Config, q, k) -> Config:
 
 
 def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed):
-    """``(out, lse)`` of :func:`kernels.forward_call`, partitioned over batch and heads."""
+    """``(out, lse)`` of :func:`calls.forward_call`, partitioned over batch and heads."""
     def local(q, k, v, bias, mask, q_seg, kv_seg, seed, *, reduced):
         c = _local_config(cfg, q, k)
         table, _ = _tables(c, q_seg, kv_seg, seed)
-        return kernels.forward_call(c, q, k, v, bias, mask, q_seg, kv_seg, table)
+        return calls.forward_call(c, q, k, v, bias, mask, q_seg, kv_seg, table)
 
     dims = _dims(cfg, bias, mask)
     return run(_OP, local, (q, k, v, bias, mask, q_seg, kv_seg, seed), dims.operands,

@@ -1,21 +1,19 @@
-"""Flash-attention kernels: forward, dQ and dK/dV (FlashAttention-2, Dao 2023).
+"""The flash-attention pallas_calls: forward, dQ and dK/dV (FlashAttention-2, Dao 2023).
 
-One set of per-tile math serves three kernels and two ways of walking the
-sequence, chosen by backend (as fused_matmul's contraction walk):
+This module lays the operands out (BlockSpecs over ``[B, L, N, H]`` or
+``[B, N, L, H]``, the grid, compiler parameters) and calls the kernels of
+the call's strategy (:attr:`ops.attention.config.Config.strategy`, chosen by
+backend as fused_matmul's contraction walk):
 
-* ``"grid"`` (interpret, mosaic_tpu): the walked blocks are the last grid
-  axis, marked ``"arbitrary"``; running statistics and accumulators live in
-  scratch, initialised under ``pl.when(step == 0)`` and finished under
-  ``pl.when(step == last)`` (docs/pallas_core.md section 5); blocks outside the visible range are
-  skipped with ``pl.when``.
-* ``"loop"`` (triton, pallas_triton): each program walks only its visible
-  range with ``lax.fori_loop(lo, hi)`` over ``pl.ds`` slices of whole-length
-  blocks, the carries in registers. Our Triton lowering emits that loop as
-  ``for j in range(lo, hi)``, which Triton software-pipelines (cp.async /
-  TMA stages), and JAX's Pallas Triton lowering runs programs concurrently,
-  so it cannot walk a grid axis. Where a mask can hide pairs, the range is
-  walked as three loops: the fully visible blocks in the middle skip the
-  mask (:func:`_walk_blocks`).
+* ``"grid"`` (interpret, mosaic_tpu), :mod:`ops.attention.grid_walk`: the
+  walked blocks are the last grid axis, carries in scratch;
+* ``"loop"`` (triton, pallas_triton), :mod:`ops.attention.loop_walk`: each
+  program walks its visible range in an in-kernel loop over ``pl.ds`` slices
+  of whole-length blocks, carries in registers.
+
+Both drive the same programs (:mod:`ops.attention.programs`) and per-tile
+math (:mod:`ops.attention.tile_math`); each program's visible range comes
+from the scalar table of :mod:`ops.attention.range_table`.
 
 Forward (Algorithm 1): programs over (batch, query head, query block); for
 each visible key/value block, ``s = q k^T`` scaled into log2 units (the scale
@@ -48,14 +46,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 import pallas_core as pl
+from ops.attention import grid_walk, loop_walk
 from ops.attention.config import Config
-from ops.attention.masking import masked_sides
-from ops.attention.range_table import BlockRange, RangeTable
-from ops.attention.tile_math import (Tile, backward_tile, div, dot, forward_finish, forward_update,
-                                     rem, zero_rows_past)
+from ops.attention.tile_math import div, rem
 
 
 # --------------------------------------------------------------------------
@@ -139,138 +134,9 @@ def _params(cfg: Config, semantics, accumulator_rows: int, threshold: int = 128 
     return pl.CompilerParams(dimension_semantics=semantics)
 
 
-# --------------------------------------------------------------------------
-# Reading one walked block: a grid step's block, or a pl.ds slice of a whole-length block
-# --------------------------------------------------------------------------
-
-def _slice_rows(ref, start, size, axis=0):
-    idx = [slice(None)] * len(ref.shape)
-    idx[axis] = pl.ds(start, size)
-    return ref[tuple(idx)]
-
-
-def _pair_block(ref, full, walked_q: bool, index, block, grid: bool):
-    """The (bq|1, bk|1) tile of a bias/mask ref at the walked block ``index``."""
-    if ref is None:
-        return None
-    if grid:
-        return ref[...]
-    axis, is_full = (0, full[2]) if walked_q else (1, full[3])
-    return _slice_rows(ref, index * block, block, axis) if is_full else ref[...]
-
-
-# --------------------------------------------------------------------------
-# Forward kernel
-# --------------------------------------------------------------------------
-
-def _split(refs, *flags):
-    refs = list(refs)
-    return [refs.pop(0) if f else None for f in flags], refs
-
-
-@dataclasses.dataclass
-class _QueryProgram:
-    """What a program owning query block ``i`` of head ``n``, batch ``b`` reads once."""
-
-    i: jax.Array
-    head: jax.Array  # b * N + n
-    seed: jax.Array
-    ranges: BlockRange  # the key/value blocks it walks
-    q_seg: jax.Array | None
-
-
-def _query_program(cfg: Config, table_ref, qs_ref) -> _QueryProgram:
-    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    table = RangeTable(table_ref, pl.cdiv(cfg.spec.T, cfg.block_q))
-    row = table.row(b, i)
-    return _QueryProgram(i=i, head=b * cfg.heads + n, seed=table.seed, ranges=row.read(),
-                         q_seg=None if qs_ref is None else qs_ref[...])
-
-
-def _walk_blocks(ranges, loop, init, sides: tuple[bool, bool]):
-    """Loop strategy: ``loop(first, last, carry, masked)`` over the visible blocks ``[lo, hi)``.
-
-    ``sides`` (:func:`ops.attention.masking.masked_sides`, the same the table
-    was built with) says where masked blocks may lie. Up to three loops in
-    block order: ``[lo, full_lo)`` masked, the fully visible ``[full_lo,
-    full_hi)`` without evaluating the conditions, ``[full_hi, hi)`` masked. For
-    causal attention that is FlashAttention-2's split of the loop into
-    off-diagonal and diagonal blocks (Dao, 2023, section 3.1.1); windows,
-    segments and ragged edges get the same: only the blocks a boundary crosses
-    pay for the mask. Without sides, one loop with the conditions evaluated
-    (they are then None: nothing is masked).
-    """
-    lo, hi, full_lo, full_hi = ranges
-    leading, trailing = sides
-    if not (leading or trailing):
-        return loop(lo, hi, init, True)
-    carry = loop(lo, full_lo, init, True) if leading else init
-    carry = loop(full_lo, full_hi, carry, False)
-    return loop(full_hi, hi, carry, True) if trailing else carry
-
-
-def _each_block(step):
-    """``loop`` for :func:`_walk_blocks`: ``carry = step(j, carry, masked)`` for j in ``[first, last)``."""
-    return lambda first, last, carry, masked: lax.fori_loop(
-        first, last, lambda j, c: step(j, c, masked), carry)
-
-
-def _kv_tile(cfg: Config, prog: _QueryProgram, q, j, k_ref, v_ref, ks_ref, bias_ref, mask_ref):
-    """``(tile, v)`` for key/value block ``j``: the grid step's block, or a slice of the whole."""
-    bk, grid_walk = cfg.block_k, cfg.strategy == "grid"
-    k = k_ref[...] if grid_walk else _slice_rows(k_ref, j * bk, bk)
-    v = v_ref[...] if grid_walk else _slice_rows(v_ref, j * bk, bk)
-    k_seg = None
-    if ks_ref is not None:
-        k_seg = ks_ref[...] if grid_walk else _slice_rows(ks_ref, j * bk, bk, axis=1)
-    tile = Tile(q=q, k=zero_rows_past(k, j, bk, cfg.spec.S), i=prog.i, j=j, head=prog.head,
-                q_seg=prog.q_seg, k_seg=k_seg,
-                bias=_pair_block(bias_ref, cfg.bias_full, False, j, bk, grid_walk),
-                mask=_pair_block(mask_ref, cfg.mask_full, False, j, bk, grid_walk))
-    return tile, zero_rows_past(v, j, bk, cfg.spec.S)
-
-
-def _forward_kernel(*refs, cfg: Config):
-    grid_walk = cfg.strategy == "grid"
-    bq, bk = cfg.block_q, cfg.block_k
-    has_bias, has_mask = cfg.bias_full is not None, cfg.mask_full is not None
-    q_ref, k_ref, v_ref, *rest = refs
-    (bias_ref, mask_ref, qs_ref, ks_ref), rest = _split(rest, has_bias, has_mask,
-                                                      cfg.spec.segments, cfg.spec.segments)
-    table_ref, out_ref, lse_ref, *scratch = rest
-    prog = _query_program(cfg, table_ref, qs_ref)
-    q, seed, lo, hi = q_ref[...], prog.seed, prog.ranges.lo, prog.ranges.hi
-    kv_refs = (k_ref, v_ref, ks_ref, bias_ref, mask_ref)
-
-    def step(j, carry, masked=True):
-        tile, v = _kv_tile(cfg, prog, q, j, *kv_refs)
-        return forward_update(cfg, carry, tile, v, seed, bq, bk, masked)
-
-    def finish(m, l, acc):
-        out, lse = forward_finish(m, l, acc)
-        out_ref[...] = out.astype(out_ref.dtype)
-        lse_ref[...] = lse.reshape(lse_ref.shape)
-
-    stats = (bq, 1) if grid_walk else (bq,)  # see forward_update
-    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros((bq, cfg.head_dim), jnp.float32))
-    if not grid_walk:
-        finish(*_walk_blocks(prog.ranges, _each_block(step), init, masked_sides(cfg.spec, bq, bk)))
-        return
-    m_ref, l_ref, acc_ref = scratch
-    j = pl.program_id(3)
-
-    @pl.when(j == 0)
-    def _init():
-        m_ref[...], l_ref[...], acc_ref[...] = init
-
-    @pl.when((j >= lo) & (j < hi))
-    def _step():
-        m_ref[...], l_ref[...], acc_ref[...] = step(j, (m_ref[...], l_ref[...], acc_ref[...]))
-
-    @pl.when(j == pl.num_programs(3) - 1)
-    def _finish():
-        finish(m_ref[...], l_ref[...], acc_ref[...])
+def _walk(cfg: Config):
+    """The module of the kernels for ``cfg``'s strategy."""
+    return loop_walk if cfg.strategy == "loop" else grid_walk
 
 
 def _aux_inputs(cfg: Config, bias, mask, q_seg, kv_seg):
@@ -358,7 +224,7 @@ def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table):
         scratch = [pl.tpu.VMEM((bq, 1), jnp.float32), pl.tpu.VMEM((bq, 1), jnp.float32),
                    pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)]
     out, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, cfg=cfg), out_shape=out_shape, grid=lay.grid,
+        functools.partial(_walk(cfg).forward_kernel, cfg=cfg), out_shape=out_shape, grid=lay.grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
         compiler_params=_params(cfg, lay.semantics, bq), backend=cfg.backend,
         name="flash_attention_fwd")(
@@ -368,60 +234,8 @@ def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table):
 
 
 # --------------------------------------------------------------------------
-# dQ kernel (also the bias gradient)
+# dQ (also the bias gradient)
 # --------------------------------------------------------------------------
-
-def _dq_kernel(*refs, cfg: Config, want_dbias: bool):
-    grid_walk = cfg.strategy == "grid"
-    bq, bk = cfg.block_q, cfg.block_k
-    has_bias, has_mask = cfg.bias_full is not None, cfg.mask_full is not None
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest = refs
-    (bias_ref, mask_ref, qs_ref, ks_ref), rest = _split(rest, has_bias, has_mask,
-                                                      cfg.spec.segments, cfg.spec.segments)
-    table_ref, dq_ref, *rest = rest
-    dbias_ref = rest.pop(0) if want_dbias else None
-    prog = _query_program(cfg, table_ref, qs_ref)
-    seed, lo, hi = prog.seed, prog.ranges.lo, prog.ranges.hi
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    kv_refs = (k_ref, v_ref, ks_ref, bias_ref, mask_ref)
-
-    def step(j, dq, masked=True):
-        tile, v = _kv_tile(cfg, prog, q, j, *kv_refs)
-        _, dscores, dbias = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk, masked)
-        if dbias_ref is not None:
-            if grid_walk:
-                dbias_ref[...] = dbias
-            else:
-                dbias_ref[:, pl.ds(j * bk, bk)] = dbias
-        return dq + dot(dscores.astype(tile.k.dtype), tile.k, 1, 0)
-
-    zeros = jnp.zeros((bq, cfg.head_dim), jnp.float32)
-    if not grid_walk:
-        sides = masked_sides(cfg.spec, bq, bk, bound_q=True)
-        dq = _walk_blocks(prog.ranges, _each_block(step), zeros, sides)
-        dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
-        return
-    (acc_ref,) = rest
-    j = pl.program_id(3)
-    run = (j >= lo) & (j < hi)
-
-    @pl.when(j == 0)
-    def _init():
-        acc_ref[...] = zeros
-
-    @pl.when(run)
-    def _step():
-        acc_ref[...] = step(j, acc_ref[...])
-
-    if dbias_ref is not None:
-        @pl.when(jnp.logical_not(run))
-        def _skipped():  # the block is written back whatever happens: make it zeros
-            dbias_ref[...] = jnp.zeros(dbias_ref.shape, jnp.float32)
-
-    @pl.when(j == pl.num_programs(3) - 1)
-    def _finish():
-        dq_ref[...] = (acc_ref[...] * cfg.scale).astype(dq_ref.dtype)
-
 
 def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table, want_dbias):
     """``dq [B, T, N, H]`` (q's dtype) and, with ``want_dbias``, float32 ``[B, N, T, S]``."""
@@ -446,7 +260,7 @@ def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, tab
             operands.append(jnp.zeros((cfg.batch, cfg.heads, T, S), jnp.float32))
             aliases = {len(operands) - 1: 1}
     scratch = [pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)] if grid_walk else []
-    kernel = functools.partial(_dq_kernel, cfg=cfg, want_dbias=want_dbias)
+    kernel = functools.partial(_walk(cfg).dq_kernel, cfg=cfg, want_dbias=want_dbias)
     if aliases:
         kernel = _ignore_input(kernel, position=len(operands) - 1)
     outs = pl.pallas_call(
@@ -468,103 +282,8 @@ def _ignore_input(kernel, position: int):
 
 
 # --------------------------------------------------------------------------
-# dK/dV kernel
+# dK/dV
 # --------------------------------------------------------------------------
-
-def _dkdv_kernel(*refs, cfg: Config):
-    grid_walk = cfg.strategy == "grid"
-    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-    g = cfg.group
-    has_bias, has_mask = cfg.bias_full is not None, cfg.mask_full is not None
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest = refs
-    (bias_ref, mask_ref, qs_ref, ks_ref), rest = _split(rest, has_bias, has_mask,
-                                                      cfg.spec.segments, cfg.spec.segments)
-    table_ref, dk_ref, dv_ref, *scratch = rest
-    b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    nk = pl.cdiv(cfg.spec.S, bk)
-    nq = pl.cdiv(cfg.spec.T, bq)
-    table = RangeTable(table_ref, nk)
-    seed = table.seed
-    row = table.row(b, j)
-    lo, hi = row.lo, row.hi
-    k, v = k_ref[...], v_ref[...]
-    k_seg = None if ks_ref is None else ks_ref[...]
-    if not grid_walk:  # transposed tiles (backward_tile): per-key ids are a column
-        k_seg = None if k_seg is None else k_seg.reshape(bk, 1)
-
-    def step(gi, i, carry, masked=True):
-        """Query head ``kh * G + gi``, query block ``i``."""
-        dk, dv = carry
-        n = kh * g + gi
-        if grid_walk:
-            q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-            q_seg = None if qs_ref is None else qs_ref[...]
-            bias, mask = (None if r is None else r[...] for r in (bias_ref, mask_ref))
-        else:
-            rows = pl.ds(i * bq, bq)
-            if cfg.layout == "BTNH":
-                q, do = q_ref[rows, n, :], do_ref[rows, n, :]
-            else:
-                q, do = q_ref[n, rows, :], do_ref[n, rows, :]
-            # Transposed tiles: per-query statistics and ids are [1, bq] rows.
-            lse = lse_ref[n, rows, :].reshape(1, bq)
-            delta = delta_ref[n, rows, :].reshape(1, bq)
-            q_seg = None if qs_ref is None else qs_ref[rows, :].reshape(1, bq)
-            bias, mask = (_pair_rows(r, full, n, rows) for r, full in
-                          ((bias_ref, cfg.bias_full), (mask_ref, cfg.mask_full)))
-        q = zero_rows_past(q, i, bq, cfg.spec.T)
-        do = zero_rows_past(do, i, bq, cfg.spec.T)
-        delta = zero_rows_past(delta, i, bq, cfg.spec.T, axis=0 if grid_walk else 1)
-        tile = Tile(q=q, k=k, i=i, j=j, head=b * cfg.heads + n, q_seg=q_seg, k_seg=k_seg,
-                    bias=bias, mask=mask, transposed=not grid_walk)
-        p, dscores, _ = backward_tile(cfg, tile, v, do, lse, delta, seed, bq, bk, masked)
-        contract = 0 if grid_walk else 1  # the query axis of p / dscores
-        dv = dv + dot(p.astype(do.dtype), do, contract, 0)
-        dk = dk + dot(dscores.astype(q.dtype), q, contract, 0)
-        return dk, dv
-
-    def finish(dk, dv):
-        dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
-        dv_ref[...] = dv.astype(dv_ref.dtype)
-
-    zeros = jnp.zeros((bk, cfg.head_dim), jnp.float32)
-    if not grid_walk:
-        def blocks(first, last, carry, masked):  # every query head of the group, blocks [first, last)
-            count = last - first
-
-            def flat_step(t, carry):  # t walks (query head of the group, query block)
-                return step(div(t, count), first + rem(t, count), carry, masked)
-
-            return lax.fori_loop(0, g * count, flat_step, carry)
-
-        ranges = BlockRange(lo, hi, row.full_lo, row.full_hi)
-        sides = masked_sides(cfg.spec, bq, bk, transpose=True, bound_q=True)
-        finish(*_walk_blocks(ranges, blocks, (zeros, zeros), sides))
-        return
-    dk_acc, dv_acc = scratch
-    t = pl.program_id(3)
-    gi, i = div(t, nq), rem(t, nq)
-
-    @pl.when(t == 0)
-    def _init():
-        dk_acc[...], dv_acc[...] = zeros, zeros
-
-    @pl.when((i >= lo) & (i < hi))
-    def _step():
-        dk_acc[...], dv_acc[...] = step(gi, i, (dk_acc[...], dv_acc[...]))
-
-    @pl.when(t == pl.num_programs(3) - 1)
-    def _finish():
-        finish(dk_acc[...], dv_acc[...])
-
-
-def _pair_rows(ref, full, n, rows):
-    """Loop strategy, dK/dV kernel: the bias/mask tile of query head n at query rows ``rows``."""
-    if ref is None:
-        return None
-    idx = (n if full[1] else 0, rows if full[2] else slice(None), slice(None))
-    return ref[idx]
-
 
 def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table):
     """``(dk, dv)``, ``[B, S, K, H]`` in k's dtype."""
@@ -609,7 +328,7 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
         scratch = [pl.tpu.VMEM((bk, cfg.head_dim), jnp.float32)] * 2
         semantics += ("arbitrary",)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg), out_shape=out_shape, grid=grid,
+        functools.partial(_walk(cfg).dkdv_kernel, cfg=cfg), out_shape=out_shape, grid=grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
         compiler_params=_params(cfg, semantics, bk, threshold=64 * 128), backend=cfg.backend,
         name="flash_attention_dkdv")(

@@ -47,6 +47,7 @@ def rem(a, b):
 
 
 def positions(first, block: int, shape, axis: int):
+    """Absolute int32 positions along ``axis`` of a ``shape`` tile that is block ``first``."""
     return first * block + lax.broadcasted_iota(jnp.int32, shape, axis)
 
 

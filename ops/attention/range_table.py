@@ -97,24 +97,14 @@ class RangeRow:
     start: Any  # the entry of the row's first field
 
     def field(self, name: str):
+        """The field ``name`` of :class:`BlockRange` (one read)."""
         offset = BlockRange._fields.index(name)
         return self.ref[self.start + offset if offset else self.start]
 
-    @property
-    def lo(self):
-        return self.field("lo")
-
-    @property
-    def hi(self):
-        return self.field("hi")
-
-    @property
-    def full_lo(self):
-        return self.field("full_lo")
-
-    @property
-    def full_hi(self):
-        return self.field("full_hi")
+    lo = property(lambda self: self.field("lo"))
+    hi = property(lambda self: self.field("hi"))
+    full_lo = property(lambda self: self.field("full_lo"))
+    full_hi = property(lambda self: self.field("full_hi"))
 
     def read(self) -> BlockRange:
         """Every field, read in field order."""

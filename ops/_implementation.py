@@ -7,14 +7,18 @@ lowers it).
 """
 from __future__ import annotations
 
-import jax
+from pallas_core.backends import default_backend
 
 IMPLEMENTATIONS = ("xla", "interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton")
 
-# GPUs run our own Triton lowering (docs/design.md §3.3); JAX's ("pallas_triton") stays
-# one argument away as the yardstick. CPUs have no fast kernel backend, so XLA
-# is best there.
-_PLATFORM_DEFAULT = {"cpu": "xla", "gpu": "triton", "cuda": "triton", "tpu": "mosaic_tpu"}
+
+def platform_default() -> str:
+    """The op-level default for the default device's platform: pallas_call's default
+    backend there (:func:`pallas_core.backends.default_backend`: gpu -> triton, tpu ->
+    mosaic_tpu), except where that is the interpreter (a CPU, or an unknown platform):
+    no kernel backend is fast there, so XLA's own ops are best (docs/design.md §2)."""
+    backend = default_backend()
+    return "xla" if backend == "interpret" else backend
 
 
 KERNEL_BACKENDS = ("interpret", "triton", "pallas_triton", "mosaic_tpu")
@@ -34,7 +38,7 @@ def resolve_implementation(implementation: str | None, op: str, *,
       NotImplementedError: a backend ``op`` has no kernel for.
     """
     if implementation is None:
-        return _PLATFORM_DEFAULT.get(jax.default_backend(), "xla")
+        return platform_default()
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{op}: implementation must be None or one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}.")

@@ -19,6 +19,10 @@ approx_tanh / elementwise_inline_asm), ``pallas_core.gpu`` (SMEM, CompilerParams
 See docs/pallas_core.md (section 13 lists what stays absent, and why).
 """
 from pallas_core import gpu, tpu, triton
+# The backends register their runners and primitive rules (pallas_core.registry) when
+# imported: this is the one place that imports them all.
+from pallas_core.backends import interpret as _interpret_backend, jax_pallas as _jax_pallas_backends
+from pallas_core.triton import backend as _triton_backend, markers as _triton_markers
 from pallas_core.arith import align_to, reciprocal
 from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
 from pallas_core.block_dims import BoundedSlice, Buffered, Element, RevisitMode, Squeezed, squeezed

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_core import _jax_internals, autodiff, backends, grid_analysis, validation
+from pallas_core import _jax_internals, autodiff, backends, grid_analysis, registry, validation
 from pallas_core.cost import as_cost_estimate
 from pallas_core.memory import ScratchShape, as_scratch_shape
 from pallas_core.params import ARBITRARY, InterpretParams, ResolvedParams, resolve_params
@@ -50,7 +50,7 @@ class ResolvedCall:
     num_batch_axes: int = 0
     # pltpu.PrefetchScalarGridSpec: the first n in_mappings are the scalar-prefetch
     # operands (whole arrays), and every other index map reads them
-    # (pallas_core.tpu_prefetch.scalar_refs tells it where from).
+    # (pallas_core.context.scalar_refs tells it where from).
     num_scalar_prefetch: int = 0
     # A named grid's axis names (None entries for unnamed axes), as the kernel sees the
     # grid (batch axes excluded): lax.axis_index(name) is that axis's program id.
@@ -459,10 +459,11 @@ def _check_aliases(aliases, args, out_leaves):
 
 
 def _uses_atomics(kernel, mappings, scratch_shapes, grid) -> bool:
-    """Whether the kernel calls a ``pallas_core.triton`` atomic (traced only when asked)."""
+    """Whether the kernel makes an atomic update (a named call with a prefix a backend
+    registered, :func:`pallas_core.registry.atomic_prefixes`; traced only when asked)."""
     from pallas_core import context
     from pallas_core.backends.interpret import InterpretContext
-    from pallas_core.triton.atomics import ATOMIC_PREFIX
+    prefixes = registry.atomic_prefixes()
 
     def body(ids, blocks, scratch):
         refs = [jax.new_ref(v) for v in blocks] + [jax.new_ref(v) for v in scratch]
@@ -473,5 +474,5 @@ def _uses_atomics(kernel, mappings, scratch_shapes, grid) -> bool:
                                   [jax.ShapeDtypeStruct(m.ref_shape, m.dtype) for m in mappings],
                                   [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in scratch_shapes])
 
-    atomic = lambda eqn: str(eqn.params.get("name", "")).startswith(ATOMIC_PREFIX)
+    atomic = lambda eqn: str(eqn.params.get("name", "")).startswith(prefixes)
     return _jax_internals.find_eqn(closed.jaxpr, atomic) is not None

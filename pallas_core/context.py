@@ -30,6 +30,12 @@ class KernelContext:
         raise NotImplementedError
 
 
+def backend() -> str:
+    """The backend of the kernel being traced ("" outside a kernel)."""
+    ctx = _CURRENT.get()
+    return ctx.backend if ctx is not None else ""
+
+
 def current() -> KernelContext:
     ctx = _CURRENT.get()
     if ctx is None:
@@ -37,6 +43,30 @@ def current() -> KernelContext:
             "pallas_core: program_id/num_programs/run_scoped can only be used inside "
             "a kernel that pallas_core.pallas_call is tracing.")
     return ctx
+
+
+# While set (by a code generator tracing an index map), what the index maps of a
+# scalar-prefetch call (:mod:`pallas_core.tpu_prefetch`) get in place of the scalar
+# arrays they close over.
+_SCALAR_REFS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("scalar_refs",
+                                                                            default=None)
+
+
+@contextlib.contextmanager
+def scalar_refs(refs):
+    """Index maps bound by :func:`pallas_core.tpu_prefetch.prefetching_call` read ``refs``
+    (Refs traced by a code generator) instead of the scalar arrays of the call, within
+    this context."""
+    token = _SCALAR_REFS.set(tuple(refs))
+    try:
+        yield
+    finally:
+        _SCALAR_REFS.reset(token)
+
+
+def prefetched_scalar_refs() -> tuple | None:
+    """The Refs :func:`scalar_refs` installed, or None outside it."""
+    return _SCALAR_REFS.get()
 
 
 @contextlib.contextmanager

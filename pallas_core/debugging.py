@@ -21,33 +21,12 @@ import string
 import jax
 import jax.numpy as jnp
 
+from pallas_core import registry
 from pallas_core.primitives import _backend
 
 
 def _placeholders(fmt: str) -> int:
     return sum(field is not None for _, field, _, _ in string.Formatter().parse(fmt))
-
-
-def _prefixes(fmt: str) -> list[str]:
-    """The text before each ``{}`` of ``fmt``: the prefixes of Triton's prints.
-
-    Raises:
-      ValueError: a format spec or conversion, or text after the last ``{}``.
-    """
-    prefixes, text = [], ""
-    for literal, field, spec, conversion in string.Formatter().parse(fmt):
-        text += literal
-        if field is None:
-            continue
-        if spec or conversion or field:
-            raise ValueError(f"debug_print: fmt {fmt!r}: on the triton backend placeholders are "
-                             "bare {} (tl.device_print cannot format values).")
-        prefixes.append(text)
-        text = ""
-    if text.strip():
-        raise ValueError(f"debug_print: fmt {fmt!r}: on the triton backend text after the last "
-                         "{} cannot be printed (tl.device_print prints a prefix, then the value).")
-    return prefixes
 
 
 def debug_print(fmt: str, *args) -> None:
@@ -75,13 +54,9 @@ def debug_print(fmt: str, *args) -> None:
         from jax.experimental import pallas as jpl
         jpl.debug_print(fmt, *args)
         return
-    if backend == "triton":
-        from pallas_core.triton import markers
-        if not n:
-            markers.debug_print(fmt, *[jnp.asarray(a) for a in args])
-            return
-        for prefix, value in zip(_prefixes(fmt), args):
-            markers.debug_print(prefix, jnp.asarray(value))
+    rule = registry.rule("debug_print", backend)  # our triton backend: tl.device_print
+    if rule is not None:
+        rule(fmt, n, [jnp.asarray(a) for a in args])
         return
     if n == 0 and args:
         fmt = " ".join([fmt] + ["{}"] * len(args))

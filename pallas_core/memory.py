@@ -27,6 +27,10 @@ class MemorySpace:
         return f"{self.backend}.{self.name}"
 
 
+# The TPU scalar memory: pallas_core.tpu.SMEM, and where scalar-prefetch operands live.
+TPU_SMEM = MemorySpace("tpu", "SMEM")
+
+
 # Backend-neutral spaces, JAX's ``pl.ANY`` (also ``pl.MemorySpace.ANY``): an
 # operand in ANY is not blocked; the kernel gets a Ref to the whole array where
 # it lies (HBM on a TPU), to copy from with manual DMA (pallas_core.tpu).

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import Slice as _RefSlice  # the indexer jax.Ref understands
 
-from pallas_core import context, indexing
+from pallas_core import context, indexing, registry
 
 
 def program_id(axis: int) -> jax.Array:
@@ -166,8 +166,7 @@ def load_hints(cache_modifier, eviction_policy, volatile, what="load") -> tuple[
 
 
 def _backend() -> str:
-    ctx = context._CURRENT.get()
-    return ctx.backend if ctx is not None else ""
+    return context.backend()
 
 
 def _read(ref, idx, mask, other, hints, what):
@@ -175,16 +174,15 @@ def _read(ref, idx, mask, other, hints, what):
     backend = _backend()
     if backend == "pallas_triton":
         return _jax_triton_access(ref, idx, None, mask, other, hints)
+    rule = registry.rule("load", backend)  # a backend that carries masks and hints itself
     if mask is None:
         if not _is_edge_masked(ref):
             indexing.check_no_overhang(ref, idx, what)
-        if backend == "triton" and hints:
-            from pallas_core.triton import markers
-            return markers.load(ref, idx, None, None, hints)
+        if rule is not None and hints:
+            return rule(ref, idx, None, None, hints)
         return ref[idx]
-    if backend == "triton":
-        from pallas_core.triton import markers
-        return markers.load(ref, idx, mask, other, hints)
+    if rule is not None:
+        return rule(ref, idx, mask, other, hints)
     if backend == "interpret" and not indexing.statically_in_bounds(ref, idx):
         access = indexing.access(ref, idx)
         if access is not None:
@@ -201,18 +199,17 @@ def _write(ref, idx, value, mask, hints, what):
     if backend == "pallas_triton":
         _jax_triton_access(ref, idx, value, mask, None, hints)
         return
+    rule = registry.rule("store", backend)  # a backend that carries masks and hints itself
     if mask is None:
         if not _is_edge_masked(ref):
             indexing.check_no_overhang(ref, idx, what)
-        if backend == "triton" and hints:
-            from pallas_core.triton import markers
-            markers.store(ref, idx, value, None, hints)
+        if rule is not None and hints:
+            rule(ref, idx, value, None, hints)
             return
         ref[idx] = value
         return
-    if backend == "triton":
-        from pallas_core.triton import markers
-        markers.store(ref, idx, value, mask, hints)
+    if rule is not None:
+        rule(ref, idx, value, mask, hints)
         return
     if backend == "interpret" and not indexing.statically_in_bounds(ref, idx):
         access = indexing.access(ref, idx)
@@ -259,9 +256,9 @@ def multiple_of(x, values):
     """
     values = _hint_values(values, max(1, np.ndim(x)), "multiple_of", "max(1, x.ndim)")
     backend = _backend()
-    if backend == "triton":
-        from pallas_core.triton import markers
-        return markers.hint("multiple_of", x, values)
+    rule = registry.rule("multiple_of", backend)
+    if rule is not None:
+        return rule(x, values)
     if backend in ("mosaic_tpu", "mosaic_gpu", "pallas_triton"):
         from jax.experimental import pallas as jpl
         return jpl.multiple_of(x, values)

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from pallas_core.dma import AsyncCopyDescriptor, SemaphoreType, async_copy, make_async_copy, sync_copy
-from pallas_core.memory import ANY, MemorySpace
+from pallas_core.memory import ANY, TPU_SMEM, MemorySpace
 from pallas_core.params import ARBITRARY, PARALLEL, ResolvedParams, check_semantics
 from pallas_core.tpu_ops import bitcast, load, prng_random_bits, prng_seed, roll, store
 from pallas_core.tpu_prefetch import PrefetchScalarGridSpec
@@ -22,7 +22,7 @@ __all__ = ["ANY", "ARBITRARY", "AsyncCopyDescriptor", "CompilerParams", "HBM", "
            "sync_copy"]
 
 VMEM = MemorySpace("tpu", "VMEM")
-SMEM = MemorySpace("tpu", "SMEM")
+SMEM = TPU_SMEM
 HBM = MemorySpace("tpu", "HBM")  # like ANY on the interpreter: the whole array, not blocked
 
 

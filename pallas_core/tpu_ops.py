@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_core import context
+from pallas_core import context, registry
+from pallas_core.rolling import rolled
 from pallas_core.primitives import _backend
 
 
@@ -89,20 +90,10 @@ def roll(x, shift, axis: int, *, stride: int | None = None, stride_axis: int | N
     native = jax_tpu_or_none("roll", also=("triton",))
     if native is not None:
         return native.roll(x, shift, axis, stride=stride, stride_axis=stride_axis)
-    if _backend() == "triton":
-        from pallas_core.triton import markers
-        return markers.roll(x, shift, axis, stride, stride_axis)
+    rule = registry.rule("roll", _backend())
+    if rule is not None:
+        return rule(x, shift, axis, stride, stride_axis)
     return rolled(x, shift, axis, stride, stride_axis)
-
-
-def rolled(x, shift, axis, stride, stride_axis):
-    """:func:`roll` in ``jax.numpy`` (arguments already checked)."""
-    amount = jnp.asarray(shift, jnp.int32)
-    if stride is not None:
-        amount = amount + stride * lax.broadcasted_iota(jnp.int32, x.shape, stride_axis)
-    n = x.shape[axis]
-    source = jnp.remainder(lax.broadcasted_iota(jnp.int32, x.shape, axis) - amount, n)
-    return jnp.take_along_axis(x, source, axis)
 
 
 def load(ref, *, mask=None):

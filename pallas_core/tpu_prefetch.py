@@ -24,7 +24,7 @@ says how many) and whose index maps close over the scalar arrays:
   concrete;
 * our Triton lowering passes the scalar arrays as pointer arguments and
   writes each index map into the kernel with the scalar arrays seen as Refs
-  over those pointers (:func:`scalar_refs`), so ``pages[i]`` is a scalar
+  over those pointers (:func:`pallas_core.context.scalar_refs`), so ``pages[i]`` is a scalar
   ``tl.load``; the kernel's scalar Refs are the same pointers.
 
 An output index map that reads the scalars cannot be analysed before the call
@@ -32,13 +32,11 @@ runs (under ``jit``), so the grid axes then default to ``"arbitrary"`` unless
 ``dimension_semantics`` says otherwise. On ``mosaic_tpu`` the resolved call
 goes to JAX's own ``PrefetchScalarGridSpec``: the scalar operands are
 prefetched and each index map is called with JAX's scalar Refs in their place
-(:func:`scalar_refs`). The Mosaic GPU and pallas_triton lowerings refuse it
+(:func:`pallas_core.context.scalar_refs`). The Mosaic GPU and pallas_triton lowerings refuse it
 (NotImplementedError), as JAX's do.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -48,26 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_core import backends
+from pallas_core.context import prefetched_scalar_refs
+from pallas_core.memory import TPU_SMEM
 from pallas_core.specs import BlockSpec, _check_arity, is_no_block_spec, normalize_grid
 
 SUPPORTED_BACKENDS = ("interpret", "triton", "mosaic_tpu")
-
-# While set (by a code generator tracing an index map), what the index maps get in
-# place of the scalar arrays they close over.
-_SCALAR_REFS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("scalar_refs",
-                                                                            default=None)
-
-
-@contextlib.contextmanager
-def scalar_refs(refs):
-    """Index maps bound by :func:`prefetching_call` read ``refs`` (Refs traced by a
-    code generator) instead of the scalar arrays of the call, within this context."""
-    token = _SCALAR_REFS.set(tuple(refs))
-    try:
-        yield
-    finally:
-        _SCALAR_REFS.reset(token)
-
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchScalarGridSpec:
@@ -118,7 +101,7 @@ def _bind_scalars(spec, origin, grid_rank, scalars):
     _check_arity(index_map, origin, grid_rank + len(scalars))
 
     def bound(*ids):
-        override = _SCALAR_REFS.get()
+        override = prefetched_scalar_refs()
         return index_map(*ids, *(scalars if override is None else _with_refs(scalars, override)))
 
     bound.__name__ = getattr(index_map, "__name__", "index_map")
@@ -180,7 +163,6 @@ def prefetching_call(build_call, kernel, out_shape, grid_spec: PrefetchScalarGri
         raise NotImplementedError(
             f"PrefetchScalarGridSpec: scalar prefetch is implemented on {SUPPORTED_BACKENDS}, "
             f"not on the {chosen!r} backend.")
-    from pallas_core.tpu import SMEM
     n = grid_spec.num_scalar_prefetch
     grid_rank = len(normalize_grid(grid_spec.grid))
 
@@ -189,7 +171,7 @@ def prefetching_call(build_call, kernel, out_shape, grid_spec: PrefetchScalarGri
         rest = _whole(args[n:], grid_spec.in_specs)
         plain = dict(
             grid=grid_spec.grid,
-            in_specs=[jax.tree.map(lambda _: BlockSpec(memory_space=SMEM), s) for s in scalars]
+            in_specs=[jax.tree.map(lambda _: BlockSpec(memory_space=TPU_SMEM), s) for s in scalars]
             + _bind_tree(rest, "in_specs", grid_rank, scalars),
             out_specs=_bind_tree(grid_spec.out_specs, "out_specs", grid_rank, scalars),
             scratch_shapes=grid_spec.scratch_shapes)

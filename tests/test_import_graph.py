@@ -154,12 +154,7 @@ def test_function_level_imports_count():
     assert "pallas_core.triton.backend" in graph["pallas_core.triton"]
 
 
-_CYCLES_LEFT = pytest.mark.xfail(
-    strict=True, reason="pallas_core: primitives -> triton.markers -> tpu_ops -> primitives, and "
-    "backends -> jax_pallas -> tpu_prefetch -> backends (with triton.backend / codegen / inline_asm)")
-
-
-@pytest.mark.parametrize("package", [pytest.param("pallas_core", marks=_CYCLES_LEFT), "ops", "layers"])
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycle(package):
     found = [cycle for cycle in cycles(import_graph())
              if any(module.split(".")[0] == package for module in cycle)]

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import jax
 
+from pallas_core import batching, registry
+
 BACKENDS = ("interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton")
 JAX_PALLAS_BACKENDS = ("mosaic_tpu", "mosaic_gpu", "pallas_triton")
 # Backends whose kernels become Triton: power-of-two tiles, num_warps / num_stages.
 TRITON_BACKENDS = ("triton", "pallas_triton")
 
 # GPUs default to our own Triton lowering; JAX's ("pallas_triton") is the yardstick.
+# The only platform-default table: the ops' default implementation derives from it
+# (ops._implementation.platform_default: the same, with XLA where this says interpret).
 _PLATFORM_DEFAULT = {"cpu": "interpret", "gpu": "triton", "cuda": "triton", "tpu": "mosaic_tpu"}
 
 
@@ -32,7 +36,8 @@ def choose(backend: str | None, interpret) -> str:
 
 
 def run(call, args):
-    """Runs a resolved call on its backend.
+    """Runs a resolved call on its backend (the runner its module registered,
+    :mod:`pallas_core.registry`).
 
     On our own backends (interpret, triton) ``vmap`` adds a batch grid axis
     (:mod:`pallas_core.batching`) instead of batching what the backend emits:
@@ -41,12 +46,7 @@ def run(call, args):
     discharged ``fori_loop`` body trips its own checker under
     ``jax_enable_checks``).
     """
-    from pallas_core import batching
-    if call.backend == "interpret":
-        from pallas_core.backends import interpret
-        return batching.batched_run(call, args, interpret.run)
-    if call.backend == "triton":
-        from pallas_core.triton import backend
-        return batching.batched_run(call, args, backend.run)
-    from pallas_core.backends import jax_pallas
-    return jax_pallas.run(call, args, call.backend)
+    entry = registry.runner(call.backend)
+    if entry.batch_grid:
+        return batching.batched_run(call, args, entry.run)
+    return entry.run(call, args)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_core import _jax_internals, context, grid_analysis, named_axes
+from pallas_core import _jax_internals, context, grid_analysis, named_axes, registry
 from pallas_core.memory import ScratchShape, as_scratch_shape, garbage_fill_value
 from pallas_core.specs import BlockMapping, dynamic_axes
 
@@ -235,3 +235,6 @@ def run(call, args):
 
     outs, _, _ = lax.fori_loop(0, order.num_groups, run_group, (outputs, scratch, scalars))
     return [_crop(o, m) for o, m in zip(outs, call.out_mappings)]
+
+
+registry.register_backend("interpret", run, batch_grid=True)

@@ -11,10 +11,11 @@ from the type of the compiler params, so each backend passes its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
-from pallas_core import context
+from pallas_core import context, registry
 from pallas_core.backends import edge_masks
 from pallas_core.cost import as_cost_estimate
 from pallas_core.dma import SemaphoreType, is_semaphore
@@ -128,11 +129,10 @@ def _cost_estimate(cost):
 def _reading_scalar_refs(m: BlockMapping, grid_rank: int) -> BlockMapping:
     """``m`` whose index map takes JAX's scalar-prefetch Refs after the program ids and
     hands them to the scalar-reading index map of :mod:`pallas_core.tpu_prefetch`."""
-    from pallas_core import tpu_prefetch
     index_map = m.index_map
 
     def with_refs(*args):
-        with tpu_prefetch.scalar_refs(args[grid_rank:]):
+        with context.scalar_refs(args[grid_rank:]):
             return index_map(*args[:grid_rank])
 
     return dataclasses.replace(m, index_map=with_refs)
@@ -182,3 +182,7 @@ def run(call, args, backend):
         metadata=call.metadata,
     )
     return list(fn(*args))
+
+
+for _backend in ("mosaic_tpu", "mosaic_gpu", "pallas_triton"):
+    registry.register_backend(_backend, functools.partial(run, backend=_backend))

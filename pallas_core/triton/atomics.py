@@ -13,7 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_core import registry
+
 ATOMIC_PREFIX = "pallas_core_atomic_"
+registry.register_atomic_prefix(ATOMIC_PREFIX)  # call.py asks for it to choose grid semantics
 
 _UPDATES = {
     "add": lambda old, val, cmp: old + val,

@@ -7,8 +7,9 @@ import contextvars
 import jax
 import numpy as np
 
+from pallas_core import registry
 from pallas_core.params import PARALLEL
-from pallas_core.triton import codegen, program_order, runtime
+from pallas_core.triton import codegen, inline_asm, program_order, runtime
 from pallas_core.triton.params import schedule_options
 
 # While set, every triton pallas_call traced records (name, source, constexprs, ...) here.
@@ -99,3 +100,11 @@ def run(call, args):
                           num_warps=call.params.triton.get("num_warps", 4),
                           num_stages=call.params.triton.get("num_stages", 3), on_gpu=_on_gpu())
     return list(outs)[:len(out_avals)]
+
+
+registry.register_backend("triton", run, batch_grid=True)
+# Assembly is emitted when the kernel is for a GPU (launched there, or captured by
+# source / compile); Triton's CPU interpreter cannot run it.
+registry.register_rule("elementwise_inline_asm", "triton",
+                       lambda snippet, args: inline_asm.marked(snippet, args,
+                                                               emit=not runs_in_interpreter()))

@@ -496,10 +496,9 @@ class KernelWriter(ElementwiseWriter):
         of the same arguments) written inline.
 
         With scalar prefetch the index map also reads the scalar-prefetch
-        operands: it is traced with Refs over them (``tpu_prefetch.scalar_refs``)
+        operands: it is traced with Refs over them (``context.scalar_refs``)
         bound to those operands' views, so ``pages[i]`` is a scalar ``tl.load``.
         """
-        from pallas_core import tpu_prefetch
         grid = self.call.grid
         scalars = list(self.scalar_refs)
         avals = [jax.ShapeDtypeStruct(r.array_shape, r.dtype) for r in scalars]
@@ -509,7 +508,7 @@ class KernelWriter(ElementwiseWriter):
         def traced(ids, arrays):
             if not arrays:
                 return index_map(*ids)
-            with tpu_prefetch.scalar_refs([jax.new_ref(a) for a in arrays]):
+            with context.scalar_refs([jax.new_ref(a) for a in arrays]):
                 return index_map(*ids)
 
         closed = jax.make_jaxpr(traced)([jnp.int32(0)] * len(grid), avals)

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_core import context, registry
+
 PREFIX = "pallas_core_inline_asm__"
 
 # (asm, constraints, pack, ((shape, dtype), ...)) of every snippet seen, by marker number.
@@ -39,6 +41,18 @@ def _marker(snippet: tuple):
 
     body.__name__ = body.__qualname__ = f"{PREFIX}{len(_SNIPPETS) - 1}"
     return jax.jit(body)
+
+
+def marked(snippet: tuple, args, *, emit: bool) -> list:
+    """The rule of ``elementwise_inline_asm`` on our triton backend: a marker call the code
+    writer turns into ``tl.inline_asm_elementwise`` (``args`` already broadcast) when the
+    kernel is emitted for a GPU (``emit``), else NotImplementedError (Triton's CPU
+    interpreter cannot run assembly)."""
+    if emit:
+        return list(_marker(snippet)(*args))
+    raise NotImplementedError(
+        "elementwise_inline_asm: Triton's CPU interpreter cannot run GPU assembly; the "
+        "kernel runs on a GPU (pallas_core.triton.source / compile show its code here).")
 
 
 def snippet(name: str) -> tuple:
@@ -67,7 +81,6 @@ def elementwise_inline_asm(asm: str, *, args, constraints: str, pack: int,
       NotImplementedError: on the interpret backend or in Triton's CPU
         interpreter (no GPU to run assembly), and outside a kernel.
     """
-    from pallas_core import primitives
     if not isinstance(asm, str) or not isinstance(constraints, str):
         raise TypeError("elementwise_inline_asm: asm and constraints must be str.")
     if isinstance(pack, bool) or not isinstance(pack, (int, np.integer)) or pack < 1:
@@ -81,20 +94,15 @@ def elementwise_inline_asm(asm: str, *, args, constraints: str, pack: int,
         if s != tuple(shape):
             raise ValueError(f"elementwise_inline_asm: result shape {s} differs from the "
                              f"arguments' broadcast shape {tuple(shape)}.")
-    backend = primitives._backend()
+    backend = context.backend()
     if backend == "pallas_triton":
         from jax.experimental.pallas import triton as pltriton
         return list(pltriton.elementwise_inline_asm(
             asm, args=args, constraints=constraints, pack=int(pack),
             result_shape_dtypes=[jax.ShapeDtypeStruct(s, d) for s, d in results]))
-    if backend == "triton":
-        from pallas_core.triton import backend as triton_backend
-        if triton_backend._on_gpu() or triton_backend._CAPTURE.get() is not None:
-            args = [jnp.broadcast_to(a, shape) for a in args]
-            return list(_marker((asm, constraints, int(pack), results))(*args))
-        raise NotImplementedError(
-            "elementwise_inline_asm: Triton's CPU interpreter cannot run GPU assembly; the "
-            "kernel runs on a GPU (pallas_core.triton.source / compile show its code here).")
+    rule = registry.rule("elementwise_inline_asm", backend)
+    if rule is not None:  # our triton backend: pallas_core.triton.backend registers it
+        return rule((asm, constraints, int(pack), results), [jnp.broadcast_to(a, shape) for a in args])
     where = f"the {backend!r} backend" if backend else "outside a kernel"
     raise NotImplementedError(f"elementwise_inline_asm: GPU assembly runs on the triton and "
                               f"pallas_triton backends on a GPU, not on {where}.")

@@ -28,9 +28,13 @@ run the plain operation), so no other backend ever sees them:
 from __future__ import annotations
 
 import functools
+import string
 
 import jax
 import jax.numpy as jnp
+
+from pallas_core import indexing, registry
+from pallas_core.rolling import rolled
 
 PREFIX = "pallas_core_"
 LOAD = PREFIX + "load"
@@ -84,7 +88,6 @@ def _store_fn(suffix):
 
 def load(ref, idx, mask, other, hints):
     """A masked load under our Triton lowering (see the module docstring)."""
-    from pallas_core import indexing
     view = ref.at[idx]  # a Ref with its views: a pytree a jitted function takes
     mask = jnp.bool_(True) if mask is None else indexing.broadcast_mask(mask, view.shape, "load")
     other = jnp.zeros((), ref.dtype) if other is None else jnp.asarray(other, ref.dtype)
@@ -95,7 +98,6 @@ def load(ref, idx, mask, other, hints):
 
 def store(ref, idx, value, mask, hints):
     """A masked store under our Triton lowering (see the module docstring)."""
-    from pallas_core import indexing
     view = ref.at[idx]
     value = indexing.value_for(value, view.shape, ref.dtype, "store")
     mask = jnp.bool_(True) if mask is None else indexing.broadcast_mask(mask, view.shape, "store")
@@ -140,14 +142,45 @@ def debug_print(prefix: str, *values) -> None:
     _print_fn(prefix)(*values)
 
 
+def _prefixes(fmt: str) -> list[str]:
+    """The text before each ``{}`` of ``fmt``: the prefixes of Triton's prints.
+
+    Raises:
+      ValueError: a format spec or conversion, or text after the last ``{}``.
+    """
+    prefixes, text = [], ""
+    for literal, field, spec, conversion in string.Formatter().parse(fmt):
+        text += literal
+        if field is None:
+            continue
+        if spec or conversion or field:
+            raise ValueError(f"debug_print: fmt {fmt!r}: on the triton backend placeholders are "
+                             "bare {} (tl.device_print cannot format values).")
+        prefixes.append(text)
+        text = ""
+    if text.strip():
+        raise ValueError(f"debug_print: fmt {fmt!r}: on the triton backend text after the last "
+                         "{} cannot be printed (tl.device_print prints a prefix, then the value).")
+    return prefixes
+
+
+def print_values(fmt: str, placeholders: int, values) -> None:
+    """``pl.debug_print`` under our Triton lowering (:mod:`pallas_core.debugging`): one
+    print of every value with ``fmt`` as the prefix when ``fmt`` has no placeholder,
+    else one print per value whose prefix is the text before its ``{}``."""
+    if not placeholders:
+        debug_print(fmt, *values)
+        return
+    for prefix, value in zip(_prefixes(fmt), values):
+        debug_print(prefix, value)
+
+
 def print_prefix(name: str) -> str:
     return bytes.fromhex(name[len(DEBUG_PRINT):]).decode()
 
 
 @functools.lru_cache(maxsize=None)
 def _roll_fn(axis: int, stride: int | None, stride_axis: int | None):
-    from pallas_core.tpu_ops import rolled
-
     def body(x, shift):
         return rolled(x, shift, axis, stride, stride_axis)
 
@@ -175,3 +208,11 @@ def is_marker(name: str) -> bool:
 
 __all__ = ["approx_tanh", "debug_barrier", "debug_print", "hint", "is_marker", "load", "parse_hint",
            "parse_hints", "parse_roll", "print_prefix", "roll", "store"]
+
+
+# The primitives whose Triton meaning these markers carry (pallas_core.registry).
+registry.register_rule("load", "triton", load)
+registry.register_rule("store", "triton", store)
+registry.register_rule("multiple_of", "triton", lambda x, values: hint("multiple_of", x, values))
+registry.register_rule("roll", "triton", roll)
+registry.register_rule("debug_print", "triton", print_values)

@@ -247,6 +247,9 @@ def test_interpreter_tiles():
     from ops.reduction.norms import default_block_rows
 
     assert triton_backend.runs_in_interpreter()
+    assert triton_backend.wants_interpreter_tiles("triton")
+    assert not any(map(triton_backend.wants_interpreter_tiles, ("interpret", "pallas_triton", "mosaic_tpu")))
+    assert triton_backend.interpreter_tiles((1, 100, 5000)) == (16, 128, 512)
     tiles = select_tiles(2048, 1536, 384, jnp.float32, "triton")
     assert tiles.source == "interpreter" and tiles.blocks == matmul_interpreter(2048, 1536, 384) == (512, 512, 512)
     assert select_tiles(2048, 1536, 384, jnp.float32, "triton", (64, 64, 32)).blocks == (64, 64, 32)
@@ -257,6 +260,7 @@ def test_interpreter_tiles():
     assert select_row_layout("layer_norm", 10, 384, jnp.float32, "triton").block_rows == 16
     with triton_backend.capturing():
         assert not triton_backend.runs_in_interpreter()
+        assert not triton_backend.wants_interpreter_tiles("triton")
         assert select_tiles(2048, 1536, 384, jnp.float32, "triton").blocks == matmul_defaults(
             2048, 1536, 384, jnp.float32, "triton")
         assert select_block_sizes(32, 32, 32, jnp.float32, "triton") == attention_defaults(

@@ -91,13 +91,13 @@ def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> Bl
     (:func:`ops.tuning.lookup`, key ``(T, S, head_dim)``; fields it leaves out
     come from the heuristic), else :func:`default_block_sizes`, whose GPU tiles
     give way to :func:`interpreter_block_sizes` on ``triton`` in Triton's CPU
-    interpreter (:func:`pallas_core.triton.backend.runs_in_interpreter`).
+    interpreter (:func:`pallas_core.triton.backend.wants_interpreter_tiles`).
 
     Raises:
       ops.tuning.TuningCacheError: a malformed user or packaged cache file.
     """
     heuristic = default_block_sizes(T, S, head_dim, dtype, backend)
-    if backend == "triton" and triton_backend.runs_in_interpreter():
+    if triton_backend.wants_interpreter_tiles(backend):
         heuristic = interpreter_block_sizes(T, S)
     tuned = tuning.lookup(_OP, backend, dtype, (T, S, head_dim))
     if tuned is None:
@@ -107,8 +107,8 @@ def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> Bl
 
 def interpreter_block_sizes(T: int, S: int) -> BlockSizes:
     """Tiles for Triton's CPU interpreter, whose cost is per tl operation rather
-    than per element: the whole (power-of-two rounded) sequence up to 128 rows per
-    tile for every kernel, so a sentence-length sequence is one query tile and one
+    than per element (:func:`pallas_core.triton.backend.interpreter_tiles`): the
+    whole (power-of-two rounded) sequence up to 128 rows per tile for every kernel, so a sentence-length sequence is one query tile and one
     key/value step (a program per batch entry and head), and a longer one a few."""
-    tile = triton_backend.interpreter_tile
-    return BlockSizes(tile(T, 128), tile(S, 128), block_q_dkv=tile(T, 128), block_k_dkv=tile(S, 128))
+    bq, bk = triton_backend.interpreter_tiles((T, S), cap=128)
+    return BlockSizes(bq, bk, block_q_dkv=bq, block_k_dkv=bk)

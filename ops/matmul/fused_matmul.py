@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -518,7 +517,7 @@ def select_tiles(m: int, n: int, k: int, dtype, backend: str,
     """The tiles of an ``[m, k] @ [k, n]`` product: explicit ``block_sizes``,
     else the tuning cache (:func:`ops.tuning.lookup`, key ``(m, n, k)``), else
     :func:`default_block_sizes`. On ``triton`` in Triton's CPU interpreter
-    (:func:`pallas_core.triton.backend.runs_in_interpreter`) the heuristic's
+    (:func:`pallas_core.triton.backend.wants_interpreter_tiles`) the heuristic's
     GPU tiles give way to :func:`interpreter_block_sizes`.
 
     Raises:
@@ -533,7 +532,7 @@ def select_tiles(m: int, n: int, k: int, dtype, backend: str,
                                                              heuristic))
         return Tiles(blocks, tuned.get("num_warps"), tuned.get("num_stages"),
                      tuned.get("group_size"), source="cache")
-    if backend == "triton" and triton_backend.runs_in_interpreter():
+    if triton_backend.wants_interpreter_tiles(backend):
         return Tiles(interpreter_block_sizes(m, n, k), source="interpreter")
     return Tiles(default_block_sizes(m, n, k, dtype, backend))
 
@@ -542,8 +541,6 @@ def interpreter_block_sizes(m: int, n: int, k: int) -> tuple[int, int, int]:
     """Tiles for Triton's CPU interpreter: each dim whole (rounded up to a power of
     two) up to 512, so a model-sized product is a handful of programs with a
     short (usually one-step) contraction loop: the interpreter's cost is per
-    tl operation, not per element (:data:`pallas_core.triton.backend.INTERPRETER_TILE_ELEMENTS`:
-    a 512 x 512 tile)."""
-    cap = math.isqrt(triton_backend.INTERPRETER_TILE_ELEMENTS)
-    return (triton_backend.interpreter_tile(m, cap), triton_backend.interpreter_tile(n, cap),
-            triton_backend.interpreter_tile(k, cap))
+    tl operation, not per element (the default cap of
+    :func:`pallas_core.triton.backend.interpreter_tiles`: a 512 x 512 tile)."""
+    return triton_backend.interpreter_tiles((m, n, k))

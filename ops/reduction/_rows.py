@@ -157,7 +157,7 @@ def select_row_layout(op: str, rows: int, features: int, dtype, backend: str, *,
     its ``chunk`` caps the chunk as ``max_chunk`` does), else the heuristic
     :func:`row_layout` with ``heuristic_block_rows(max_chunk)`` rows per
     program (None: row_layout's default), or, on ``triton`` in Triton's CPU
-    interpreter (:func:`pallas_core.triton.backend.runs_in_interpreter`),
+    interpreter (:func:`pallas_core.triton.backend.wants_interpreter_tiles`),
     :func:`interpreter_block_rows` rows.
 
     Raises:
@@ -173,7 +173,7 @@ def select_row_layout(op: str, rows: int, features: int, dtype, backend: str, *,
                                        num_stages=tuned.get("num_stages"))
     block_rows = None if heuristic_block_rows is None else heuristic_block_rows(max_chunk)
     layout = row_layout(rows, features, dtype, backend, max_chunk=max_chunk, block_rows=block_rows)
-    if backend == "triton" and triton_backend.runs_in_interpreter():
+    if triton_backend.wants_interpreter_tiles(backend):
         layout = row_layout(rows, features, dtype, backend, max_chunk=max_chunk,
                             block_rows=interpreter_block_rows(rows, layout.chunk))
     return layout
@@ -182,9 +182,11 @@ def select_row_layout(op: str, rows: int, features: int, dtype, backend: str, *,
 def interpreter_block_rows(rows: int, chunk: int) -> int:
     """Rows per program in Triton's CPU interpreter, whose cost is per tl operation
     rather than per element: all rows (a power of two) as long as a chunk of them
-    stays within :data:`pallas_core.triton.backend.INTERPRETER_TILE_ELEMENTS`."""
-    return triton_backend.interpreter_tile(
-        rows, max(1, triton_backend.INTERPRETER_TILE_ELEMENTS // chunk), floor=1)
+    stays within :data:`pallas_core.triton.backend.INTERPRETER_TILE_ELEMENTS`
+    (:func:`pallas_core.triton.backend.interpreter_tiles`)."""
+    (block_rows,) = triton_backend.interpreter_tiles(
+        (rows,), cap=max(1, triton_backend.INTERPRETER_TILE_ELEMENTS // chunk), floor=1)
+    return block_rows
 
 
 def as_rows(x) -> tuple[jax.Array, tuple[int, ...]]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import jax
 import numpy as np
@@ -42,9 +43,10 @@ def _on_gpu() -> bool:
 # (its front end builds and checks types for each one), whatever the tile size,
 # while numpy runs an element-wise op on a tile of 2**18 float32 elements in
 # about the same time. So there, fewer and bigger programs cost far less: the
-# ops' tile heuristics ask :func:`runs_in_interpreter` and then cover a problem
-# with tiles of up to this many elements (GPU tiles are sized for registers and
-# shared memory instead, and stay as they are).
+# ops' tile heuristics ask :func:`wants_interpreter_tiles` and then cover a
+# problem with :func:`interpreter_tiles`, tiles of up to this many elements
+# (GPU tiles are sized for registers and shared memory instead, and stay as
+# they are).
 INTERPRETER_TILE_ELEMENTS = 1 << 18
 
 
@@ -60,10 +62,28 @@ def runs_in_interpreter() -> bool:
     return not _on_gpu() and _CAPTURE.get() is None
 
 
-def interpreter_tile(extent: int, cap: int, floor: int = 16) -> int:
-    """A power-of-two tile for a dim of ``extent`` on the interpreter: the whole
-    dim rounded up to a power of two, at most ``cap``, at least ``floor``
-    (``tl.dot``'s minimum is 16)."""
+def wants_interpreter_tiles(backend: str) -> bool:
+    """Whether an op's kernels on ``backend``, traced now, take
+    :func:`interpreter_tiles` instead of its heuristic's GPU tiles: ``triton``
+    running in Triton's CPU interpreter (:func:`runs_in_interpreter`). Every
+    other backend, and ``triton`` on a GPU or inside a capture, keeps the
+    heuristic's tiles. An explicit tile argument or a tuning-cache entry
+    still wins over either (the op's precedence, docs/design.md §5.4)."""
+    return backend == "triton" and runs_in_interpreter()
+
+
+def interpreter_tiles(extents, *, cap: int | None = None, floor: int = 16) -> tuple[int, ...]:
+    """The interpreter's tiles of dims ``extents``: each dim whole, rounded up to
+    a power of two, at most ``cap`` and at least ``floor`` (``tl.dot``'s
+    minimum is 16). ``cap`` is the op's limit; None: the largest square tile
+    within :data:`INTERPRETER_TILE_ELEMENTS` (512, for two-dimensional tiles
+    made of these dims, as a matmul's)."""
+    if cap is None:
+        cap = math.isqrt(INTERPRETER_TILE_ELEMENTS)
+    return tuple(_interpreter_tile(extent, cap, floor) for extent in extents)
+
+
+def _interpreter_tile(extent: int, cap: int, floor: int) -> int:
     tile = 1 << max(0, int(extent) - 1).bit_length()
     return max(floor, min(cap, tile))
 

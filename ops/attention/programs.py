@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import pallas_core as pl
 from ops.attention.config import Config
 from ops.attention.range_table import BlockRange, RangeTable
-from ops.attention.tile_math import (Tile, backward_tile, dot, forward_finish, forward_update,
-                                     zero_rows_past)
+from ops._tiles import dot
+from ops.attention.tile_math import Tile, backward_tile, forward_finish, forward_update, zero_rows_past
 
 
 class AuxRefs(NamedTuple):

@@ -8,7 +8,7 @@ finish (:func:`forward_finish`, lines 12-13), and the backward pass's tile
 (:func:`backward_tile`, Algorithm 2, lines 11-14): probabilities recomputed
 from the saved logsumexp, their dropout, and the score gradients. Everything
 is float32 whatever the input dtype; the products accumulate in float32
-(:func:`dot`).
+(:func:`ops._tiles.dot`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ops._tiles import dot
 from ops.attention import dropout as dropout_lib
 from ops.attention.config import Config
 from ops.attention.masking import visible
@@ -26,13 +27,6 @@ from ops.reduction._rows import logsumexp_shift
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-
-def dot(a, b, ca: int, cb: int):
-    """A @ B contracting a's dim ca with b's dim cb, float32 accumulation."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
 
 
 def div(a, b):

@@ -47,6 +47,7 @@ from ops._checks import check_array, check_matmul_operands, check_same_dtype
 from ops import tuning
 from ops._implementation import resolve_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
+from ops._tiles import dot, mosaic_tpu_matmul_blocks
 from ops.activations import resolve_activation
 
 _OP = "fused_matmul"
@@ -147,13 +148,6 @@ def _strategy(backend: str) -> str:
     return "loop" if backend == "pallas_triton" else "grid"
 
 
-def _dot(a, b, ca: int, cb: int):
-    """``A @ B`` where A contracts a's dim ``ca`` and B contracts b's dim ``cb``."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
-    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
-
-
 def _epilogue(acc, bias_ref, out_ref, preact_ref, activation):
     z = acc
     if bias_ref is not None:
@@ -183,7 +177,7 @@ def _grid_kernel(*refs, ca, cb, has_bias, want_preact, activation):
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    acc_ref[...] += _dot(a_ref[...], b_ref[...], ca, cb)
+    acc_ref[...] += dot(a_ref[...], b_ref[...], ca, cb)
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _store():
@@ -200,7 +194,7 @@ def _loop_kernel(*refs, ca, cb, has_bias, want_preact, activation, block_k, num_
         return ref[tuple(idx)]
 
     def step(k, acc):
-        return acc + _dot(k_slice(a_ref, ca, k), k_slice(b_ref, cb, k), ca, cb)
+        return acc + dot(k_slice(a_ref, ca, k), k_slice(b_ref, cb, k), ca, cb)
 
     acc = lax.fori_loop(0, num_k, step, jnp.zeros(out_ref.shape, jnp.float32))
     _epilogue(acc, bias_ref, out_ref, preact_ref, activation)
@@ -475,13 +469,7 @@ def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[in
     reused by role (dx tiles (block_m, block_k), dw tiles (block_k, block_n)).
     """
     if backend == "mosaic_tpu":
-        bm = m if m <= 256 else 256
-        bn = n if n <= 512 else 512
-        if k <= 512:
-            bk = k
-        else:
-            bk = next((c for c in (512, 256, 128) if k % c == 0), 512)
-        return bm, bn, bk
+        return mosaic_tpu_matmul_blocks(m, n, k, max_m=256, max_n=512)
     small = 16
     if backend in pl.TRITON_BACKENDS:
         cap_k = 32 if np.dtype(dtype) == np.float32 else 64

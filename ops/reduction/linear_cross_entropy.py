@@ -76,7 +76,8 @@ import pallas_core as pl
 from ops._checks import check_array, check_matmul_operands
 from ops._implementation import resolve_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
-from ops.matmul.fused_matmul import _dot, _matmul_call, _strategy
+from ops._tiles import dot, mosaic_tpu_matmul_blocks
+from ops.matmul.fused_matmul import _matmul_call, _strategy
 from ops.matmul.fused_matmul import default_block_sizes as matmul_block_sizes
 from ops.reduction import _rows
 # Named imports: the package re-exports the function cross_entropy, which shadows the module.
@@ -227,7 +228,7 @@ def _tile_dot(xa, wb, d0, dims: _Dims):
         xa = jnp.where(xcol < dims.d, xa, jnp.zeros((), xa.dtype))
         wrow = d0 + lax.broadcasted_iota(jnp.int32, wb.shape, 0)
         wb = jnp.where(wrow < dims.d, wb, jnp.zeros((), wb.dtype))
-    return _dot(xa, wb, 1, 0)
+    return dot(xa, wb, 1, 0)
 
 
 def _logits_tile_loop(x_ref, w_ref, col0, dims: _Dims):
@@ -579,13 +580,7 @@ def default_block_sizes(rows: int, d: int, vocab: int, dtype, backend: str) -> t
       and multi-tile rows are exercised on small test shapes.
     """
     if backend == "mosaic_tpu":
-        bm = rows if rows <= 256 else 256
-        bv = vocab if vocab <= 1024 else 1024
-        if d <= 512:
-            bd = d
-        else:
-            bd = next((c for c in (512, 256, 128) if d % c == 0), 512)
-        return bm, bv, bd
+        return mosaic_tpu_matmul_blocks(rows, vocab, d, max_m=256, max_n=1024)
     if backend in pl.TRITON_BACKENDS:
         cap_d = 32 if np.dtype(dtype) == np.float32 else 64
         return (min(64, max(16, pl.next_power_of_2(rows))), min(128, max(16, pl.next_power_of_2(vocab))),

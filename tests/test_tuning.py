@@ -271,3 +271,17 @@ def test_interpreter_tiles():
     for impl in ("interpret", "pallas_triton"):
         assert select_tiles(2048, 1536, 384, jnp.float32, impl).blocks == matmul_defaults(
             2048, 1536, 384, jnp.float32, impl)
+
+
+def test_mosaic_tpu_matmul_blocks():
+    """Whole dims up to the op's caps, the caps beyond; block_k whole up to 512, else
+    the largest of 512 / 256 / 128 that divides K (512 when none does)."""
+    from ops._tiles import mosaic_tpu_matmul_blocks
+    from ops.reduction.linear_cross_entropy import default_block_sizes as lce_defaults
+
+    assert mosaic_tpu_matmul_blocks(100, 300, 500, max_m=256, max_n=512) == (100, 300, 500)
+    assert mosaic_tpu_matmul_blocks(1000, 3000, 768, max_m=256, max_n=512) == (256, 512, 256)
+    assert mosaic_tpu_matmul_blocks(8, 8, 640, max_m=256, max_n=512)[2] == 128
+    assert mosaic_tpu_matmul_blocks(8, 8, 700, max_m=256, max_n=512)[2] == 512
+    assert matmul_defaults(1000, 3000, 768, jnp.bfloat16, "mosaic_tpu") == (256, 512, 256)
+    assert lce_defaults(1000, 768, 3000, jnp.bfloat16, "mosaic_tpu") == (256, 1024, 256)

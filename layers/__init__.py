@@ -17,8 +17,9 @@
 
 All keep their Flax parent's constructor arguments, defaults, parameter
 names, shapes, initializers and metadata, so state and checkpoints made by
-the Flax layer load unchanged; they add keyword ``implementation`` (None or
-one of ``ops.IMPLEMENTATIONS``), validated at construction, and the Dense
+the Flax layer load unchanged; they add keyword ``implementation`` (None,
+one of ``ops.IMPLEMENTATIONS``, or a sequence of them tried in order, kept as
+a tuple), validated at construction, and the Dense
 layers keyword ``activation`` (None, a name from ``ops.ACTIVATIONS`` or a
 callable).
 """

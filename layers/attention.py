@@ -29,7 +29,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from layers.dense import _FUSED_DTYPES, _as_precision, _check_implementation
-from ops._implementation import resolve_implementation
+from ops._implementation import run_implementation
 from ops.attention import dot_product_attention as _flash_attention
 
 __all__ = ["AttentionFallbackWarning", "MultiHeadAttention", "dot_product_attention"]
@@ -313,9 +313,11 @@ class _BoundAttention:
         self.__signature__ = _BOUND_SIGNATURE
 
     def __call__(self, *args, **kwargs):
-        if resolve_implementation(self.implementation, "layers attention") == "xla":
-            return _stock_attention(*args, **kwargs)  # stock Flax, bit for bit
-        return dot_product_attention(*args, implementation=self.implementation, **kwargs)
+        def body(impl):
+            if impl == "xla":
+                return _stock_attention(*args, **kwargs)  # stock Flax, bit for bit
+            return dot_product_attention(*args, implementation=impl, **kwargs)
+        return run_implementation(self.implementation, "layers attention", body)
 
     def __eq__(self, other):
         return type(other) is _BoundAttention and other.implementation == self.implementation
@@ -368,7 +370,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     """
 
     def __init__(self, *args, implementation: str | None = None, **kwargs):
-        _check_implementation(implementation, "layers.MultiHeadAttention")
+        implementation = _check_implementation(implementation, "layers.MultiHeadAttention")
         if "attention_fn" not in kwargs:
             kwargs["attention_fn"] = _BoundAttention(implementation)
         super().__init__(*args, **kwargs)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from ops._implementation import IMPLEMENTATIONS
+from ops._implementation import IMPLEMENTATIONS, check_implementation
 from ops.activations import resolve_activation
 from ops.matmul import fused_matmul
 
@@ -95,7 +95,7 @@ class Dense(nnx.Linear):
     def __init__(self, in_features, out_features, *, activation=None,
                  implementation: str | None = None, **kwargs):
         _check_activation(activation, "layers.Dense")
-        _check_implementation(implementation, "layers.Dense")
+        implementation = _check_implementation(implementation, "layers.Dense")
         super().__init__(in_features, out_features, **kwargs)
         self.activation = activation
         self.implementation = implementation
@@ -160,13 +160,15 @@ def _check_activation(activation, owner: str) -> Callable | None:
         raise TypeError(f"{owner}: invalid argument activation={activation!r}: {e}") from None
 
 
-def _check_implementation(implementation, owner: str) -> None:
-    """None or a name in ``ops.IMPLEMENTATIONS``; None is resolved per call."""
-    if implementation is None:
-        return
-    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{owner}: invalid argument implementation={implementation!r}; "
-                         f"expected None or one of {IMPLEMENTATIONS}.")
+def _check_implementation(implementation, owner: str):
+    """None, a name in ``ops.IMPLEMENTATIONS`` or a sequence of them (tried in order);
+    returns it with a sequence as a tuple (hashable for Flax). None is resolved per call."""
+    try:
+        return check_implementation(implementation, owner)
+    except ValueError:
+        raise ValueError(f"{owner}: invalid argument implementation={implementation!r}; expected "
+                         f"None, one of {IMPLEMENTATIONS} or a non-empty sequence of them."
+                         ) from None
 
 
 def _as_precision(p):

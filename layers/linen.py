@@ -75,7 +75,8 @@ class Dense(nn.Dense):
 
     def __post_init__(self):
         _check_activation(self.activation, "layers.linen.Dense")
-        _check_implementation(self.implementation, "layers.linen.Dense")
+        object.__setattr__(self, "implementation",  # a sequence as a tuple: hashable
+                           _check_implementation(self.implementation, "layers.linen.Dense"))
         super().__post_init__()
 
     def _fusable(self) -> bool:

@@ -50,7 +50,8 @@ def _bind_default_attention_fn(module, owner: str) -> None:
     Runs in ``__post_init__`` (before Linen freezes the module); a clone with
     another ``implementation`` rebinds, an explicit ``attention_fn`` is kept.
     """
-    _check_implementation(module.implementation, owner)
+    object.__setattr__(module, "implementation",  # a sequence as a tuple: hashable
+                       _check_implementation(module.implementation, owner))
     fn = module.attention_fn
     if fn is dot_product_attention or isinstance(fn, _BoundAttention):
         object.__setattr__(module, "attention_fn", _BoundAttention(module.implementation))

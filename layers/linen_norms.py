@@ -62,7 +62,8 @@ class LayerNorm(nn.LayerNorm):
     implementation: str | None = None
 
     def __post_init__(self):
-        _check_implementation(self.implementation, "layers.linen.LayerNorm")
+        object.__setattr__(self, "implementation",  # a sequence as a tuple: hashable
+                           _check_implementation(self.implementation, "layers.linen.LayerNorm"))
         super().__post_init__()
 
     @nn.compact
@@ -89,7 +90,8 @@ class RMSNorm(nn.RMSNorm):
     implementation: str | None = None
 
     def __post_init__(self):
-        _check_implementation(self.implementation, "layers.linen.RMSNorm")
+        object.__setattr__(self, "implementation",  # a sequence as a tuple: hashable
+                           _check_implementation(self.implementation, "layers.linen.RMSNorm"))
         super().__post_init__()
 
     @nn.compact

@@ -86,7 +86,7 @@ class LayerNorm(nnx.LayerNorm):
     """
 
     def __init__(self, num_features: int, *, implementation: str | None = None, **kwargs):
-        _check_implementation(implementation, "layers.LayerNorm")
+        implementation = _check_implementation(implementation, "layers.LayerNorm")
         super().__init__(num_features, **kwargs)
         self.implementation = implementation
 
@@ -118,7 +118,7 @@ class RMSNorm(nnx.RMSNorm):
     """
 
     def __init__(self, num_features: int, *, implementation: str | None = None, **kwargs):
-        _check_implementation(implementation, "layers.RMSNorm")
+        implementation = _check_implementation(implementation, "layers.RMSNorm")
         super().__init__(num_features, **kwargs)
         self.implementation = implementation
 

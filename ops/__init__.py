@@ -1,8 +1,8 @@
 """Curated fused kernels for model authors (docs/design.md §5).
 
 Every op is jit/vmap/grad-compatible and takes ``implementation=``: None
-picks the best for the platform (falling back to "xla"); see
-:mod:`ops._implementation`.
+picks the best for the platform (falling back to "xla"), a name or a
+sequence of names tried in order; see :mod:`ops._implementation`.
 """
 from ops._implementation import IMPLEMENTATIONS
 from ops.activations import ACTIVATIONS

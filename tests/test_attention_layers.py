@@ -261,6 +261,20 @@ def test_bad_implementation_raises_at_construction(bad):
             cls(num_heads=HEADS, implementation=bad)
 
 
+def test_implementation_sequence_falls_back_to_stock_attention():
+    """A sequence reaches the bound attention_fn as a tuple; an entry without a kernel falls
+    back to the next, here "xla" (stock Flax attention, bit for bit)."""
+    stock, ours = _nnx_pair(implementation=["mosaic_gpu", "xla"])
+    assert ours.implementation == ("mosaic_gpu", "xla")
+    assert ours.attention_fn == layers.attention._BoundAttention(("mosaic_gpu", "xla"))
+    x = _x(22)
+    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(stock(x)))
+    module = layers.linen.SelfAttention(num_heads=HEADS, implementation=["mosaic_gpu", "xla"])
+    assert module.implementation == ("mosaic_gpu", "xla") and hash(module.attention_fn)
+    with pytest.raises(ValueError, match="implementation"):
+        layers.linen.SelfAttention(num_heads=HEADS, implementation=("xla", "cuda"))
+
+
 def test_nnx_explicit_attention_fn_kept():
     seen = []
 

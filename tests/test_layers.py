@@ -399,3 +399,41 @@ def test_dtypes_match_flax_for_every_combination(x_dtype, count_fused):
         _close(y, ref, **(F32_TOL if ref.dtype == jnp.float32 else BF16_TOL))
         expected_fused += 2 if not keep or jnp.dtype(x_dtype) == jnp.dtype(param_dtype) else 0
     assert count_fused == ["xla"] * expected_fused
+
+
+def test_implementation_sequence_kept_as_tuple_and_falls_back(count_fused):
+    """A sequence of implementations reaches the op as a tuple (hashable: a Flax attribute or
+    dataclass field) and falls back past one without a kernel, in all the layers."""
+    x = np.asarray(_x(7))
+    dense = layers.Dense(IN, OUT, implementation=["mosaic_gpu", "xla"], rngs=nnx.Rngs(0))
+    assert dense.implementation == ("mosaic_gpu", "xla")
+    ref = layers.Dense(IN, OUT, implementation="xla", rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(np.asarray(dense(x)), np.asarray(ref(x)))
+    linen = layers.linen.Dense(OUT, implementation=["mosaic_gpu", "xla"])
+    assert linen.implementation == ("mosaic_gpu", "xla") and hash(linen.implementation)
+    variables = linen.init(jax.random.key(0), x)
+    np.testing.assert_array_equal(
+        np.asarray(linen.apply(variables, x)),
+        np.asarray(layers.linen.Dense(OUT, implementation="xla").apply(variables, x)))
+    assert count_fused == [("mosaic_gpu", "xla"), "xla", ("mosaic_gpu", "xla"), ("mosaic_gpu", "xla"),
+                           "xla"]
+    for norm in (layers.LayerNorm(IN, implementation=["mosaic_gpu", "xla"], rngs=nnx.Rngs(0)),
+                 layers.RMSNorm(IN, implementation=["mosaic_gpu", "xla"], rngs=nnx.Rngs(0))):
+        assert norm.implementation == ("mosaic_gpu", "xla")
+        assert norm(x).shape == x.shape
+    for cls in (layers.linen.LayerNorm, layers.linen.RMSNorm):
+        module = cls(implementation=["mosaic_gpu", "xla"])
+        assert module.implementation == ("mosaic_gpu", "xla")
+        assert module.apply(module.init(jax.random.key(0), x), x).shape == x.shape
+
+
+@pytest.mark.parametrize("bad", [[], ("xla", "cuda"), ("xla", None)])
+def test_implementation_bad_sequence(bad):
+    with pytest.raises(ValueError, match="implementation"):
+        layers.Dense(IN, OUT, implementation=bad, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="implementation"):
+        layers.linen.Dense(OUT, implementation=bad)
+    with pytest.raises(ValueError, match="implementation"):
+        layers.RMSNorm(IN, implementation=bad, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="implementation"):
+        layers.linen.LayerNorm(implementation=bad)

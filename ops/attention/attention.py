@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._implementation import resolve_implementation
+from ops._implementation import run_implementation
 from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
 from ops.attention import calls, range_table
@@ -70,7 +70,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
         "xla" (the float32 reference), "interpret", "triton" (our Triton
         lowering), "pallas_triton" (JAX's) or "mosaic_tpu". "mosaic_gpu" raises
-        NotImplementedError.
+        NotImplementedError. Or a sequence of these tried in order, each that
+        raises NotImplementedError skipped (:mod:`ops._implementation`).
       return_residual: also return the logsumexp (see Returns).
       query_segment_ids, key_value_segment_ids: optional int32 ``[B, T]`` /
         ``[B, S]`` (both or neither): a query sees only keys with its id (packed
@@ -116,9 +117,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     args = _check(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, local_window_size, query_segment_ids,
                   key_value_segment_ids, logits_soft_cap, dropout_rate, dropout_rng)
-    impl = resolve_implementation(
-        implementation, _OP, missing_reason=" (JAX's Mosaic GPU lowering has no generic "
-        "dot_general for the kernels as written; use 'triton')")
+    return run_implementation(
+        implementation, _OP, lambda impl: _attention(args, impl, is_causal, dropout_rate,
+                                                     dropout_rng, block_sizes, return_residual),
+        missing_reason=" (JAX's Mosaic GPU lowering has no generic dot_general for the kernels "
+        "as written; use 'triton')")
+
+
+def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, return_residual):
+    """The checked call on one implementation (see :func:`dot_product_attention`)."""
     q, k, v, bias, mask = args["q"], args["k"], args["v"], args["bias"], args["mask"]
     T, S = q.shape[1], k.shape[1]
     spec = MaskSpec(T=T, S=S, causal=bool(is_causal), left=args["left"], right=args["right"],

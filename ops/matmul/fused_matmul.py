@@ -45,7 +45,7 @@ import pallas_core as pl
 from pallas_core.triton import backend as triton_backend
 from ops._checks import check_array, check_matmul_operands, check_same_dtype
 from ops import tuning
-from ops._implementation import resolve_implementation
+from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops._tiles import dot, mosaic_tpu_matmul_blocks
 from ops.activations import resolve_activation
@@ -68,7 +68,9 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (pallas_core's own Triton
         lowering), "pallas_triton" (JAX's) or "mosaic_tpu". "mosaic_gpu"
-        raises NotImplementedError (it needs a wgmma kernel).
+        raises NotImplementedError (it needs a wgmma kernel). Or a sequence of
+        these tried in order, each that raises NotImplementedError skipped
+        (:mod:`ops._implementation`).
       block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes; None takes
         the tuning cache's entry for the device, dtype and shape bucket
         (:mod:`ops.tuning`), else picks them by shape, dtype and backend
@@ -95,10 +97,16 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
             raise ValueError(f"{_OP}: bias must have shape [N] = ({w.shape[1]},), got "
                              f"{tuple(bias.shape)}.")
     act = resolve_activation(activation, _OP)
-    impl = resolve_implementation(
-        implementation, _OP, missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's "
-        "Mosaic GPU lowering has no generic dot_general)")
+    check_implementation(implementation, _OP)
     blocks = _check_block_sizes(block_sizes)
+    return run_implementation(
+        implementation, _OP, lambda impl: _fused_matmul_on(impl, x, w, bias, act, blocks),
+        missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has "
+        "no generic dot_general)")
+
+
+def _fused_matmul_on(impl, x, w, bias, act, blocks):
+    """The checked call on one implementation (see :func:`fused_matmul`)."""
     if impl == "xla" or x.size == 0 or w.size == 0:
         # Nothing to multiply (M, K or N zero): XLA's answer is exact, bias + activation of
         # zeros for K = 0, with its gradients.

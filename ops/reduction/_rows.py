@@ -43,7 +43,7 @@ import pallas_core as pl
 from pallas_core.triton import backend as triton_backend
 from ops import tuning
 from ops._checks import check_array, check_float_dtype
-from ops._implementation import resolve_implementation
+from ops._implementation import check_implementation
 from ops._partitioning import reshape
 
 
@@ -88,11 +88,11 @@ class RowLayout:
 
 
 
-def check_axis_op(x, axis, op: str, implementation, max_chunk) -> tuple[tuple[int, ...], str]:
+def check_axis_op(x, axis, op: str, implementation, max_chunk) -> tuple[tuple[int, ...], object]:
     """Checks the arguments of a reduction over ``axis`` (sum, max, softmax, logsumexp …).
 
-    Returns ``(axes, implementation)``: the normalised axes and the resolved
-    implementation name.
+    Returns ``(axes, implementation)``: the normalised axes and the checked
+    ``implementation=`` argument, for :func:`ops._implementation.run_implementation`.
 
     Raises:
       TypeError / ValueError: from the checks named, each naming the argument.
@@ -100,7 +100,7 @@ def check_axis_op(x, axis, op: str, implementation, max_chunk) -> tuple[tuple[in
     check_array(x, "x", op)
     check_float_dtype(x, "x", op)
     axes = normalize_axes(axis, x.ndim, op)
-    impl = resolve_implementation(implementation, op)
+    impl = check_implementation(implementation, op)
     check_max_chunk(max_chunk, op)
     return axes, impl
 

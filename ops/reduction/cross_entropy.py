@@ -43,7 +43,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
-from ops._implementation import resolve_implementation
+from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import ROW, STAT, reshape, rowwise
 from ops.reduction import _rows
 
@@ -64,7 +64,8 @@ def cross_entropy(logits, labels, *, implementation: str | None = None,
         example in ``[0, V)``. Labels outside that range give a NaN loss (see
         the module docstring).
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
-        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
+        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu";
+        or a sequence of these tried in order (:mod:`ops._implementation`).
       max_chunk: cap on the column chunk the kernels walk a row in (a power of
         two >= 128); None picks it by dtype. A tuning / test hook.
 
@@ -88,8 +89,14 @@ def cross_entropy(logits, labels, *, implementation: str | None = None,
     if logits.shape[-1] == 0:
         raise ValueError(f"{_OP}: logits' last dim (the classes) is empty; shape "
                          f"{tuple(logits.shape)}.")
-    impl = resolve_implementation(implementation, _OP)
+    check_implementation(implementation, _OP)
     _rows.check_max_chunk(max_chunk, _OP)
+    return run_implementation(implementation, _OP,
+                              lambda impl: _cross_entropy_on(impl, logits, labels, max_chunk))
+
+
+def _cross_entropy_on(impl, logits, labels, max_chunk):
+    """The checked call on one implementation (see :func:`cross_entropy`)."""
     if impl == "xla":
         return reference(logits, labels)
     x2, lead = _rows.as_rows(logits)

@@ -74,7 +74,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_matmul_operands
-from ops._implementation import resolve_implementation
+from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops._tiles import dot, mosaic_tpu_matmul_blocks
 from ops.matmul.fused_matmul import _matmul_call, _strategy
@@ -98,7 +98,8 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
         labels outside that range give a NaN loss.
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla" (naive, materialises the logits), "interpret",
-        "triton" (ours), "pallas_triton", "mosaic_tpu".
+        "triton" (ours), "pallas_triton", "mosaic_tpu"; or a sequence of these
+        tried in order (:mod:`ops._implementation`).
       block_sizes: optional ``(block_rows, block_vocab, block_d)`` tile of the
         logits kernels; None picks by shape, dtype and backend.
       vocab_chunk: vocabulary columns per backward step (rounded down to a
@@ -127,11 +128,18 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
     if w.shape[1] == 0:
         raise ValueError(f"{_OP}: w has no columns (an empty vocabulary).")
     check_labels(x.shape[:-1], labels, "x", _OP)
-    impl = resolve_implementation(implementation, _OP)
+    check_implementation(implementation, _OP)
     blocks = _check_block_sizes(block_sizes)
     if vocab_chunk is not None and (not isinstance(vocab_chunk, (int, np.integer))
                                     or isinstance(vocab_chunk, bool) or vocab_chunk <= 0):
         raise ValueError(f"{_OP}: vocab_chunk must be a positive int, got {vocab_chunk!r}.")
+    return run_implementation(implementation, _OP,
+                              lambda impl: _linear_cross_entropy_on(impl, x, w, labels, blocks,
+                                                                    vocab_chunk))
+
+
+def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk):
+    """The checked call on one implementation (see :func:`linear_cross_entropy`)."""
     if impl == "xla" or x.size == 0:
         # No rows, or a hidden dim of 0 (all logits 0: the loss is log V): XLA's answer.
         return reference(x, w, labels)

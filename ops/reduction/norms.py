@@ -129,7 +129,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
-from ops._implementation import resolve_implementation
+from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import PARAM, ROW, STAT, psum, reshape, rowwise
 from ops.reduction._rows import (RowLayout, check_max_chunk, as_rows, chunk_slice, column_mask, for_each_chunk,
                                  load_chunk, row_compiler_params, row_layout, select_row_layout, row_mask)
@@ -168,7 +168,8 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6,
         setting through).
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton" or "mosaic_tpu".
-        "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
+        "mosaic_gpu" raises NotImplementedError (no kernel for it yet). Or a
+        sequence of these tried in order (:mod:`ops._implementation`).
       max_chunk: optional cap on the column chunk the kernels walk a row in
         (a power of two >= 128; None picks 4096 for 16-bit inputs, 2048 for
         float32). Results do not depend on it beyond float rounding; tests use
@@ -245,7 +246,15 @@ def _normalize(op, x, scale, bias, *, epsilon, center, fast_variance, implementa
                              f"{tuple(p.shape)}.")
     epsilon = _check_epsilon(epsilon, op)
     check_max_chunk(max_chunk, op)
-    impl = resolve_implementation(implementation, op)
+    check_implementation(implementation, op)
+    return run_implementation(
+        implementation, op, lambda impl: _norm_on(impl, op, x, scale, bias, epsilon, center,
+                                                  fast_variance, max_chunk))
+
+
+def _norm_on(impl, op, x, scale, bias, epsilon, center, fast_variance, max_chunk):
+    """The checked call on one implementation (see :func:`layer_norm`, :func:`rms_norm`)."""
+    features = x.shape[-1]
     x2, lead = as_rows(x)
     if impl == "xla" or x2.shape[0] == 0:  # (no rows: keep autodiff through the reference)
         return reference(x, scale, bias, epsilon=epsilon, center=center,

@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding
 
 import pallas_core as pl
 from ops._checks import check_where
+from ops._implementation import run_implementation
 from ops._partitioning import (ROW, STAT, explicit_sharding, reduced_axes, reshape, run,
                                with_sharding)
 from ops.reduction._rows import (RowLayout, check_axis_op, for_each_chunk, load_chunk,
@@ -80,7 +81,8 @@ def sum(x, axis=None, dtype=None, out=None, keepdims=False, initial=None,  # noq
         the kernel).
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
-        "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
+        "mosaic_gpu" raises NotImplementedError (no kernel for it yet). Or a
+        sequence of these tried in order (:mod:`ops._implementation`).
       max_chunk: keyword-only tuning/test hook: caps the columns one in-kernel
         loop step covers (a power of two >= 128, passed to
         :func:`~ops.reduction._rows.row_layout`). None: the dtype's default.
@@ -182,8 +184,13 @@ def _float_dtype(dtype, kind):
     return d
 
 
-def _reduce_core(x, axes, kind, impl, max_chunk, out_dtype):
+def _reduce_core(x, axes, kind, implementation, max_chunk, out_dtype):
     """sum / mean / max over ``axes`` accumulated in float32, rounded to ``out_dtype``."""
+    return run_implementation(implementation, kind, lambda impl: _reduce_on(
+        impl, x, axes, kind, max_chunk, out_dtype))
+
+
+def _reduce_on(impl, x, axes, kind, max_chunk, out_dtype):
     if impl == "xla" or x.size == 0:
         # Empty arrays: nothing to compute; XLA gives jnp's answer.
         return _reference_f32(x, axes, kind).astype(out_dtype)

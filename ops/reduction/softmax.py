@@ -43,6 +43,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_broadcasts_to, check_where
+from ops._implementation import run_implementation
 from ops._partitioning import PER_ROW, ROW, STAT, reshape, rowwise
 from ops.reduction._rows import (RowLayout, check_axis_op, chunk_slice, for_each_chunk, load_chunk,
                                  logsumexp_shift, online_logsumexp_update,
@@ -69,7 +70,8 @@ def softmax(x, axis=-1, where=None, *, implementation: str | None = None,
         (x is masked with ``-inf`` in one elementwise pass before the kernel).
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
-        "mosaic_gpu" raises NotImplementedError (no kernel for it yet).
+        "mosaic_gpu" raises NotImplementedError (no kernel for it yet). Or a
+        sequence of these tried in order (:mod:`ops._implementation`).
       max_chunk: keyword-only tuning/test hook: caps the column chunk an
         in-kernel loop step covers (a power of two >= 128, passed to
         :func:`~ops.reduction._rows.row_layout`); small values make short rows
@@ -167,7 +169,12 @@ def _masked_family(x, axis, where, mode, implementation, max_chunk, fill):
     return jnp.where(where, y, jnp.asarray(fill, y.dtype))
 
 
-def _softmax_family(x, axes, mode, impl, max_chunk):
+def _softmax_family(x, axes, mode, implementation, max_chunk):
+    return run_implementation(implementation, mode, lambda impl: _softmax_family_on(
+        impl, x, axes, mode, max_chunk))
+
+
+def _softmax_family_on(impl, x, axes, mode, max_chunk):
     if impl == "xla" or x.size == 0:
         # Nothing to compute for an empty array: XLA's answer (and gradient) is exact.
         return REFERENCES[mode](x, axes)

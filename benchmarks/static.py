@@ -210,10 +210,12 @@ def tuned_cases(target: str) -> list[GateCase]:
     kinds = TARGET_DEVICE_KINDS.get(target, ())
     cases = []
     for key, _ in sorted(tuning.load(tuning.PACKAGED_CACHE).items()):
-        op, impl, kind, dtype, bucket = key
+        op, impl, kind, dtype, bucket, variant = key
         if kind not in kinds or impl != "triton":
             continue
         problem = search.Problem(op, tuple(bucket), dtype, impl)
+        if dict(variant) != tuning.full_variant(op, problem.variant()):
+            continue  # a variant the problem's call does not make: its entry would not apply
         fn, args = problem.function()
         cases.append(GateCase(f"{problem.name}/tuned for {kind}", fn, tuple(args), device_kind=kind))
     return cases

@@ -14,7 +14,7 @@ import pytest
 import ops
 import ops.tuning as tuning
 from ops.attention.block_sizes import default_block_sizes as attention_defaults
-from ops.attention.block_sizes import select_block_sizes
+from ops.attention.block_sizes import select_block_sizes, tuning_variant
 from ops.matmul.fused_matmul import default_block_sizes as matmul_defaults
 from ops.matmul.fused_matmul import reference as matmul_reference
 from ops.matmul.fused_matmul import select_tiles
@@ -78,22 +78,31 @@ def test_packaged_cache_is_valid_and_current():
 @pytest.mark.parametrize("document, message", [
     ("{not json", "not valid JSON"),
     ('{"entries": []}', "'version' and 'entries'"),
-    ('{"version": 2, "entries": []}', "version 2, but this library reads version 1"),
-    ('{"version": 1, "entries": [{"op": "fused_matmul"}]}', "missing key"),
-    ('{"version": 1, "entries": [{"op": "conv", "implementation": "triton", "device_kind": "x", '
+    ('{"version": 1, "entries": []}', "version 1, but this library reads version 2"),
+    ('{"version": 2, "entries": [{"op": "fused_matmul"}]}', "missing key"),
+    ('{"version": 2, "entries": [{"op": "conv", "implementation": "triton", "device_kind": "x", '
      '"dtype": "float32", "bucket": [8], "config": {"block_m": 8}}]}', "unknown op 'conv'"),
-    ('{"version": 1, "entries": [{"op": "fused_matmul", "implementation": "triton", '
+    ('{"version": 2, "entries": [{"op": "fused_matmul", "implementation": "triton", '
      '"device_kind": "x", "dtype": "float32", "bucket": [8, 8, 8], "config": {"block_m": -8}}]}',
      "'block_m' must be a positive int"),
-    ('{"version": 1, "entries": [{"op": "softmax", "implementation": "triton", '
+    ('{"version": 2, "entries": [{"op": "softmax", "implementation": "triton", '
      '"device_kind": "x", "dtype": "float32", "bucket": [8, 8], "config": {"chunk": 100}}]}',
      "chunk must be a power of two >= 128"),
-    ('{"version": 1, "entries": [{"op": "fused_matmul", "implementation": "triton", '
+    ('{"version": 2, "entries": [{"op": "fused_matmul", "implementation": "triton", '
      '"device_kind": "x", "dtype": "float32", "bucket": [8, 8, 8], "config": {"tile": 8}}]}',
      "unknown config field 'tile'"),
-    ('{"version": 1, "entries": [{"op": "fused_matmul", "implementation": "triton", '
+    ('{"version": 2, "entries": [{"op": "fused_matmul", "implementation": "triton", '
      '"device_kind": "x", "dtype": "float32", "bucket": [8, 6, 8], "config": {"block_m": 8}}]}',
      "powers of two"),
+    ('{"version": 2, "entries": [{"op": "dot_product_attention", "implementation": "triton", '
+     '"device_kind": "x", "dtype": "float32", "bucket": [8, 8, 8], "config": {"block_q": 16}, '
+     '"variant": {"is_causal": true}}]}', "unknown variant field 'is_causal'"),
+    ('{"version": 2, "entries": [{"op": "dot_product_attention", "implementation": "triton", '
+     '"device_kind": "x", "dtype": "float32", "bucket": [8, 8, 8], "config": {"block_q": 16}, '
+     '"variant": {"causal": 1}}]}', "'causal' must be a bool"),
+    ('{"version": 2, "entries": [{"op": "softmax", "implementation": "triton", '
+     '"device_kind": "x", "dtype": "float32", "bucket": [8, 8], "config": {"chunk": 128}, '
+     '"variant": {"causal": true}}]}', "unknown variant field 'causal' for softmax"),
 ])
 def test_malformed_or_other_version_file_gives_a_clear_error(user_cache, document, message):
     user_cache.write_text(document)
@@ -180,6 +189,70 @@ def test_attention_precedence(monkeypatch):
         tuned = select_block_sizes(300, 300, 64, jnp.bfloat16, "triton")
     assert (tuned.block_q, tuned.num_warps) == (64, 8)
     assert tuned.block_k == heuristic.block_k  # fields the entry leaves out: the heuristic's
+
+
+def test_attention_key_holds_what_changes_the_kernel():
+    """Two calls differing in one kernel-changing property get different keys; an entry
+    left without variant fields is the plain call's."""
+    plain = tuning_variant()
+    assert plain == tuning.full_variant("dot_product_attention")
+    bias, mask = np.zeros((1, 4, 8, 8), np.float32), np.ones((1, 1, 1, 8), bool)
+    others = [tuning_variant(causal=True), tuning_variant(window=(100, 0)),
+              tuning_variant(window=(300, 0)), tuning_variant(segments=True),
+              tuning_variant(q_lengths=True), tuning_variant(kv_lengths=True),
+              tuning_variant(bias=bias), tuning_variant(bias=bias.astype(jnp.bfloat16)),
+              tuning_variant(bias=bias[:, :1]), tuning_variant(mask=mask),
+              tuning_variant(dropout=True), tuning_variant(soft_cap=True), tuning_variant(group=4)]
+    keys = [tuple(sorted(v.items())) for v in [plain, *others]]
+    assert len(set(keys)) == len(keys)
+    assert tuning_variant(window=(100, 0)) == tuning_variant(window=(128, 0))  # one bucket
+    assert tuning_variant(bias=bias[:, :1])["bias"] == "TS" and tuning_variant(mask=mask)["mask"] == "S"
+    # Entries for causal and non-causal calls of one shape are two keys, each found by its own.
+    shape = (300, 300, 64)
+    causal = tuning.make_entry("dot_product_attention", "triton", KIND, "bfloat16", shape,
+                               dict(block_q=32), variant=tuning_variant(causal=True))
+    full = tuning.make_entry("dot_product_attention", "triton", KIND, "bfloat16", shape,
+                             dict(block_q=64))
+    assert causal["variant"]["causal"] and full["variant"] == plain  # written whole
+    with tuning.override([causal, full]):
+        assert tuning.lookup("dot_product_attention", "triton", jnp.bfloat16, shape,
+                             tuning_variant(causal=True)) == {"block_q": 32}
+        assert tuning.lookup("dot_product_attention", "triton", jnp.bfloat16, shape) == {"block_q": 64}
+        assert tuning.lookup("dot_product_attention", "triton", jnp.bfloat16, shape,
+                             tuning_variant(group=2)) is None
+    with pytest.raises(tuning.TuningCacheError, match="unknown variant field 'causal' for fused_matmul"):
+        tuning.lookup("fused_matmul", "triton", jnp.bfloat16, (8, 8, 8), {"causal": True})
+
+
+def test_attention_cached_entry_serves_only_its_variant(monkeypatch):
+    """A tuned entry for causal calls is used by causal calls and not by non-causal ones
+    of the same shape (the block sizes the op asks for, traced only)."""
+    from ops.attention import attention as attention_module
+    chosen = []
+
+    def spy(*args, **kwargs):
+        chosen.append(select_block_sizes(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(attention_module, "select_block_sizes", spy)
+    q = np.zeros((1, 32, 2, 16), np.float32)
+    heuristic = attention_defaults(32, 32, 16, jnp.float32, "interpret")
+    entry = tuning.make_entry("dot_product_attention", "interpret", KIND, "float32", (32, 32, 16),
+                              dict(block_q=16, block_k=8), variant=tuning_variant(causal=True))
+    with tuning.override([entry]):
+        for causal in (True, False):
+            jax.make_jaxpr(lambda q: ops.dot_product_attention(
+                q, q, q, is_causal=causal, implementation="interpret"))(q)
+    assert [(b.block_q, b.block_k) for b in chosen] == [
+        (16, 8), (heuristic.block_q, heuristic.block_k)]
+    assert (heuristic.block_q, heuristic.block_k) != (16, 8)
+    # The tuner's entry for a problem is the one its call looks up (self-attention: causal).
+    for shape in ((32, 32, 16), (32, 64, 16)):
+        problem = search.Problem("dot_product_attention", shape, "float32", "interpret")
+        fn, args = problem.function()
+        with tuning.override([problem.entry(dict(block_q=16, block_k=8), KIND)]):
+            jax.make_jaxpr(fn)(*args)
+        assert (chosen[-1].block_q, chosen[-1].block_k) == (16, 8)
 
 
 def test_problem_and_candidates():

@@ -23,7 +23,7 @@ from ops._implementation import run_implementation
 from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
 from ops.attention import calls, range_table
-from ops.attention.block_sizes import BlockSizes, select_block_sizes
+from ops.attention.block_sizes import BlockSizes, select_block_sizes, tuning_variant
 from ops.attention.config import Config
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
                                    fold_lengths, masked_sides)
@@ -141,7 +141,12 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
                                        dropout_rate=rate, seed=seed)
         out = out.astype(q.dtype)
     else:
-        blocks = _check_block_sizes(block_sizes, T, S, q.shape[-1], q.dtype, impl)
+        variant = tuning_variant(
+            causal=spec.causal, window=(spec.left, spec.right), segments=args["q_seg"] is not None,
+            q_lengths=args["q_len"] is not None, kv_lengths=args["kv_len"] is not None,
+            bias=bias, mask=mask, dropout=rate > 0, soft_cap=args["cap"] is not None,
+            group=q.shape[2] // k.shape[2])
+        blocks = _check_block_sizes(block_sizes, T, S, q.shape[-1], q.dtype, impl, variant)
         cfg = Config(
             backend=impl, layout="BNTH" if impl == "mosaic_tpu" else "BTNH", spec=spec,
             batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
@@ -282,9 +287,9 @@ def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
                 segments=segments, unbatched=unbatched)
 
 
-def _check_block_sizes(block_sizes, T, S, H, dtype, backend) -> BlockSizes:
+def _check_block_sizes(block_sizes, T, S, H, dtype, backend, variant=None) -> BlockSizes:
     if block_sizes is None:
-        blocks = select_block_sizes(T, S, H, dtype, backend).resolved()
+        blocks = select_block_sizes(T, S, H, dtype, backend, variant).resolved()
     elif isinstance(block_sizes, BlockSizes):
         blocks = block_sizes.resolved()
     elif (isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2):

@@ -86,9 +86,36 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
     return BlockSizes(min(64, pl.next_power_of_2(T)), min(64, pl.next_power_of_2(S)))
 
 
-def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> BlockSizes:
+def tuning_variant(*, causal: bool = False, window: tuple[int | None, int | None] = (None, None),
+                   segments: bool = False, q_lengths: bool = False, kv_lengths: bool = False,
+                   bias=None, mask=None, dropout: bool = False, soft_cap: bool = False,
+                   group: int = 1) -> dict:
+    """The tuning cache's variant of an attention call: everything besides the shape
+    bucket and dtype that changes its kernels (:data:`ops.tuning.VARIANT_FIELDS`).
+
+    Args:
+      window: ``(left, right)`` of the local window, None for an unbounded side;
+        each side is bucketed (:func:`ops.tuning.shape_bucket`).
+      bias, mask: the ``[B, N, T, S]``-shaped (4-d) operands or None; the key holds
+        which of their dims are full (not broadcast) and the bias dtype.
+      group: query heads per key/value head.
+    """
+    def full_dims(x):
+        return None if x is None else "".join(l for l, d in zip("BNTS", x.shape) if d != 1)
+
+    left, right = (None if w is None else tuning.shape_bucket((w,))[0] for w in window)
+    return dict(causal=bool(causal), window_left=left, window_right=right,
+                segments=bool(segments), q_lengths=bool(q_lengths), kv_lengths=bool(kv_lengths),
+                bias=full_dims(bias), bias_dtype=None if bias is None else np.dtype(bias.dtype).name,
+                mask=full_dims(mask), dropout=bool(dropout), soft_cap=bool(soft_cap),
+                group=int(group))
+
+
+def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str,
+                       variant: dict | None = None) -> BlockSizes:
     """The tiles when the caller gives none: the tuning cache's entry
-    (:func:`ops.tuning.lookup`, key ``(T, S, head_dim)``; fields it leaves out
+    (:func:`ops.tuning.lookup`, key ``(T, S, head_dim)`` and ``variant``, from
+    :func:`tuning_variant`, None for a plain call; fields the entry leaves out
     come from the heuristic), else :func:`default_block_sizes`, whose GPU tiles
     give way to :func:`interpreter_block_sizes` on ``triton`` in Triton's CPU
     interpreter (:func:`pallas_core.triton.backend.wants_interpreter_tiles`).
@@ -99,7 +126,7 @@ def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> Bl
     heuristic = default_block_sizes(T, S, head_dim, dtype, backend)
     if triton_backend.wants_interpreter_tiles(backend):
         heuristic = interpreter_block_sizes(T, S)
-    tuned = tuning.lookup(_OP, backend, dtype, (T, S, head_dim))
+    tuned = tuning.lookup(_OP, backend, dtype, (T, S, head_dim), variant)
     if tuned is None:
         return heuristic
     return dataclasses.replace(heuristic, **tuned)

@@ -2,20 +2,30 @@
 
 A cache file is JSON::
 
-    {"version": 1,
+    {"version": 2,
      "entries": [
        {"op": "fused_matmul", "implementation": "triton",
         "device_kind": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
         "bucket": [4096, 4096, 4096],
         "config": {"block_m": 128, "block_n": 128, "block_k": 64,
                    "num_warps": 8, "num_stages": 3},
-        "measured": {"median_ms": 0.71, "commit": "ee0a11e", ...}}]}
+        "measured": {"median_ms": 0.71, "commit": "ee0a11e", ...}},
+       {"op": "dot_product_attention", "implementation": "triton", ...,
+        "bucket": [4096, 4096, 128], "variant": {"causal": true, "group": 4, ...},
+        "config": {"block_q": 128, "block_k": 64}}]}
 
 An entry is keyed by op, implementation, device kind (``jax.Device.device_kind``),
-dtype name and shape bucket (:func:`shape_bucket`: every problem dim rounded up
-to a power of two, so 3000 and 4096 rows share an entry). ``config`` holds the
-op's tunable fields (:data:`CONFIG_FIELDS`); ``measured`` is free-form
-provenance (time, commit, date) that lookups ignore.
+dtype name, shape bucket (:func:`shape_bucket`: every problem dim rounded up
+to a power of two, so 3000 and 4096 rows share an entry) and variant:
+everything else about the call that changes the op's kernel
+(:data:`VARIANT_FIELDS`: for attention causal or not, the window, segment ids,
+sequence lengths, bias and mask and their broadcast pattern, the bias dtype,
+dropout, the soft cap and the query heads per key/value head). A variant
+field an entry leaves out has its plain-call value (not causal, no mask, ...),
+so an entry without ``variant`` is the plain call's; ops with no variant
+fields have none. ``config`` holds the op's tunable fields
+(:data:`CONFIG_FIELDS`); ``measured`` is free-form provenance (time, commit,
+date) that lookups ignore.
 
 Where lookups look, first match wins:
 
@@ -29,7 +39,9 @@ No match: the op's heuristic decides. An explicit ``block_sizes=`` (or
 ``max_chunk=``) argument is never overridden by the cache.
 
 Versioning: ``version`` is :data:`CACHE_VERSION`; it is raised whenever the
-meaning of a config field changes, and a file of another version is refused
+meaning of a config field or of the key changes (version 2 added the variant:
+version 1 keyed attention by shapes and dtype alone, so causal and non-causal
+calls shared an entry), and a file of another version is refused
 with a :class:`TuningCacheError` (rerun the tuner) rather than read with the
 wrong meaning.
 
@@ -50,7 +62,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 ENV_VAR = "PALLAS_KERNELS_TUNING_CACHE"
 PACKAGED_CACHE = Path(__file__).resolve().parent / "configs.json"
 
@@ -62,6 +74,22 @@ CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
                               "num_stages"),
     **{op: _ROW_FIELDS for op in ("layer_norm", "rms_norm", "softmax", "log_softmax", "logsumexp",
                                   "sum", "mean", "max", "cross_entropy")},
+}
+# The variant fields of each op, with the value a plain call has (an entry's
+# "variant" names those that differ; ops not listed have none). Each is what the
+# op's kernel specialises on beyond the shape bucket and dtype; scalar constants
+# that leave the kernel's structure alone (scale, the cap's and the dropout
+# rate's values) are not part of it. Values are JSON scalars: bool, int, str or null.
+VARIANT_FIELDS: dict[str, dict[str, bool | int | str | None]] = {
+    "dot_product_attention": {
+        "causal": False,
+        "window_left": None, "window_right": None,  # shape_bucket of each side, None: unbounded
+        "segments": False, "q_lengths": False, "kv_lengths": False,
+        "bias": None, "bias_dtype": None,  # bias: its full dims among "BNTS" ("" all broadcast)
+        "mask": None,                      # the same for the mask
+        "dropout": False, "soft_cap": False,
+        "group": 1,                        # query heads per key/value head (GQA / MQA)
+    },
 }
 _ENTRY_KEYS = ("op", "implementation", "device_kind", "dtype", "bucket", "config")
 
@@ -75,8 +103,40 @@ def shape_bucket(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(0 if d <= 0 else 1 << (int(d) - 1).bit_length() for d in shape)
 
 
-def _key(op, implementation, device_kind, dtype, bucket) -> tuple:
-    return (op, implementation, device_kind, np.dtype(dtype).name, tuple(bucket))
+def _key(op, implementation, device_kind, dtype, bucket, variant=()) -> tuple:
+    return (op, implementation, device_kind, np.dtype(dtype).name, tuple(bucket), variant)
+
+
+def full_variant(op: str, variant: Mapping | None = None, where: str = "variant") -> dict:
+    """``variant`` with every variant field of ``op`` (:data:`VARIANT_FIELDS`), the
+    left-out ones at their plain-call values.
+
+    Raises:
+      TuningCacheError: a field ``op`` does not have, or a value that is not a
+        bool, int, str or None (a ``bool`` field takes only bools).
+    """
+    fields = VARIANT_FIELDS.get(op, {})
+    variant = {} if variant is None else variant
+    if not isinstance(variant, Mapping):
+        raise TuningCacheError(f"{where}: variant must be an object, got {variant!r}.")
+    full = dict(fields)
+    for name, value in variant.items():
+        if name not in fields:
+            raise TuningCacheError(f"{where}: unknown variant field {name!r} for {op}; expected a "
+                                   f"subset of {tuple(fields)}.")
+        plain = fields[name]
+        ok = (isinstance(value, bool) if isinstance(plain, bool)
+              else value is None or (isinstance(value, (int, str)) and not isinstance(value, bool)))
+        if not ok:
+            raise TuningCacheError(f"{where}: variant field {name!r} must be "
+                                   f"{'a bool' if isinstance(plain, bool) else 'an int, a string or null'}"
+                                   f", got {value!r}.")
+        full[name] = value
+    return full
+
+
+def _variant_key(op, variant, where) -> tuple:
+    return tuple(sorted(full_variant(op, variant, where).items()))
 
 
 def _check_positive_ints(config, fields, where):
@@ -128,7 +188,9 @@ def validate_entry(entry, where: str = "entry") -> tuple[tuple, dict]:
     if not isinstance(config, Mapping) or not config:
         raise TuningCacheError(f"{where}: config must be a non-empty object, got {config!r}.")
     _check_positive_ints(config, CONFIG_FIELDS[op], where)
-    return _key(op, entry["implementation"], entry["device_kind"], dtype, bucket), dict(config)
+    variant = _variant_key(op, entry.get("variant"), where)
+    return (_key(op, entry["implementation"], entry["device_kind"], dtype, bucket, variant),
+            dict(config))
 
 
 def parse(document, source: str = "<cache>") -> dict[tuple, dict]:
@@ -243,7 +305,8 @@ def current_device_kind() -> str:
     return _DEVICE_KIND.get() or jax.devices()[0].device_kind
 
 
-def lookup(op: str, implementation: str, dtype, shape: Sequence[int]) -> dict | None:
+def lookup(op: str, implementation: str, dtype, shape: Sequence[int],
+           variant: Mapping | None = None) -> dict | None:
     """The tuned config of ``op`` for a problem of ``shape``, or None (use the heuristic).
 
     Args:
@@ -253,11 +316,15 @@ def lookup(op: str, implementation: str, dtype, shape: Sequence[int]) -> dict | 
       shape: the op's problem dims (fused_matmul ``(m, n, k)``; row-wise ops
         ``(rows, features)``; attention ``(T, S, head_dim)``), bucketed with
         :func:`shape_bucket`.
+      variant: the call's variant fields (:data:`VARIANT_FIELDS`); those left
+        out, or None, are the plain call's.
 
     Raises:
-      TuningCacheError: the user's or the packaged cache file is malformed.
+      TuningCacheError: the user's or the packaged cache file is malformed, or
+        ``variant`` names a field ``op`` does not have.
     """
-    key = _key(op, implementation, current_device_kind(), dtype, shape_bucket(shape))
+    key = _key(op, implementation, current_device_kind(), dtype, shape_bucket(shape),
+               _variant_key(op, variant, f"{op}: variant"))
     overrides = _OVERRIDES.get() or {}
     if key in overrides:
         return dict(overrides[key])
@@ -270,11 +337,17 @@ def lookup(op: str, implementation: str, dtype, shape: Sequence[int]) -> dict | 
 
 
 def make_entry(op: str, implementation: str, device_kind_: str, dtype, shape: Sequence[int],
-               config: Mapping[str, int], measured: Mapping | None = None) -> dict:
-    """A cache entry (validated) for ``shape``'s bucket."""
+               config: Mapping[str, int], measured: Mapping | None = None,
+               variant: Mapping | None = None) -> dict:
+    """A cache entry (validated) for ``shape``'s bucket and ``variant`` (written whole:
+    every variant field of ``op``, the left-out ones at their plain-call values)."""
     entry = {"op": op, "implementation": implementation, "device_kind": device_kind_,
              "dtype": np.dtype(dtype).name, "bucket": list(shape_bucket(shape)),
              "config": {k: int(v) for k, v in config.items()}}
+    if op in VARIANT_FIELDS:
+        entry["variant"] = full_variant(op, variant, f"{op}: variant")
+    elif variant:
+        full_variant(op, variant, f"{op}: variant")  # raises: the op has no variant fields
     if measured:
         entry["measured"] = dict(measured)
     validate_entry(entry)
@@ -301,7 +374,8 @@ def write(path, entries: Iterable[Mapping], *, merge: bool = True) -> int:
             if validate_entry(entry)[0] not in new_keys:
                 kept.append(entry)
     all_entries = sorted(kept + new, key=lambda e: (e["op"], e["implementation"], e["device_kind"],
-                                                    e["dtype"], e["bucket"]))
+                                                    e["dtype"], e["bucket"],
+                                                    json.dumps(e.get("variant"), sort_keys=True)))
     text = json.dumps({"version": CACHE_VERSION, "entries": all_entries}, indent=1) + "\n"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

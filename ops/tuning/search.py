@@ -40,7 +40,8 @@ class Problem:
       op: a key of :data:`ops.tuning.cache.CONFIG_FIELDS`.
       shape: the op's lookup dims: fused_matmul ``(m, n, k)``; row-wise ops
         ``(rows, features)``; dot_product_attention ``(T, S, head_dim)``
-        (batch 1, 16 query heads over 16 key/value heads).
+        (batch 1, 16 query heads over 16 key/value heads, causal when ``T == S``:
+        see :meth:`variant`).
       dtype: input dtype name.
       implementation: the backend tuned ("triton" or "pallas_triton").
     """
@@ -61,10 +62,18 @@ class Problem:
     def name(self) -> str:
         return f"{self.op}/{'x'.join(map(str, self.shape))}/{self.dtype}/{self.implementation}"
 
+    def variant(self) -> dict:
+        """The cache variant of the call :meth:`function` makes (:data:`cache.VARIANT_FIELDS`):
+        attention is causal when ``T == S`` (self-attention), full otherwise."""
+        if self.op == "dot_product_attention":
+            t, s, _ = self.shape
+            return {"causal": t == s}
+        return {}
+
     def entry(self, config: Mapping[str, int], device_kind: str, measured=None) -> dict:
         """The cache entry that makes ``config`` this problem's tuned config on ``device_kind``."""
         return cache.make_entry(self.op, self.implementation, device_kind, self.dtype, self.shape,
-                                config, measured)
+                                config, measured, self.variant())
 
     def function(self) -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
         """``(fn, args)``: the op's forward pass and its argument shapes."""
@@ -78,7 +87,8 @@ class Problem:
                     [sds((m, k), dt), sds((k, n), dt)])
         if self.op == "dot_product_attention":
             t, s, h = self.shape
-            return (lambda q, k, v: ops.dot_product_attention(q, k, v, is_causal=t == s,
+            causal = self.variant()["causal"]
+            return (lambda q, k, v: ops.dot_product_attention(q, k, v, is_causal=causal,
                                                               implementation=impl),
                     [sds((1, t, 16, h), dt), sds((1, s, 16, h), dt), sds((1, s, 16, h), dt)])
         return _row_function(self.op, self.shape, dt, impl)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import weakref
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_core._jax_internals import find_eqn
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -125,21 +126,23 @@ def _why_not_elementwise(fn) -> str | None:
 
 
 def _first_non_elementwise(jaxpr) -> str | None:
-    for eqn in jaxpr.eqns:
-        prim = eqn.primitive.name
-        shapes = [tuple(getattr(v.aval, "shape", ())) for v in (*eqn.invars, *eqn.outvars)]
-        if prim in _CALL_PRIMITIVES:
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                why = _first_non_elementwise(sub)
-                if why is not None:
-                    return why
-            continue
-        if prim == "broadcast_in_dim" and all(np.shape(v.aval) == () for v in eqn.invars):
-            continue  # a scalar constant spread over the block
-        if prim not in _ELEMENTWISE_PRIMITIVES:
-            return f"it uses the primitive {prim!r}, which is not elementwise"
-        if any(s not in ((), _PROBE_SHAPE) for s in shapes):
-            return f"its {prim!r} works on shapes {shapes}, not element by element"
+    """Why the first offending equation (calls' bodies searched in turn) is not
+    elementwise; None if every equation is."""
+    found = find_eqn(jaxpr, lambda eqn: _why_not_elementwise_eqn(eqn) is not None)
+    return None if found is None else _why_not_elementwise_eqn(found)
+
+
+def _why_not_elementwise_eqn(eqn) -> str | None:
+    prim = eqn.primitive.name
+    if prim in _CALL_PRIMITIVES:
+        return None  # find_eqn checks the body
+    if prim == "broadcast_in_dim" and all(np.shape(v.aval) == () for v in eqn.invars):
+        return None  # a scalar constant spread over the block
+    if prim not in _ELEMENTWISE_PRIMITIVES:
+        return f"it uses the primitive {prim!r}, which is not elementwise"
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in (*eqn.invars, *eqn.outvars)]
+    if any(s not in ((), _PROBE_SHAPE) for s in shapes):
+        return f"its {prim!r} works on shapes {shapes}, not element by element"
     return None
 
 

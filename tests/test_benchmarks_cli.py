@@ -15,7 +15,7 @@ import matplotlib.image
 from rich.console import Console
 
 from benchmarks import harness, norms, roofline, tables
-from benchmarks.harness import ACCURACY_ROW_KEYS
+from benchmarks.harness import ACCURACY_ROW_KEYS, OPTIONAL_ROW_KEYS, ROW_KEYS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPS = {"fused_matmul", "layer_norm", "rms_norm", "softmax", "log_softmax", "logsumexp", "sum",
@@ -79,6 +79,23 @@ def _render(table_set):
         console.print(table)
         console.print(legend)
     return console.export_text()
+
+
+def test_timed_run_rows_and_ceilings(tmp_path):
+    """The timing path (a GPU's default; --time-interpreters on a CPU): every row
+    carries the timed keys, and the ceilings are measured."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--time-interpreters",
+                           "--no-static", "--filter", "rms_norm", "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    meta, rows = results["meta"], results["rows"]
+    assert meta["timed"] is True
+    assert meta["ceilings"]["copy_gbps"] > 0 and meta["ceilings"]["matmul_tflops"] > 0
+    assert rows and {row["op"] for row in rows} == {"rms_norm"}
+    for row in rows:
+        assert set(ROW_KEYS) <= set(row) <= set(ROW_KEYS) | set(OPTIONAL_ROW_KEYS), row
+        assert row["error"] is None and row["median_ms"] > 0, row
 
 
 def test_timing_table_fits_120_columns_and_never_cuts_a_case():

@@ -149,17 +149,8 @@ def _kernel_with_nones(kernel, in_tree, in_present, out_tree, out_present, scrat
     pytrees, None where an operand is None, as JAX calls it: one argument per
     input (its pytree of Refs), then one per output, then the scratch Refs (None
     where a ``scratch_shapes`` entry is None)."""
-    if not _needs_structure(in_tree, in_present, out_tree, out_present):
-        if all(scratch_present):
-            return kernel
-        n_flat = len(in_present) + len(out_present)
-
-        def with_none_scratch(*refs):
-            scratch, _ = fill(refs[n_flat:], scratch_present)
-            return kernel(*refs[:n_flat], *scratch)
-
-        with_none_scratch.__name__ = getattr(kernel, "__name__", "kernel")
-        return with_none_scratch
+    if all(scratch_present) and not _needs_structure(in_tree, in_present, out_tree, out_present):
+        return kernel
 
     def structured(*refs):
         ins, rest = fill(refs, in_present)

@@ -22,6 +22,9 @@ class BlockSizes:
       block_q_dkv, block_k_dkv: the same for the dK/dV kernel (None: as the
         forward's).
       num_warps, num_stages: Triton launch parameters (None: the heuristic's).
+      k_splits: split-KV decode (:mod:`ops.attention.decode`): programs sharing
+        each (batch, key/value head)'s key range, merged by a second kernel; 1
+        runs the unsplit kernels, None lets the heuristic decide.
 
     On ``pallas_triton`` block sizes must be powers of two; on ``mosaic_tpu``
     a query block must be a multiple of 8 (or T) and a key block a multiple of
@@ -35,6 +38,7 @@ class BlockSizes:
     block_k_dkv: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    k_splits: int | None = None
 
     def resolved(self) -> "BlockSizes":
         return dataclasses.replace(self, block_q_dkv=self.block_q_dkv or self.block_q,

@@ -17,6 +17,10 @@ class Config:
       bias_full / mask_full: per dim of the 4-D bias / mask, whether it is full
         size (True) or broadcast (size 1); None when absent.
       block_q, block_k: forward / dQ tiles; block_q_dkv, block_k_dkv: dK/dV tiles.
+      sinks: whether a per-head sink logit joins every row's softmax denominator.
+      value_head_dim: the value (and output) head dim when it differs from the
+        query/key ``head_dim`` (None: the same).
+      k_splits: programs sharing one key/value range in split-KV decode (1: unsplit).
     """
 
     backend: str
@@ -37,10 +41,18 @@ class Config:
     block_k_dkv: int
     num_warps: int | None = None
     num_stages: int | None = None
+    sinks: bool = False
+    value_head_dim: int | None = None
+    k_splits: int = 1
 
     @property
     def group(self) -> int:
         return self.heads // self.kv_heads
+
+    @property
+    def v_dim(self) -> int:
+        """The value / output head dim."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     @property
     def strategy(self) -> str:

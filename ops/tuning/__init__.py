@@ -1,9 +1,8 @@
 """Autotuning: a versioned JSON cache of tuned launch configurations, read at trace time.
 
-Every op with kernels asks :func:`lookup` for its problem (op,
-implementation, device kind, dtype, shape bucket, and for attention the
-variant: causal, masks, dropout, ...) before its block-size
-heuristic; ``python -m benchmarks.tune`` fills the cache on a GPU. See
+Every registered op (:mod:`ops._op`) asks :func:`lookup` for its problem
+(op, implementation, device kind, dtype, shape bucket, and the variant:
+for attention causal, masks, dropout, ...) before its config's heuristic; ``python -m benchmarks.tune`` fills the cache on a GPU. See
 :mod:`ops.tuning.cache` for the file format and where lookups look, and
 :mod:`ops.tuning.search` for the candidate configurations and their compile
 filter.
@@ -13,11 +12,12 @@ Point the library at your own cache::
     import ops.tuning
     ops.tuning.set_cache_file("my_tuned.json")   # or PALLAS_KERNELS_TUNING_CACHE=my_tuned.json
 """
-from ops.tuning.cache import (CACHE_VERSION, CONFIG_FIELDS, ENV_VAR, PACKAGED_CACHE, VARIANT_FIELDS,
-                              TuningCacheError, current_device_kind, device_kind, full_variant, load,
-                              lookup, make_entry, override, set_cache_file, shape_bucket,
-                              user_cache_file, write)
+from ops.tuning.cache import (CACHE_VERSION, CONFIG_FIELDS, VARIANT_FIELDS, ENV_VAR, PACKAGED_CACHE, TuningCacheError, config_fields,
+                              current_device_kind, device_kind, full_variant, load, lookup,
+                              make_entry, override, set_cache_file, shape_bucket, user_cache_file,
+                              variant_fields, write)
 
-__all__ = ["CACHE_VERSION", "CONFIG_FIELDS", "ENV_VAR", "PACKAGED_CACHE", "VARIANT_FIELDS",
-           "TuningCacheError", "current_device_kind", "device_kind", "full_variant", "load", "lookup",
-           "make_entry", "override", "set_cache_file", "shape_bucket", "user_cache_file", "write"]
+__all__ = ["CACHE_VERSION", "CONFIG_FIELDS", "VARIANT_FIELDS", "ENV_VAR", "PACKAGED_CACHE", "TuningCacheError", "config_fields",
+           "current_device_kind", "device_kind", "full_variant", "load", "lookup", "make_entry",
+           "override", "set_cache_file", "shape_bucket", "user_cache_file", "variant_fields",
+           "write"]

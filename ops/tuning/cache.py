@@ -18,13 +18,13 @@ An entry is keyed by op, implementation, device kind (``jax.Device.device_kind``
 dtype name, shape bucket (:func:`shape_bucket`: every problem dim rounded up
 to a power of two, so 3000 and 4096 rows share an entry) and variant:
 everything else about the call that changes the op's kernel
-(:data:`VARIANT_FIELDS`: for attention causal or not, the window, segment ids,
+(the op's :class:`ops._op.Variant`: for attention causal or not, the window, segment ids,
 sequence lengths, bias and mask and their broadcast pattern, the bias dtype,
 dropout, the soft cap and the query heads per key/value head). A variant
 field an entry leaves out has its plain-call value (not causal, no mask, ...),
 so an entry without ``variant`` is the plain call's; ops with no variant
 fields have none. ``config`` holds the op's tunable fields
-(:data:`CONFIG_FIELDS`); ``measured`` is free-form provenance (time, commit,
+(those its config classes mark :func:`ops._op.tunable`); ``measured`` is free-form provenance (time, commit,
 date) that lookups ignore.
 
 Where lookups look, first match wins:
@@ -66,21 +66,20 @@ CACHE_VERSION = 2
 ENV_VAR = "PALLAS_KERNELS_TUNING_CACHE"
 PACKAGED_CACHE = Path(__file__).resolve().parent / "configs.json"
 
+# Each registered op's schema (ops._op.register declares it): its tunable config
+# fields (every one a positive int) and its variant fields with the value a plain
+# call has (an entry's "variant" names those that differ). Values are JSON scalars:
+# bool, int, str or null.
+# Until every existing op registers, they are seeded here (removed as each is ported).
 _ROW_FIELDS = ("block_rows", "chunk", "num_warps", "num_stages")
-# The tunable fields of each op's config; every one is a positive int.
-CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
+_CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
     "fused_matmul": ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_size"),
     "dot_product_attention": ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "num_warps",
                               "num_stages"),
     **{op: _ROW_FIELDS for op in ("layer_norm", "rms_norm", "softmax", "log_softmax", "logsumexp",
                                   "sum", "mean", "max", "cross_entropy")},
 }
-# The variant fields of each op, with the value a plain call has (an entry's
-# "variant" names those that differ; ops not listed have none). Each is what the
-# op's kernel specialises on beyond the shape bucket and dtype; scalar constants
-# that leave the kernel's structure alone (scale, the cap's and the dropout
-# rate's values) are not part of it. Values are JSON scalars: bool, int, str or null.
-VARIANT_FIELDS: dict[str, dict[str, bool | int | str | None]] = {
+_VARIANT_FIELDS: dict[str, dict[str, bool | int | str | None]] = {
     "dot_product_attention": {
         "causal": False,
         "window_left": None, "window_right": None,  # shape_bucket of each side, None: unbounded
@@ -91,7 +90,32 @@ VARIANT_FIELDS: dict[str, dict[str, bool | int | str | None]] = {
         "group": 1,                        # query heads per key/value head (GQA / MQA)
     },
 }
+CONFIG_FIELDS = _CONFIG_FIELDS    # read-only views for the tuner until it iterates the registry
+VARIANT_FIELDS = _VARIANT_FIELDS
 _ENTRY_KEYS = ("op", "implementation", "device_kind", "dtype", "bucket", "config")
+
+
+def declare(op: str, config_fields: Sequence[str], variant_fields: Mapping | None = None) -> None:
+    """Makes ``op`` known to the cache: the names of its tunable config fields and its
+    variant fields with their plain-call values (:func:`ops._op.register` calls this
+    for every registered op)."""
+    _CONFIG_FIELDS[op] = tuple(config_fields)
+    _VARIANT_FIELDS[op] = dict(variant_fields or {})
+
+
+def ops() -> tuple[str, ...]:
+    """The ops the cache knows (every registered op), sorted."""
+    return tuple(sorted(_CONFIG_FIELDS))
+
+
+def config_fields(op: str) -> tuple[str, ...]:
+    """The tunable config fields of ``op`` (empty for an op the cache does not know)."""
+    return _CONFIG_FIELDS.get(op, ())
+
+
+def variant_fields(op: str) -> dict:
+    """The variant fields of ``op`` with their plain-call values (empty: no variant)."""
+    return dict(_VARIANT_FIELDS.get(op, {}))
 
 
 class TuningCacheError(ValueError):
@@ -108,14 +132,14 @@ def _key(op, implementation, device_kind, dtype, bucket, variant=()) -> tuple:
 
 
 def full_variant(op: str, variant: Mapping | None = None, where: str = "variant") -> dict:
-    """``variant`` with every variant field of ``op`` (:data:`VARIANT_FIELDS`), the
+    """``variant`` with every variant field of ``op`` (:func:`variant_fields`), the
     left-out ones at their plain-call values.
 
     Raises:
       TuningCacheError: a field ``op`` does not have, or a value that is not a
         bool, int, str or None (a ``bool`` field takes only bools).
     """
-    fields = VARIANT_FIELDS.get(op, {})
+    fields = _VARIANT_FIELDS.get(op, {})
     variant = {} if variant is None else variant
     if not isinstance(variant, Mapping):
         raise TuningCacheError(f"{where}: variant must be an object, got {variant!r}.")
@@ -168,8 +192,8 @@ def validate_entry(entry, where: str = "entry") -> tuple[tuple, dict]:
     if missing:
         raise TuningCacheError(f"{where}: missing key(s) {missing}; an entry needs {_ENTRY_KEYS}.")
     op = entry["op"]
-    if op not in CONFIG_FIELDS:
-        raise TuningCacheError(f"{where}: unknown op {op!r}; expected one of {sorted(CONFIG_FIELDS)}.")
+    if op not in _CONFIG_FIELDS:
+        raise TuningCacheError(f"{where}: unknown op {op!r}; expected one of {ops()}.")
     for name in ("implementation", "device_kind", "dtype"):
         if not isinstance(entry[name], str):
             raise TuningCacheError(f"{where}: {name} must be a string, got {entry[name]!r}.")
@@ -187,7 +211,7 @@ def validate_entry(entry, where: str = "entry") -> tuple[tuple, dict]:
     config = entry["config"]
     if not isinstance(config, Mapping) or not config:
         raise TuningCacheError(f"{where}: config must be a non-empty object, got {config!r}.")
-    _check_positive_ints(config, CONFIG_FIELDS[op], where)
+    _check_positive_ints(config, _CONFIG_FIELDS[op], where)
     variant = _variant_key(op, entry.get("variant"), where)
     return (_key(op, entry["implementation"], entry["device_kind"], dtype, bucket, variant),
             dict(config))
@@ -310,13 +334,13 @@ def lookup(op: str, implementation: str, dtype, shape: Sequence[int],
     """The tuned config of ``op`` for a problem of ``shape``, or None (use the heuristic).
 
     Args:
-      op: a key of :data:`CONFIG_FIELDS`.
+      op: a registered op (:func:`ops`).
       implementation: the backend the op runs on ("triton", "pallas_triton", ...).
       dtype: the input dtype.
       shape: the op's problem dims (fused_matmul ``(m, n, k)``; row-wise ops
         ``(rows, features)``; attention ``(T, S, head_dim)``), bucketed with
         :func:`shape_bucket`.
-      variant: the call's variant fields (:data:`VARIANT_FIELDS`); those left
+      variant: the call's variant fields (:func:`variant_fields`); those left
         out, or None, are the plain call's.
 
     Raises:
@@ -344,7 +368,7 @@ def make_entry(op: str, implementation: str, device_kind_: str, dtype, shape: Se
     entry = {"op": op, "implementation": implementation, "device_kind": device_kind_,
              "dtype": np.dtype(dtype).name, "bucket": list(shape_bucket(shape)),
              "config": {k: int(v) for k, v in config.items()}}
-    if op in VARIANT_FIELDS:
+    if _VARIANT_FIELDS.get(op):
         entry["variant"] = full_variant(op, variant, f"{op}: variant")
     elif variant:
         full_variant(op, variant, f"{op}: variant")  # raises: the op has no variant fields

@@ -1,0 +1,359 @@
+"""The op layer: an :class:`Op` per public op, one typed config per implementation, a registry.
+
+An op is made of (docs/design.md §5.1):
+
+* its argument checks (``check``: raise ``TypeError`` / ``ValueError`` naming
+  the argument before anything is traced; the shared helpers are in
+  :mod:`ops._checks`);
+* its XLA reference (``reference``), which is also the ``"xla"``
+  implementation and what the tests compare against;
+* its implementations: for every pallas_core backend it has kernels for, the
+  config class those kernels take (``configs``). Several backends may share
+  one class; the class is the whole contract between the op and the tuner.
+
+A **config** is a frozen (hashable) dataclass subclassing :class:`KernelConfig`:
+every field is something that changes the generated kernel (tiles, warps,
+stages, the walking strategy). Fields made with :func:`tunable` are what the
+tuning cache stores and the tuner searches; the others are derived (a
+strategy that follows from the backend, ...). The class answers:
+
+* ``heuristic(problem, device)``: the config to run when nothing else is
+  known (sized for the backend's memories; interpreter tiles when
+  ``device.interpreter``);
+* ``candidates(problem, device)``: the distinct configs the tuner tries
+  (non-empty, clamped to the problem);
+* ``from_tuned(tuned, problem, device)``: a cache entry's fields over the
+  heuristic's.
+
+A **problem** (:class:`Problem`) is what a config is chosen for: the op, its
+dims (named by ``Op.dims``: fused_matmul ``(m, n, k)``, row-wise ops
+``(rows, features)``, attention ``(T, S, head_dim)``), the dtype and the
+variant: everything else about the call that changes its kernels (for
+attention causal or not, masks, dropout, ...; a frozen :class:`Variant`
+dataclass per op whose defaults are a plain call). The tuning key is
+:meth:`Problem.key`: op, implementation, device kind, dtype, shape bucket
+(every dim rounded up to a power of two) and the variant's fields.
+
+:meth:`Op.select` is the one precedence every op uses: an explicit config (a
+``block_sizes=`` argument made typed), else the tuning cache's entry for the
+problem (:func:`ops.tuning.lookup`), else the heuristic.
+
+How a new op registers
+----------------------
+
+In the op's module (its own folder for a family), at import time::
+
+    @dataclasses.dataclass(frozen=True)
+    class MyConfig(KernelConfig):
+        block_rows: int = tunable()
+        num_warps: int | None = tunable(None)
+        strategy: str = "grid"
+
+        @classmethod
+        def heuristic(cls, problem, device): ...
+        @classmethod
+        def candidates(cls, problem, device): ...
+
+    OP = register(Op(
+        name="my_op", dims=("rows", "features"),
+        configs={b: MyConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
+        reference=my_op_reference, check=_check,
+        tuning=Tuning(example=_example, shapes=((4096, 4096),), quick=((256, 1024),))))
+
+and in the op's body::
+
+    return OP.run(implementation, lambda impl: _my_op_on(impl, ...))   # implementation= fallbacks
+    ...
+    config = OP.select(OP.problem((rows, features), x.dtype), impl, explicit)
+
+The op's package ``__init__`` imports the module and ``ops/__init__.py``
+imports the package, so ``import ops`` (or anything under it) registers every
+op. Registering is all the tuner (``ops/tuning/search.py``,
+``python -m benchmarks.tune``) and the cache (``ops/tuning/cache.py``) need:
+they iterate :func:`registered` ops, with no per-op tables. An op with no
+``tuning`` is registered (its configs validate cache entries) but not tuned.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+from ops._implementation import KERNEL_BACKENDS, run_implementation
+from ops.tuning import cache
+from pallas_core.triton import backend as triton_backend
+
+_R = TypeVar("_R")
+_C = TypeVar("_C", bound="KernelConfig")
+
+_TUNABLE = "tunable"
+
+
+def tunable(default: Any = dataclasses.MISSING) -> Any:
+    """A config field the tuning cache stores and the tuner searches (a positive int, or
+    None for "the heuristic's"): ``block_q: int = tunable()``."""
+    return dataclasses.field(default=default, metadata={_TUNABLE: True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What a config is chosen for besides the problem.
+
+    Attributes:
+      backend: the pallas_core backend the kernels run on ("triton", "mosaic_tpu", ...).
+      kind: the device kind tuning lookups use (:func:`ops.tuning.current_device_kind`).
+      interpreter: the kernels run in Triton's CPU interpreter, whose cost is per
+        Triton operation, not per element: heuristics give fewer, bigger tiles
+        (:func:`pallas_core.triton.backend.wants_interpreter_tiles`; never inside a
+        capture for :func:`pallas_core.triton.source` / ``compile``).
+    """
+
+    backend: str
+    kind: str = ""
+    interpreter: bool = False
+
+    @classmethod
+    def current(cls, backend: str) -> "Device":
+        """The device a call traced now on ``backend`` runs on."""
+        return cls(backend, cache.current_device_kind(), triton_backend.wants_interpreter_tiles(backend))
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Base of an op's variant: a frozen dataclass of JSON scalars (bool, int, str, None)
+    whose defaults are a plain call; each field changes the op's kernels beyond the shape
+    bucket and dtype (scalar constants that leave the kernel's structure alone are not
+    part of it)."""
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One call as the op layer sees it.
+
+    Attributes:
+      op: the op's name.
+      shape: its dims, as the op's ``dims`` name them.
+      dtype: the input dtype's name.
+      variant: the variant's fields as sorted ``(name, value)`` pairs, every
+        field of the op's :class:`Variant` (empty for an op without one).
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    variant: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def bucket(self) -> tuple[int, ...]:
+        """The shape bucket: every dim rounded up to a power of two."""
+        return cache.shape_bucket(self.shape)
+
+    def variant_dict(self) -> dict:
+        return dict(self.variant)
+
+    def key(self, implementation: str, device_kind: str) -> tuple:
+        """The tuning key: everything that selects a tuned config."""
+        return (self.op, implementation, device_kind, self.dtype, self.bucket, self.variant)
+
+    def __getattr__(self, name):  # dims by name: problem.m, problem.features, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        dims = _DIMS.get(self.__dict__.get("op"))
+        if dims is not None and name in dims:
+            return self.shape[dims.index(name)]
+        raise AttributeError(name)
+
+
+class KernelConfig:
+    """Base of an implementation's config: subclasses are frozen dataclasses (hashable,
+    so a config can be a ``custom_vjp`` nondiff argument) whose fields are everything that
+    changes the kernel; :func:`tunable` marks what the cache stores."""
+
+    @classmethod
+    def tunable_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get(_TUNABLE))
+
+    @classmethod
+    def heuristic(cls: type[_C], problem: Problem, device: Device) -> _C:
+        """The config when nothing else is known."""
+        raise NotImplementedError(f"{cls.__name__}.heuristic")
+
+    @classmethod
+    def candidates(cls: type[_C], problem: Problem, device: Device) -> tuple[_C, ...]:
+        """The distinct configs worth timing for ``problem`` (default: the heuristic's)."""
+        return (cls.heuristic(problem, device),)
+
+    @classmethod
+    def from_tuned(cls: type[_C], tuned: Mapping[str, int], problem: Problem, device: Device) -> _C:
+        """A tuning cache entry's fields over the heuristic's."""
+        return dataclasses.replace(cls.heuristic(problem, device), **tuned)
+
+    def tuned(self) -> dict[str, int]:
+        """The cache form: the tunable fields that are set."""
+        return {name: getattr(self, name) for name in self.tunable_fields()
+                if getattr(self, name) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the tuner exercises an op.
+
+    Attributes:
+      example: ``example(problem, implementation) -> (fn, args)``: a call of the op
+        with ``problem``'s dims, dtype and variant as ``jax.ShapeDtypeStruct``
+        arguments (integer arguments are labels below the last dim).
+      shapes: the dims ``python -m benchmarks.tune`` fills the cache for.
+      quick: one small problem's dims per op family (``--quick``), or none.
+      variant: the variant fields an example call of given dims makes (None: plain).
+      order: the tuner visits ops by ascending order (compute-bound ops first).
+    """
+
+    example: Callable[[Problem, str], tuple[Callable, list]]
+    shapes: tuple[tuple[int, ...], ...] = ()
+    quick: tuple[tuple[int, ...], ...] = ()
+    variant: Callable[[tuple[int, ...]], Mapping] | None = None
+    order: int = 100
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
+    """One public op.
+
+    Attributes:
+      name: the public name (``ops.<name>``), the key of the registry and the cache.
+      dims: names of the problem dims its configs are chosen by.
+      configs: implementation (pallas_core backend) -> its config class; the
+        backends the op has kernels for.
+      reference: the XLA reference (the ``"xla"`` implementation).
+      check: the argument checks (None where they are part of the public function).
+      variant: the op's :class:`Variant` class, or None.
+      tuning: how the tuner exercises it, or None (not tuned).
+      missing_reason: why a backend outside ``configs`` has no kernel (for errors).
+    """
+
+    name: str
+    dims: tuple[str, ...]
+    configs: Mapping[str, type[KernelConfig]]
+    reference: Callable
+    check: Callable | None = None
+    variant: type[Variant] | None = None
+    tuning: Tuning | None = None
+    missing_reason: str = ""
+
+    @property
+    def kernel_backends(self) -> tuple[str, ...]:
+        return tuple(self.configs)
+
+    def config_type(self, implementation: str) -> type[KernelConfig]:
+        """The config class of ``implementation``.
+
+        Raises:
+          NotImplementedError: the op has no kernel for it.
+        """
+        try:
+            return self.configs[implementation]
+        except KeyError:
+            raise NotImplementedError(f"{self.name}: no kernel for implementation="
+                                      f"{implementation!r}{self.missing_reason}.") from None
+
+    def tunable_fields(self) -> tuple[str, ...]:
+        """Every tunable field of the op's config classes (what a cache entry may hold)."""
+        names: dict[str, None] = {}
+        for cls in self.configs.values():
+            names.update(dict.fromkeys(cls.tunable_fields()))
+        return tuple(names)
+
+    def problem(self, shape: Sequence[int], dtype, variant: Mapping | None = None) -> Problem:
+        """The :class:`Problem` of a call (``variant``: fields that differ from a plain call).
+
+        Raises:
+          ValueError: ``shape`` does not have one int per dim; a variant field the
+            op does not have.
+        """
+        shape = tuple(int(d) for d in shape)
+        if len(shape) != len(self.dims):
+            raise ValueError(f"shape: {self.name} takes {len(self.dims)} dims {self.dims}, got "
+                             f"{shape!r}.")
+        full = cache.full_variant(self.name, variant, f"{self.name}: variant")
+        return Problem(self.name, shape, np.dtype(dtype).name, tuple(sorted(full.items())))
+
+    def run(self, implementation, body: Callable[[str], _R]) -> _R:
+        """``body(name)`` for the first implementation that runs (``implementation=``'s
+        fallbacks, :func:`ops._implementation.run_implementation`)."""
+        return run_implementation(implementation, self.name, body,
+                                  kernel_backends=self.kernel_backends,
+                                  missing_reason=self.missing_reason)
+
+    def select(self, problem: Problem, implementation: str,
+               explicit: KernelConfig | None = None) -> KernelConfig:
+        """The config of ``problem`` on ``implementation``: ``explicit`` when given (the
+        caller's tiles), else the tuning cache's entry for the device, else the heuristic.
+
+        Raises:
+          NotImplementedError: no kernel for ``implementation``.
+          ops.tuning.TuningCacheError: a malformed user or packaged cache file.
+        """
+        cls = self.config_type(implementation)
+        if explicit is not None:
+            return explicit
+        device = Device.current(implementation)
+        tuned = cache.lookup(self.name, implementation, problem.dtype, problem.shape,
+                             problem.variant_dict())
+        if tuned is not None:
+            return cls.from_tuned(tuned, problem, device)
+        return cls.heuristic(problem, device)
+
+
+_REGISTRY: dict[str, Op] = {}
+_DIMS: dict[str, tuple[str, ...]] = {}
+
+
+def register(op: Op) -> Op:
+    """Adds ``op`` to the registry (and its config fields and variant to the tuning
+    cache's schema); returns it.
+
+    Raises:
+      ValueError: another op of that name, a backend not in
+        :data:`ops._implementation.KERNEL_BACKENDS`, or a config class that is not a
+        frozen :class:`KernelConfig` dataclass.
+    """
+    if op.name in _REGISTRY and _REGISTRY[op.name] is not op:
+        raise ValueError(f"op {op.name!r} is registered already.")
+    for backend, cls in op.configs.items():
+        if backend not in KERNEL_BACKENDS:
+            raise ValueError(f"{op.name}: configs names {backend!r}; expected some of "
+                             f"{KERNEL_BACKENDS}.")
+        if (not (isinstance(cls, type) and issubclass(cls, KernelConfig))
+                or not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen):
+            raise ValueError(f"{op.name}: the config of {backend!r} must be a frozen dataclass "
+                             f"subclassing KernelConfig, got {cls!r}.")
+    cache.declare(op.name, op.tunable_fields(), {} if op.variant is None else op.variant.defaults())
+    _REGISTRY[op.name] = op
+    _DIMS[op.name] = tuple(op.dims)
+    return op
+
+
+def registered() -> tuple[Op, ...]:
+    """Every registered op, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def get(name: str) -> Op:
+    """The registered op ``name``.
+
+    Raises:
+      KeyError: no such op (the message lists the registered ones).
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no op {name!r} is registered; registered: {sorted(_REGISTRY)}.") from None

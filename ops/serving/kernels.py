@@ -1,0 +1,312 @@
+"""The paged decode kernels: split-KV attention over page tables, and the merge.
+
+Both paged ops reduce to *rows* (:mod:`ops.serving.reference`): a row is one
+query token with the ``G`` query heads of each key/value head, a key range
+``[start, end)`` and a page table. ``ops.paged_attention`` has one row per
+sequence; ``ops.ragged_paged_attention`` one per query token, each seeing its
+sequence's cache up to its own position.
+
+Attention kernel (flash-decoding: Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding
+for long-context inference"; FlashAttention-2's online softmax per tile, from
+:mod:`ops.attention.tile_math`): the grid is ``(row, key/value head, split,
+page block)``. A program owns one (row, key/value head, split) and walks the
+split's page blocks along the last (``"arbitrary"``) axis; each step reads
+``pages_per_block`` pages, each through its own BlockSpec whose index map looks
+the page up in the table (scalar prefetch, ``PrefetchScalarGridSpec``), so the
+cache is never gathered. All ``G`` query heads of the group share each page
+tile: the query tile is ``[G, H]`` (padded to 16 rows on the Triton backends,
+``tl.dot``'s minimum). Blocks outside ``[start, end)`` are skipped, and their
+index maps repeat the row's last visible page (a TPU skips a copy of the same
+block). Keys of a visible page outside the range are masked, and their values
+zeroed (an unwritten slot may hold anything, NaN included). int8 pages are
+dequantized per token in the kernel (JAX's per-token scales ``[K, P, page_size]``,
+or one static scale per cache).
+
+Merge kernel: each split writes its normalized partial output and logsumexp
+(float32); one program per (row, key/value head) combines them with weights
+``exp(lse_s - lse)`` (FlashAttention's split-KV combine), the sink logits
+joining the denominator as one more term. With one split and no sinks the
+attention kernel writes the output directly and there is no merge.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallas_core as pl
+from ops.attention.config import Config
+from ops.attention.masking import MaskSpec
+from ops.attention.tile_math import Tile, div, forward_finish, forward_update
+from ops.reduction._rows import logsumexp_shift
+
+HEADS_FIRST = "heads_first"  # separate k/v pages [K, P, page_size, H] (JAX's GPU paged attention)
+COMBINED = "combined"  # one cache [P, page_size, 2K, H], k and v interleaved (JAX's TPU ragged)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Everything static about one paged decode call.
+
+    Attributes:
+      layout: :data:`HEADS_FIRST` or :data:`COMBINED`.
+      rows, kv_heads, group, head_dim: the query ``[rows, kv_heads * group, head_dim]``.
+      group_rows: the query tile's rows (``group`` padded for ``tl.dot``).
+      page_size, total_pages, pages_per_row: the cache and the table's width.
+      pages_per_block: pages read per grid step; k_splits: splits of each table.
+      per_token_scales: int8 pages with per-token scale pages (HEADS_FIRST).
+      k_scale, v_scale: one static dequantization scale per cache (COMBINED), or None.
+      indirect: rows read table ``table_rows[row]`` (else table ``row``).
+      sinks: whether sink logits join the merge.
+    """
+
+    backend: str
+    layout: str
+    rows: int
+    kv_heads: int
+    group: int
+    group_rows: int
+    head_dim: int
+    page_size: int
+    total_pages: int
+    pages_per_row: int
+    pages_per_block: int
+    k_splits: int
+    scale: float
+    soft_cap: float | None
+    dtype: str
+    per_token_scales: bool = False
+    k_scale: float | None = None
+    v_scale: float | None = None
+    indirect: bool = False
+    sinks: bool = False
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    @property
+    def blocks_per_split(self) -> int:
+        return pl.cdiv(pl.cdiv(self.pages_per_row, self.pages_per_block), self.k_splits)
+
+    @property
+    def block_keys(self) -> int:
+        return self.pages_per_block * self.page_size
+
+    @property
+    def merged(self) -> bool:
+        """Whether the attention kernel writes partials for the merge kernel."""
+        return self.k_splits > 1 or self.sinks
+
+    def tile_config(self) -> Config:
+        """The attention :class:`Config` the shared tile math reads (scale, soft cap,
+        no dropout; the positional mask is applied by the caller as a mask tile)."""
+        return Config(backend=self.backend, layout="BTNH", spec=MaskSpec(T=1, S=self.block_keys),
+                      batch=self.rows, heads=self.kv_heads * self.group, kv_heads=self.kv_heads,
+                      head_dim=self.head_dim, scale=self.scale, softcap=self.soft_cap,
+                      dropout_rate=0.0, bias_full=None, mask_full=None, block_q=self.group_rows,
+                      block_k=self.page_size, block_q_dkv=self.group_rows,
+                      block_k_dkv=self.page_size)
+
+
+def min_group_rows(backend: str) -> int:
+    """The query tile's minimum rows: 16 on the Triton backends (``tl.dot``), else 1."""
+    return 16 if backend in pl.TRITON_BACKENDS else 1
+
+
+def check_page_size(backend: str, page_size: int, op: str) -> None:
+    """Raises NotImplementedError for pages of fewer than 16 tokens on the Triton backends:
+    a page is one key tile there, and ``tl.dot`` needs 16 rows."""
+    if backend in pl.TRITON_BACKENDS and page_size < 16:
+        raise NotImplementedError(f"{op}: implementation={backend!r} needs page_size >= 16 "
+                                  f"(a page is one tl.dot tile); got {page_size}.")
+
+
+# --------------------------------------------------------------------------
+# BlockSpecs: pages looked up in the table by the index maps
+# --------------------------------------------------------------------------
+
+def _page_of(cfg: DecodeConfig, p: int):
+    """Index-map helper: the page id of page ``p`` of the step's block, clamped to the
+    row's visible pages and to the cache."""
+    def page(b, s, j, tables, table_rows, start, end):
+        idx = (s * cfg.blocks_per_split + j) * cfg.pages_per_block + p
+        first = div(start[b], cfg.page_size)
+        last = div(jnp.maximum(end[b] - 1, 0), cfg.page_size)
+        idx = jnp.minimum(jnp.maximum(idx, first), last)
+        row = table_rows[b] if cfg.indirect else b
+        return jnp.minimum(jnp.maximum(tables[row, idx], 0), cfg.total_pages - 1)
+    return page
+
+
+def _page_specs(cfg: DecodeConfig):
+    """In-specs of the pages (and per-token scales), ``pages_per_block`` of each."""
+    ps, h = cfg.page_size, cfg.head_dim
+    specs = []
+    if cfg.layout == HEADS_FIRST:
+        kinds = [(ps, h)] * 2 + ([(ps,)] * 2 if cfg.per_token_scales else [])
+        for tail in kinds:
+            for p in range(cfg.pages_per_block):
+                page = _page_of(cfg, p)
+
+                def index_map(b, n, s, j, *scalars, page=page, tail=tail):
+                    return (n, page(b, s, j, *scalars)) + (0,) * len(tail)
+                specs.append(pl.BlockSpec((None, None) + tail, index_map))
+    else:
+        for p in range(cfg.pages_per_block):
+            page = _page_of(cfg, p)
+
+            def index_map(b, n, s, j, *scalars, page=page):
+                return (page(b, s, j, *scalars), 0, n, 0)
+            specs.append(pl.BlockSpec((None, ps, 2, h), index_map))
+    return specs
+
+
+def _params(cfg: DecodeConfig, semantics):
+    if cfg.backend in pl.TRITON_BACKENDS:
+        warps = cfg.num_warps or 4
+        stages = cfg.num_stages or 2
+        return pl.triton.CompilerParams(num_warps=warps, num_stages=stages,
+                                        dimension_semantics=semantics)
+    return pl.CompilerParams(dimension_semantics=semantics)
+
+
+# --------------------------------------------------------------------------
+# The attention kernel
+# --------------------------------------------------------------------------
+
+def _read_page(cfg: DecodeConfig, refs, p: int, dtype):
+    """``(k, v)`` of page ``p`` of the step, ``[page_size, H]`` in ``dtype``."""
+    n = cfg.pages_per_block
+    if cfg.layout == COMBINED:
+        kv = refs[p]
+        k, v = kv[:, 0, :], kv[:, 1, :]
+        scales = (cfg.k_scale, cfg.v_scale)
+        if cfg.k_scale is None and k.dtype == dtype:
+            return k, v
+        out = []
+        for x, c in zip((k, v), scales):
+            x = x.astype(jnp.float32)
+            out.append((x if c is None else x * c).astype(dtype))
+        return tuple(out)
+    k, v = refs[p][...], refs[n + p][...]
+    if cfg.per_token_scales:
+        ks, vs = refs[2 * n + p][...], refs[3 * n + p][...]
+        k = (k.astype(jnp.float32) * ks.astype(jnp.float32)[:, None]).astype(dtype)
+        v = (v.astype(jnp.float32) * vs.astype(jnp.float32)[:, None]).astype(dtype)
+    return k.astype(dtype), v.astype(dtype)
+
+
+def _num_page_refs(cfg: DecodeConfig) -> int:
+    per_page = 1 if cfg.layout == COMBINED else (4 if cfg.per_token_scales else 2)
+    return per_page * cfg.pages_per_block
+
+
+def attention_kernel(tables, table_rows, start_ref, end_ref, q_ref, *refs, cfg: DecodeConfig):
+    del tables, table_rows  # read by the index maps
+    n_pages = _num_page_refs(cfg)
+    page_refs, refs = refs[:n_pages], refs[n_pages:]
+    if cfg.merged:
+        o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        (o_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
+    b, s, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    lo, hi = start_ref[b], end_ref[b]
+    first = (s * cfg.blocks_per_split + j) * cfg.block_keys
+    tcfg = cfg.tile_config()
+    ps = cfg.page_size
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when((first < hi) & (first + cfg.block_keys > lo))
+    def _step():
+        q = q_ref[...]
+        carry = (m_ref[...], l_ref[...], acc_ref[...])
+        for p in range(cfg.pages_per_block):
+            k, v = _read_page(cfg, page_refs, p, q.dtype)
+            pos = first + p * ps + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
+            seen = (pos >= lo) & (pos < hi)  # [ps, 1]
+            v = jnp.where(seen, v, jnp.zeros_like(v))
+            tile = Tile(q=q, k=k, i=0, j=0, head=0, mask=seen.T)
+            carry = forward_update(tcfg, carry, tile, v, None, cfg.group_rows, ps, masked=False)
+        m_ref[...], l_ref[...], acc_ref[...] = carry
+
+    @pl.when(j == cfg.blocks_per_split - 1)
+    def _finish():
+        out, lse = forward_finish(m_ref[...], l_ref[...], acc_ref[...])
+        o_ref[...] = out.astype(o_ref.dtype)
+        if lse_ref is not None:
+            lse_ref[...] = lse
+
+
+def merge_kernel(o_ref, lse_ref, sink_ref, out_ref):
+    """Combines the splits' partial outputs ``[S, G, H]`` by their logsumexps ``[S, G, 1]``."""
+    lse = lse_ref[...]
+    m = jnp.max(lse, axis=0)
+    sink = None if sink_ref is None else sink_ref[...].astype(jnp.float32)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    shift = logsumexp_shift(m)
+    w = jnp.exp(lse - shift[None])
+    total = jnp.sum(w, axis=0)
+    if sink is not None:
+        total = total + jnp.exp(sink - shift)
+    out = jnp.sum(w * o_ref[...], axis=0)
+    out_ref[...] = (out / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+
+
+# --------------------------------------------------------------------------
+# The calls
+# --------------------------------------------------------------------------
+
+def decode(cfg: DecodeConfig, q, pages, scales, tables, table_rows, start, end, sinks):
+    """Paged decode attention of ``q`` ``[rows, K, group_rows, H]`` -> same shape, q's dtype.
+
+    Args:
+      pages: ``(k_pages, v_pages)`` (HEADS_FIRST) or ``(kv_pages,)`` (COMBINED).
+      scales: ``(k_scales_pages, v_scales_pages)`` with ``cfg.per_token_scales``, else ().
+      tables: int32 ``[table rows, pages_per_row]``; table_rows: int32 ``[rows]`` or None.
+      start, end: int32 ``[rows]``: each row's keys.
+      sinks: float32 ``[K, group_rows, 1]`` or None.
+    """
+    R, K, Gp, H = cfg.rows, cfg.kv_heads, cfg.group_rows, cfg.head_dim
+    grid = (R, K, cfg.k_splits, cfg.blocks_per_split)
+    n = cfg.pages_per_block
+    operands = [x for x in pages for _ in range(n)] + [x for x in scales for _ in range(n)]
+    q_spec = pl.BlockSpec((None, None, Gp, H), lambda b, h, s, j, *_: (b, h, 0, 0))
+    if cfg.merged:
+        out_shape = [jax.ShapeDtypeStruct((cfg.k_splits, R, K, Gp, H), jnp.float32),
+                     jax.ShapeDtypeStruct((cfg.k_splits, R, K, Gp, 1), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, Gp, H), lambda b, h, s, j, *_: (s, b, h, 0, 0)),
+                     pl.BlockSpec((None, None, None, Gp, 1), lambda b, h, s, j, *_: (s, b, h, 0, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((R, K, Gp, H), q.dtype)]
+        out_specs = [q_spec]
+    scratch = [pl.tpu.VMEM((Gp, 1), jnp.float32), pl.tpu.VMEM((Gp, 1), jnp.float32),
+               pl.tpu.VMEM((Gp, H), jnp.float32)]
+    grid_spec = pl.tpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4, grid=grid, in_specs=[q_spec] + _page_specs(cfg),
+        out_specs=out_specs, scratch_shapes=scratch)
+    outs = pl.pallas_call(
+        functools.partial(attention_kernel, cfg=cfg), out_shape=out_shape, grid_spec=grid_spec,
+        compiler_params=_params(cfg, ("parallel", "parallel", "parallel", "arbitrary")),
+        backend=cfg.backend, name="paged_decode_attention",
+    )(tables, table_rows, start, end, q, *operands)
+    if not cfg.merged:
+        return outs[0]
+    o_part, lse_part = outs
+    S = cfg.k_splits
+    in_specs = [pl.BlockSpec((S, None, None, Gp, H), lambda b, h: (0, b, h, 0, 0)),
+                pl.BlockSpec((S, None, None, Gp, 1), lambda b, h: (0, b, h, 0, 0)),
+                None if sinks is None else pl.BlockSpec((None, Gp, 1), lambda b, h: (h, 0, 0))]
+    return pl.pallas_call(
+        merge_kernel, out_shape=jax.ShapeDtypeStruct((R, K, Gp, H), q.dtype), grid=(R, K),
+        in_specs=in_specs, out_specs=pl.BlockSpec((None, None, Gp, H), lambda b, h: (b, h, 0, 0)),
+        compiler_params=_params(cfg, ("parallel", "parallel")), backend=cfg.backend,
+        name="paged_decode_merge",
+    )(o_part, lse_part, sinks)

@@ -1,0 +1,198 @@
+"""``ops.paged_attention``: decode attention over a paged KV cache, a drop-in for JAX's
+``jax.experimental.pallas.ops.gpu.paged_attention`` on every backend."""
+from __future__ import annotations
+
+import numbers
+
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_core as pl
+from ops._checks import check_float_dtype, check_same_dtype
+from ops._implementation import run_implementation
+from ops.serving import checks, kernels
+from ops.serving.block_sizes import check_block_sizes, heuristic
+from ops.serving.reference import gather_pages, rows_attention
+
+_OP = "paged_attention"
+_LAYOUT_Q = "[B, N, H]"
+_LAYOUT_PAGES = "[K, total_pages, page_size, H]"
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=None,
+                    v_scales_pages=None, *, scale=1.0, logits_soft_cap=None,
+                    local_window_size=None, sinks=None, implementation=None, block_sizes=None):
+    """One query token per sequence attending to its paged key/value cache.
+
+    The layout and meaning of JAX's GPU ``paged_attention`` (same positional
+    arguments), with split-KV decode (flash-decoding: each sequence's pages split
+    across programs, merged by a second kernel), pages looked up through scalar
+    prefetch, and all query heads of a GQA group sharing each page tile
+    (:mod:`ops.serving.kernels`). As in JAX's, the logits are not scaled unless
+    ``scale`` is given.
+
+    Shapes: ``B`` sequences, ``N`` query heads, ``K`` key/value heads
+    (``N % K == 0``), ``H`` head dim, ``P`` pages of ``page_size`` tokens.
+
+    Args:
+      q: ``[B, N, H]`` float32, bfloat16 or float16.
+      k_pages, v_pages: ``[K, P, page_size, H]``, q's dtype, or int8 (dequantized in
+        the kernel with the scale pages; without them the int8 values are used as is).
+      block_tables: int32 ``[B, pages_per_sequence]``: page ``i`` of sequence ``b``
+        (tokens ``i * page_size ..``) is ``k_pages[:, block_tables[b, i]]``. Entries
+        past a sequence's length are never read (ids outside ``[0, P)`` are clamped).
+      lengths: int32 ``[B]``: tokens in each sequence's cache (the query is the
+        last, at position ``length - 1``), clamped to ``[0, pages_per_sequence *
+        page_size]``; None: every page is full.
+      k_scales_pages, v_scales_pages: optional float ``[K, P, page_size]``: a
+        per-token scale of int8 pages (key ``= k_pages * k_scales_pages``).
+      scale: logit scale (default 1.0, as JAX's; pass ``1 / sqrt(H)`` for the usual).
+      logits_soft_cap: optional cap > 0: logits become ``cap * tanh(logits / cap)``.
+      local_window_size: optional int ``w`` or pair ``(left, right)`` (jax.nn's
+        convention): the query at ``length - 1`` sees keys ``length - 1 - left ..
+        length - 1``; ``right`` is irrelevant (no key lies right of the query).
+      sinks: optional float ``[N]``: a per-head sink logit joining each softmax's
+        denominator (gpt-oss; StreamingLLM), neither scaled nor capped.
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
+        "xla" (the float32 reference of :mod:`ops.serving.reference`),
+        "interpret", "triton", "mosaic_tpu", or a sequence tried in order.
+        "pallas_triton" and "mosaic_gpu" raise NotImplementedError (JAX's GPU
+        lowerings have no scalar prefetch).
+      block_sizes: None (:func:`ops.serving.block_sizes.heuristic`), a
+        :class:`~ops.serving.block_sizes.PagedBlockSizes` or ``(pages_per_block,
+        k_splits)``.
+
+    Returns:
+      ``[B, N, H]`` in q's dtype. A sequence of length 0 gets 0 (JAX's reference
+      gives the mean of its values, JAX's kernel 0). No gradient: a serving op.
+
+    Raises:
+      TypeError: non-arrays, q not float, pages neither q's dtype nor int8,
+        tables / lengths not int32.
+      ValueError: ranks and shapes (pages differ, ``N % K``, head dims, batch),
+        scales given for float pages or of the wrong shape, a negative window,
+        a soft cap <= 0, a non-finite scale, bad sinks or block sizes, an unknown
+        implementation.
+    """
+    args = _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages,
+                  scale, logits_soft_cap, local_window_size, sinks)
+    bs = check_block_sizes(block_sizes, _OP)
+    return run_implementation(
+        implementation, _OP, lambda impl: _run(args, impl, bs),
+        kernel_backends=("interpret", "triton", "mosaic_tpu"),
+        missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which reads the page "
+        "table; use 'triton')")
+
+
+def _window_left(window, op: str):
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, numbers.Integral) else window
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or any(
+            w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0)
+            for w in pair)):
+        raise ValueError(f"{op}: local_window_size must be None, an int >= 0 or a pair "
+                         f"(left, right) of ints >= 0 or None; got {window!r}.")
+    return None if pair[0] is None else int(pair[0])
+
+
+def _check(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, scale, soft_cap, window,
+           sinks):
+    checks.check_rank(q, "q", 3, _LAYOUT_Q, _OP)
+    check_float_dtype(q, "q", _OP)
+    checks.check_rank(k_pages, "k_pages", 4, _LAYOUT_PAGES, _OP)
+    checks.check_rank(v_pages, "v_pages", 4, _LAYOUT_PAGES, _OP)
+    if tuple(k_pages.shape) != tuple(v_pages.shape):
+        raise ValueError(f"{_OP}: k_pages and v_pages must have the same shape {_LAYOUT_PAGES}; "
+                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}.")
+    quantized = checks.check_pages_dtype(k_pages, "k_pages", q, _OP)
+    if checks.check_pages_dtype(v_pages, "v_pages", q, _OP) != quantized:
+        check_same_dtype(v_pages, k_pages, "v_pages", "k_pages", _OP)
+    B, N, H = q.shape
+    K, P, ps, Hk = k_pages.shape
+    checks.check_heads(N, K, _OP)
+    if Hk != H:
+        raise ValueError(f"{_OP}: the head dim of q ({H}) and of the pages ({Hk}) must be equal.")
+    checks.check_int32(tables, "block_tables", (B, None), "[B, pages_per_sequence]", _OP)
+    if lengths is not None:
+        checks.check_int32(lengths, "lengths", (B,), "[B]", _OP)
+    for name, s in (("k_scales_pages", k_scales), ("v_scales_pages", v_scales)):
+        if s is None:
+            continue
+        checks.check_rank(s, name, 3, "[K, total_pages, page_size]", _OP)
+        check_float_dtype(s, name, _OP)
+        if not quantized:
+            raise ValueError(f"{_OP}: {name} is for int8 pages; the pages are "
+                             f"{np.dtype(k_pages.dtype).name}.")
+        if tuple(s.shape) != (K, P, ps):
+            raise ValueError(f"{_OP}: {name} must have shape {(K, P, ps)} "
+                             f"[K, total_pages, page_size]; got {tuple(s.shape)}.")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError(f"{_OP}: give both k_scales_pages and v_scales_pages or neither.")
+    return dict(q=q, k=k_pages, v=v_pages, tables=tables, lengths=lengths, k_scales=k_scales,
+                v_scales=v_scales, scale=checks.check_scale(scale, _OP),
+                soft_cap=checks.check_positive_float(soft_cap, "logits_soft_cap", _OP),
+                left=_window_left(window, _OP), sinks=checks.check_sinks(sinks, N, _OP))
+
+
+def _ranges(args):
+    """Each sequence's keys ``[start, end)``."""
+    B = args["q"].shape[0]
+    capacity = args["tables"].shape[1] * args["k"].shape[2]
+    if args["lengths"] is None:
+        end = jnp.full((B,), capacity, jnp.int32)
+    else:
+        end = jnp.clip(args["lengths"], 0, capacity)
+    start = jnp.zeros_like(end) if args["left"] is None else jnp.maximum(end - 1 - args["left"], 0)
+    return start, end
+
+
+def _run(args, impl: str, bs):
+    q = args["q"]
+    B, N, H = q.shape
+    K, P, ps, _ = args["k"].shape
+    start, end = _ranges(args)
+    if impl == "xla" or 0 in (B, N, H, K, P, ps, args["tables"].shape[1]):
+        k, v = (_dequantized(args[n], args[f"{n}_scales"], q.dtype) for n in ("k", "v"))
+        out = rows_attention(q, gather_pages(k, args["tables"]), gather_pages(v, args["tables"]),
+                             start, end, scale=args["scale"], soft_cap=args["soft_cap"],
+                             sinks=args["sinks"])
+        return out.astype(q.dtype)
+    kernels.check_page_size(impl, ps, _OP)
+    G = N // K
+    Gp = max(G, kernels.min_group_rows(impl))
+    Gp = pl.next_power_of_2(Gp) if impl in pl.TRITON_BACKENDS and Gp != G else Gp
+    pps = args["tables"].shape[1]
+    bs = bs or heuristic(impl, B * K, ps, pps)
+    cfg = kernels.DecodeConfig(
+        backend=impl, layout=kernels.HEADS_FIRST, rows=B, kv_heads=K, group=G, group_rows=Gp,
+        head_dim=H, page_size=ps, total_pages=P, pages_per_row=pps,
+        pages_per_block=min(bs.pages_per_block, pps), k_splits=bs.k_splits,
+        scale=args["scale"], soft_cap=args["soft_cap"], dtype=np.dtype(q.dtype).name,
+        per_token_scales=args["k_scales"] is not None, sinks=args["sinks"] is not None)
+    qg = pad_group(q.reshape(B, K, G, H), Gp)
+    scales = () if args["k_scales"] is None else (args["k_scales"], args["v_scales"])
+    out = kernels.decode(cfg, qg, (args["k"], args["v"]), scales, args["tables"], None, start, end,
+                         sink_tile(args["sinks"], K, Gp))
+    return out[:, :, :G].reshape(B, N, H)
+
+
+def pad_group(qg, group_rows: int):
+    """``[R, K, G, H]`` queries with the group padded to ``group_rows`` (zeros)."""
+    G = qg.shape[2]
+    return qg if G == group_rows else jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - G), (0, 0)))
+
+
+def sink_tile(sinks, K: int, group_rows: int):
+    """Sink logits ``[N]`` as the merge kernel's float32 ``[K, group_rows, 1]`` (padding rows -inf)."""
+    if sinks is None:
+        return None
+    s = sinks.astype(jnp.float32).reshape(K, -1)
+    s = jnp.pad(s, ((0, 0), (0, group_rows - s.shape[1])), constant_values=-jnp.inf)
+    return s[:, :, None]
+
+
+def _dequantized(pages, page_scales, dtype):
+    if page_scales is None:
+        return pages.astype(dtype)
+    return (pages.astype(jnp.float32) * page_scales.astype(jnp.float32)[..., None]).astype(dtype)

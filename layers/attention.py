@@ -16,6 +16,7 @@ unchanged. The Linen twins are in :mod:`layers.linen_attention`.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import numbers
@@ -29,6 +30,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from layers.dense import _FUSED_DTYPES, _as_precision, _check_implementation
+from layers.norms import RMSNorm
 from ops._implementation import run_implementation
 from ops.attention import dot_product_attention as _flash_attention
 
@@ -360,38 +362,238 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     ``sow_weights=True`` runs Flax's attention (warned once on the kernel
     implementations), since the kernel never forms the probabilities.
 
+    Decoder options (keyword-only; all off by default, and then the layer is
+    the drop-in above). With any of them set, ``__call__`` takes
+    ``positions`` too and runs: projections, per-head q/k norms, rotary
+    embedding of q and k, then ``ops.dot_product_attention`` with the scale,
+    window and soft cap below (on every implementation, ``"xla"`` included:
+    Flax's attention has none of these), then the output projection; the
+    parameter tree is the stock layer's plus ``query_norm`` / ``key_norm``:
+
+      rotary: None or a :class:`layers.RotaryEmbedding` (any callable
+        ``rotary(x, positions)`` on ``[B, T, heads, head_dim]``), applied to
+        the query and key heads after their projection and norms, before
+        attention (Su et al. 2021, RoFormer).
+      qk_norm: None or ``"rms_norm"``: a :class:`layers.RMSNorm` over the head
+        dim of the queries and of the keys, ``query_norm`` and ``key_norm``
+        with ``scale`` ``[head_dim]`` shared by all heads (Qwen3, Gemma 3;
+        Flax's ``normalize_qk`` is a LayerNorm instead).
+      qk_norm_epsilon: those norms' epsilon (1e-6).
+      qk_norm_scale_offset: their scale offset (0; 1 is Gemma 3's ``1 + scale``).
+      scale: the logit scale (None: ``1 / sqrt(head_dim)``; Gemma 2:
+        ``query_pre_attn_scalar ** -0.5``).
+      local_window_size: None, ``w`` or ``(left, right)``: query ``i`` sees
+        keys ``i - left <= j <= i + right`` (with ``is_causal``, a sliding
+        window of ``left + 1`` keys: Mistral's and Gemma 2's ``sliding_window
+        = left + 1``).
+      logits_soft_cap: None or ``c > 0``: logits ``c tanh(logits / c)``
+        before masking (Gemma 2: 50).
+
+    With these options ``mask`` must be boolean-like and broadcast to
+    ``[B, heads, T, S]``, ``sow_weights`` and a custom ``attention_fn`` combined
+    with ``scale`` / ``local_window_size`` / ``logits_soft_cap`` raise a
+    ``ValueError``, and ``decode=True`` raises ``NotImplementedError``: the
+    key/value cache of generation plugs in at :meth:`attend` (a dense or paged
+    cache stores the rotated keys and passes ``positions`` of the new tokens).
+
     Args:
       implementation: keyword-only. None (the platform's default: "xla" on
         CPU, "triton" on GPU, resolved at call time) or a name from
         ``ops.IMPLEMENTATIONS``, validated at construction (ValueError naming
-        the argument). Used by the default ``attention_fn`` only: an explicit
-        ``attention_fn`` is used as given.
+        the argument). Used by the default ``attention_fn``, the q/k norms, the
+        rotary embedding given without one of its own and the decoder path's
+        attention; an explicit ``attention_fn`` is used as given.
       everything else: exactly as :class:`flax.nnx.MultiHeadAttention`.
     """
 
-    def __init__(self, *args, implementation: str | None = None, **kwargs):
-        implementation = _check_implementation(implementation, "layers.MultiHeadAttention")
-        if "attention_fn" not in kwargs:
+    def __init__(self, *args, implementation: str | None = None, rotary=None,
+                 qk_norm: str | None = None, qk_norm_epsilon: float = 1e-6,
+                 qk_norm_scale_offset: float = 0.0, scale: float | None = None,
+                 local_window_size=None, logits_soft_cap: float | None = None, **kwargs):
+        owner = "layers.MultiHeadAttention"
+        implementation = _check_implementation(implementation, owner)
+        custom_fn = "attention_fn" in kwargs
+        if not custom_fn:
             kwargs["attention_fn"] = _BoundAttention(implementation)
         super().__init__(*args, **kwargs)
         self.implementation = implementation
+        self.decoder_options = _check_decoder_options(
+            owner, rotary=rotary, qk_norm=qk_norm, qk_norm_epsilon=qk_norm_epsilon,
+            qk_norm_scale_offset=qk_norm_scale_offset, scale=scale,
+            local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+            custom_fn=custom_fn)
+        self.rotary = rotary
+        if qk_norm is not None:
+            norm = dict(epsilon=float(qk_norm_epsilon), dtype=self.dtype,
+                        param_dtype=self.param_dtype, implementation=implementation,
+                        rngs=kwargs["rngs"])
+            if qk_norm_scale_offset:
+                norm["scale_offset"] = float(qk_norm_scale_offset)
+            self.query_norm = RMSNorm(self.head_dim, **norm)
+            self.key_norm = RMSNorm(self.head_dim, **norm)
+        else:
+            self.query_norm = nnx.data(None)
+            self.key_norm = nnx.data(None)
+
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, positions=None, mask=None,
+                 deterministic=None, rngs=None, sow_weights=False, decode=None, is_causal=False,
+                 **kwargs):
+        """Attention of ``inputs_q`` over ``inputs_k`` / ``inputs_v`` (default: self-attention).
+
+        ``positions``: int32 ``[B, T]`` or ``[T]`` positions of the queries and
+        keys for the rotary embedding (None: ``0 .. T - 1``); only with the
+        decoder options. Everything else as :class:`flax.nnx.MultiHeadAttention`.
+        """
+        if self.decoder_options is None:
+            if positions is not None:
+                raise ValueError("layers.MultiHeadAttention: positions= is used by the rotary "
+                                 "embedding; this layer was built without rotary=.")
+            return super().__call__(inputs_q, inputs_k, inputs_v, mask=mask,
+                                    deterministic=deterministic, rngs=rngs,
+                                    sow_weights=sow_weights, decode=decode, is_causal=is_causal,
+                                    **kwargs)
+        if sow_weights:
+            raise ValueError("layers.MultiHeadAttention: sow_weights=True needs Flax's attention, "
+                             "which has no rotary embedding, q/k RMS norm, window or soft cap.")
+        if decode or (decode is None and self.decode):
+            raise NotImplementedError(
+                "layers.MultiHeadAttention: decode=True with the decoder options (rotary, "
+                "qk_norm, scale, local_window_size, logits_soft_cap) needs a key/value cache "
+                "that stores rotated keys, not built yet.")
+        inputs_k = inputs_q if inputs_k is None else inputs_k
+        inputs_v = inputs_k if inputs_v is None else inputs_v
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(f"layers.MultiHeadAttention: inputs_q has {inputs_q.shape[-1]} "
+                             f"features, the layer expects in_features={self.in_features}.")
+        qkv_sharding = kwargs.pop("qkv_sharding", None)
+        query = self.query(inputs_q, out_sharding=qkv_sharding)
+        key = self.key(inputs_k, out_sharding=qkv_sharding)
+        value = self.value(inputs_v, out_sharding=qkv_sharding)
+        if self.normalize_qk:
+            query, key = self.query_ln(query), self.key_ln(key)
+        if self.query_norm is not None:
+            query, key = self.query_norm(query), self.key_norm(key)
+        if self.rotary is not None:
+            if positions is None:
+                positions = jnp.arange(query.shape[-3], dtype=jnp.int32)
+            query, key = self.rotary(query, positions), self.rotary(key, positions)
+        out = self.attend(query, key, value, mask=mask, is_causal=is_causal,
+                          dropout_rng=self._dropout_rng(deterministic, rngs))
+        return self.out(out, out_sharding=kwargs.pop("out_sharding", None))
+
+    def attend(self, query, key, value, *, mask, is_causal, dropout_rng):
+        """The decoder path's attention of projected, normed, rotated heads ``[B, T, N, H]``.
+
+        The one place a key/value cache (dense or paged) or a split-KV decode
+        kernel plugs in: it receives the new keys and values and attends over
+        the cache instead.
+        """
+        opts = self.decoder_options
+        rate = self.dropout_rate if dropout_rng is not None else 0.0
+        if not isinstance(self.attention_fn, _BoundAttention):  # a user's attention_fn
+            return self.attention_fn(query, key, value, mask=mask, dropout_rng=dropout_rng,
+                                     dropout_rate=rate, broadcast_dropout=self.broadcast_dropout,
+                                     deterministic=dropout_rng is None, dtype=self.dtype,
+                                     precision=self.precision, module=None, is_causal=is_causal)
+        if mask is not None:
+            mask = jnp.asarray(mask).astype(jnp.bool_)
+        return _flash_attention(query, key, value, mask=mask, is_causal=bool(is_causal),
+                                scale=opts.scale, local_window_size=opts.local_window_size,
+                                logits_soft_cap=opts.logits_soft_cap, dropout_rate=rate,
+                                dropout_rng=dropout_rng, implementation=self.implementation)
+
+    def _dropout_rng(self, deterministic, rngs):
+        """nnx.MultiHeadAttention's choice of the dropout key (None: no dropout)."""
+        if self.dropout_rate <= 0.0:
+            return None
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if deterministic is None:
+            raise ValueError("layers.MultiHeadAttention: no deterministic= given to __call__ or "
+                             "the constructor, and dropout_rate > 0.")
+        if deterministic:
+            return None
+        stream = self.rngs if rngs is None else getattr(rngs, "dropout", rngs)
+        if stream is None:
+            raise ValueError("layers.MultiHeadAttention: dropout needs rngs= in __call__ (the "
+                             "layer was built with keep_rngs=False).")
+        return stream()
 
 
-def _signature_with_implementation(parent):
-    """``parent.__init__``'s signature plus ``implementation=None``, our attention_fn as default."""
+_QK_NORMS = (None, "rms_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderOptions:
+    """The attention options of :class:`MultiHeadAttention`'s decoder path (static, hashable)."""
+
+    scale: float | None = None
+    local_window_size: int | tuple[int, int] | None = None
+    logits_soft_cap: float | None = None
+
+
+def _check_decoder_options(owner, *, rotary, qk_norm, qk_norm_epsilon, qk_norm_scale_offset,
+                           scale, local_window_size, logits_soft_cap, custom_fn):
+    """The :class:`DecoderOptions`, None when every option is off; bad values raise, naming them."""
+    if rotary is not None and not callable(rotary):
+        raise TypeError(f"{owner}: invalid argument rotary={rotary!r}; expected None or a "
+                        "layers.RotaryEmbedding (a callable rotary(x, positions)).")
+    if qk_norm not in _QK_NORMS:
+        raise ValueError(f"{owner}: invalid argument qk_norm={qk_norm!r}; expected one of "
+                         f"{_QK_NORMS} (Flax's LayerNorm q/k norm is normalize_qk=True).")
+    for name, value in (("qk_norm_epsilon", qk_norm_epsilon),
+                        ("qk_norm_scale_offset", qk_norm_scale_offset)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{owner}: invalid argument {name}={value!r}; expected a number.")
+    if qk_norm_epsilon < 0:
+        raise ValueError(f"{owner}: invalid argument qk_norm_epsilon={qk_norm_epsilon!r}; "
+                         "expected >= 0.")
+    for name, value in (("scale", scale), ("logits_soft_cap", logits_soft_cap)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                  or not value > 0):
+            raise ValueError(f"{owner}: invalid argument {name}={value!r}; expected None or a "
+                             "number > 0.")
+    if local_window_size is not None:
+        sides = (local_window_size if isinstance(local_window_size, (tuple, list))
+                 else (local_window_size,))
+        if len(sides) not in (1, 2) or any(isinstance(w, bool) or not isinstance(w, int) or w < 0
+                                           for w in sides):
+            raise ValueError(f"{owner}: invalid argument local_window_size={local_window_size!r};"
+                             " expected None, an int w >= 0 or a pair (left, right) of them.")
+        local_window_size = tuple(local_window_size) if len(sides) == 2 else local_window_size
+    kernel_only = {"scale": scale, "local_window_size": local_window_size,
+                   "logits_soft_cap": logits_soft_cap}
+    if custom_fn and any(v is not None for v in kernel_only.values()):
+        raise ValueError(f"{owner}: scale, local_window_size and logits_soft_cap are options of "
+                         "the layer's own attention; a custom attention_fn cannot take them.")
+    if rotary is None and qk_norm is None and all(v is None for v in kernel_only.values()):
+        return None
+    return DecoderOptions(scale=None if scale is None else float(scale),
+                          local_window_size=local_window_size,
+                          logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
+
+
+_DECODER_KEYWORDS = (("rotary", None), ("qk_norm", None), ("qk_norm_epsilon", 1e-6),
+                     ("qk_norm_scale_offset", 0.0), ("scale", None), ("local_window_size", None),
+                     ("logits_soft_cap", None))
+
+
+def _signature_with_implementation(parent, extras=()):
+    """``parent.__init__``'s signature plus ``implementation=None`` and ``extras`` (name,
+    default) as keyword-only arguments, our attention_fn as default."""
     base = inspect.signature(parent.__init__)
     params = []
     for p in base.parameters.values():
         if p.name == "attention_fn":
             p = p.replace(default=dot_product_attention)
         params.append(p)
-    extra = inspect.Parameter("implementation", inspect.Parameter.KEYWORD_ONLY, default=None)
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+             for name, default in (("implementation", None), *extras)]
     first_kw = next((i for i, p in enumerate(params) if p.kind == p.KEYWORD_ONLY), len(params))
-    return base.replace(parameters=params[:first_kw] + [extra] + params[first_kw:])
+    return base.replace(parameters=params[:first_kw] + extra + params[first_kw:])
 
 
 try:
     MultiHeadAttention.__init__.__signature__ = _signature_with_implementation(
-        nnx.MultiHeadAttention)
+        nnx.MultiHeadAttention, _DECODER_KEYWORDS)
 except (TypeError, ValueError):  # an unexpected Flax signature: keep the plain one
     pass

@@ -1,0 +1,86 @@
+"""XLA references of the decoder ops (also their ``"xla"`` implementations).
+
+Each is the plain composition a user writes today, computed in float32 and
+rounded once to the input's dtype: rotary embedding from ``cos`` / ``sin``
+tables, the gated linear unit as one matmul of the stacked weights, the
+activation and a product.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def rotary_angles(positions, inv_freq):
+    """``positions[..., None] * inv_freq`` in float32: ``[..., R/2]`` angles in radians,
+    the product transformers' rotary modules form (one float32 rounding)."""
+    return positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)
+
+
+def rotary_pairs(x, rotary_dim: int, interleaved: bool):
+    """``(x1, x2, rest)``: the two members of each rotated pair and the pass-through features.
+
+    rotate_half pairing (Llama, GPT-NeoX, transformers' ``rotate_half``): feature
+    ``i`` with ``i + R/2``; interleaved (GPT-J): ``2i`` with ``2i + 1``.
+    """
+    half = rotary_dim // 2
+    if interleaved:
+        x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    return x1, x2, x[..., rotary_dim:]
+
+
+def merge_pairs(y1, y2, rest, interleaved: bool):
+    """Inverse of :func:`rotary_pairs`."""
+    if interleaved:
+        rotated = jnp.stack([y1, y2], axis=-1).reshape(*y1.shape[:-1], 2 * y1.shape[-1])
+    else:
+        rotated = jnp.concatenate([y1, y2], axis=-1)
+    return jnp.concatenate([rotated, rest.astype(rotated.dtype)], axis=-1)
+
+
+def rotary_embedding_reference(x, positions, inv_freq, *, interleaved: bool = False,
+                               attention_scaling: float = 1.0):
+    """Rotary embedding with XLA: ``x [..., T, N, H]``, ``positions`` broadcastable to
+    ``[..., T]``, ``inv_freq [R/2]``.
+
+    Builds the ``cos`` / ``sin`` tables ``[..., T, R/2]`` in float32 (times
+    ``attention_scaling``), rotates each pair ``(x1, x2)`` to ``(x1 cos - x2 sin,
+    x2 cos + x1 sin)`` in float32, passes features ``R..H`` through, and rounds
+    once to x's dtype (float64 inputs stay float64 when x64 is enabled).
+    """
+    compute = jnp.promote_types(x.dtype, jnp.float32)
+    angles = rotary_angles(positions, inv_freq).astype(compute)
+    cos = (jnp.cos(angles) * attention_scaling)[..., None, :]
+    sin = (jnp.sin(angles) * attention_scaling)[..., None, :]
+    x1, x2, rest = rotary_pairs(x.astype(compute), 2 * inv_freq.shape[-1], interleaved)
+    y = merge_pairs(x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest, interleaved)
+    return y.astype(x.dtype)
+
+
+def gated_linear_unit_reference(x, weights, activation: Callable | None = None):
+    """``activation(x @ weights[:, 0]) * (x @ weights[:, 1])`` with XLA.
+
+    One matmul of x with the stacked ``[K, 2N]`` weights (float32 accumulation,
+    IEEE float32 products), the activation and the product in float32, the
+    result rounded once to x's dtype.
+    """
+    gate, up = glu_preactivations(x, weights)
+    if activation is not None:
+        gate = activation(gate)
+    return (gate * up).astype(x.dtype)
+
+
+def glu_preactivations(x, weights):
+    """``(x @ weights[:, 0], x @ weights[:, 1])`` in float32 (the GLU's two accumulators)."""
+    k, _, n = weights.shape
+    y = jnp.dot(x, weights.reshape(k, 2 * n), preferred_element_type=jnp.float32,
+                precision=lax.Precision.HIGHEST)
+    return y[..., :n], y[..., n:]
+
+
+__all__ = ["gated_linear_unit_reference", "glu_preactivations", "merge_pairs", "rotary_angles",
+           "rotary_embedding_reference", "rotary_pairs"]

@@ -7,10 +7,11 @@ sequence of names tried in order; see :mod:`ops._implementation`.
 from ops._implementation import IMPLEMENTATIONS
 from ops.activations import ACTIVATIONS
 from ops.attention import dot_product_attention
+from ops.decoder import apply_rotary_embedding, gated_linear_unit, rope_frequencies
 from ops.matmul import fused_matmul
 from ops.reduction import (cross_entropy, layer_norm, linear_cross_entropy, log_softmax, logsumexp,
                            max, mean, rms_norm, softmax, sum)  # noqa: A004 - jnp's names
 
-__all__ = ["ACTIVATIONS", "IMPLEMENTATIONS", "cross_entropy", "dot_product_attention", "fused_matmul", "layer_norm",
-           "linear_cross_entropy", "log_softmax", "logsumexp", "max", "mean", "rms_norm", "softmax",
-           "sum"]
+__all__ = ["ACTIVATIONS", "IMPLEMENTATIONS", "apply_rotary_embedding", "cross_entropy", "dot_product_attention", "fused_matmul", "gated_linear_unit", "layer_norm",
+           "linear_cross_entropy", "log_softmax", "logsumexp", "max", "mean", "rms_norm", "rope_frequencies",
+           "softmax", "sum"]

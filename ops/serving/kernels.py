@@ -110,9 +110,12 @@ class DecodeConfig:
                       block_k_dkv=self.page_size)
 
 
-def min_group_rows(backend: str) -> int:
-    """The query tile's minimum rows: 16 on the Triton backends (``tl.dot``), else 1."""
-    return 16 if backend in pl.TRITON_BACKENDS else 1
+def group_rows(backend: str, group: int) -> int:
+    """The query tile's rows for a GQA group of ``group`` heads: on the Triton backends
+    a power of two >= 16 (``tl.dot``'s minimum), elsewhere the group itself."""
+    if backend in pl.TRITON_BACKENDS:
+        return max(16, pl.next_power_of_2(group))
+    return group
 
 
 def check_page_size(backend: str, page_size: int, op: str) -> None:

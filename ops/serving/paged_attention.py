@@ -7,7 +7,6 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_core as pl
 from ops._checks import check_float_dtype, check_same_dtype
 from ops._implementation import run_implementation
 from ops.serving import checks, kernels
@@ -160,8 +159,7 @@ def _run(args, impl: str, bs):
         return out.astype(q.dtype)
     kernels.check_page_size(impl, ps, _OP)
     G = N // K
-    Gp = max(G, kernels.min_group_rows(impl))
-    Gp = pl.next_power_of_2(Gp) if impl in pl.TRITON_BACKENDS and Gp != G else Gp
+    Gp = kernels.group_rows(impl, G)
     pps = args["tables"].shape[1]
     bs = bs or heuristic(impl, B * K, ps, pps)
     cfg = kernels.DecodeConfig(

@@ -1,0 +1,166 @@
+"""``ops.update_kv_pages``: new tokens' keys and values written into their cache pages in place."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import pallas_core as pl
+from ops._checks import check_same_dtype
+from ops._implementation import run_implementation
+from ops.serving import checks
+
+_OP = "update_kv_pages"
+
+
+def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None):
+    """Writes ``T`` new tokens' keys and values into their slots of a paged cache.
+
+    Slot ``s`` is token ``s % page_size`` of page ``s // page_size`` (vLLM's slot
+    mapping). The kernel writes one ``[heads, H]`` block per token through a
+    BlockSpec whose index map reads the slot (scalar prefetch), with the cache as
+    an aliased output (``input_output_aliases``): nothing else of the cache is read
+    or written, and under ``jax.jit`` with the cache donated
+    (``donate_argnums``) no copy of it is made.
+
+    Args:
+      kv_pages: the cache, either one array ``[total_pages, page_size, 2 * K, H]``
+        (JAX's TPU ragged layout: keys at even, values at odd combined heads), or a
+        pair ``(k_pages, v_pages)`` of ``[K, total_pages, page_size, H]`` (JAX's GPU
+        paged layout).
+      new_k, new_v: ``[T, K, H]``, the cache's dtype (quantize int8 caches first).
+      slot_mapping: int32 ``[T]``; a negative slot (or one past the cache) skips
+        the token (padding). Two tokens with one slot: either may win.
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
+        "xla" (a scatter), "interpret", "triton", "mosaic_tpu", or a sequence tried
+        in order.
+
+    Returns:
+      The updated cache, in ``kv_pages``' structure.
+
+    Raises:
+      TypeError: non-arrays, dtypes differing from the cache's, slot_mapping not int32.
+      ValueError: ranks and shapes, a pair of caches of different shapes, an unknown
+        implementation.
+    """
+    combined = not isinstance(kv_pages, (tuple, list))
+    pages = (kv_pages,) if combined else tuple(kv_pages)
+    _check(pages, new_k, new_v, slot_mapping, combined)
+    out = run_implementation(
+        implementation, _OP, lambda impl: _run(pages, new_k, new_v, slot_mapping, combined, impl),
+        kernel_backends=("interpret", "triton", "mosaic_tpu"),
+        missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which places the writes)")
+    return out[0] if combined else type(kv_pages)(out)
+
+
+def _check(pages, new_k, new_v, slots, combined: bool):
+    if combined:
+        layout = "[total_pages, page_size, 2 * K, H]"
+        checks.check_rank(pages[0], "kv_pages", 4, layout, _OP)
+        if pages[0].shape[2] % 2:
+            raise ValueError(f"{_OP}: kv_pages must hold 2 * K combined heads {layout}; "
+                             f"got {pages[0].shape[2]}.")
+        K, H = pages[0].shape[2] // 2, pages[0].shape[3]
+    else:
+        layout = "[K, total_pages, page_size, H]"
+        if len(pages) != 2:
+            raise ValueError(f"{_OP}: kv_pages must be one array or a pair (k_pages, v_pages); "
+                             f"got a sequence of {len(pages)}.")
+        for name, x in zip(("kv_pages[0]", "kv_pages[1]"), pages):
+            checks.check_rank(x, name, 4, layout, _OP)
+        if tuple(pages[0].shape) != tuple(pages[1].shape):
+            raise ValueError(f"{_OP}: k_pages and v_pages must have the same shape; got "
+                             f"{tuple(pages[0].shape)} and {tuple(pages[1].shape)}.")
+        check_same_dtype(pages[1], pages[0], "kv_pages[1]", "kv_pages[0]", _OP)
+        K, H = pages[0].shape[0], pages[0].shape[3]
+    checks.check_int32(slots, "slot_mapping", (None,), "[T]", _OP)
+    T = slots.shape[0]
+    for name, x in (("new_k", new_k), ("new_v", new_v)):
+        checks.check_rank(x, name, 3, "[T, K, H]", _OP)
+        if tuple(x.shape) != (T, K, H):
+            raise ValueError(f"{_OP}: {name} must have shape {(T, K, H)} [T, K, H] (T from "
+                             f"slot_mapping, K and H from the cache); got {tuple(x.shape)}.")
+        check_same_dtype(x, pages[0], name, "the cache", _OP)
+
+
+def _geometry(pages, combined: bool):
+    """``(total_pages, page_size)``."""
+    return pages[0].shape[:2] if combined else pages[0].shape[1:3]
+
+
+def _run(pages, new_k, new_v, slots, combined: bool, impl: str):
+    T = slots.shape[0]
+    if T == 0 or pages[0].size == 0:
+        return pages
+    P, ps = _geometry(pages, combined)
+    valid = (slots >= 0) & (slots < P * ps)
+    if impl == "xla":
+        page = jnp.where(valid, slots // ps, P)  # P: out of bounds, dropped
+        off = jnp.where(valid, slots % ps, 0)
+        if combined:
+            new = _interleaved(new_k, new_v)
+            return (pages[0].at[page, off].set(new, mode="drop"),)
+        return tuple(x.at[:, page, off].set(jnp.swapaxes(n, 0, 1), mode="drop")
+                     for x, n in zip(pages, (new_k, new_v)))
+    slots, new_k, new_v = _padding_rewritten(pages, new_k, new_v, slots, valid, combined)
+    if combined:
+        return _write(impl, combined, ps, pages, (_interleaved(new_k, new_v),), slots)
+    return _write(impl, combined, ps, pages, (new_k, new_v), slots)
+
+
+def _interleaved(k, v):
+    """``[T, K, H]`` keys and values as ``[T, 2K, H]``: key ``h`` at ``2h``, value at ``2h + 1``."""
+    T, K, H = k.shape
+    return jnp.stack([k, v], axis=2).reshape(T, 2 * K, H)
+
+
+def _padding_rewritten(pages, new_k, new_v, slots, valid, combined: bool):
+    """Skipped tokens rewritten as copies of a real write (the first valid token's slot and
+    data), or, with none valid, as slot 0 rewritten with its own contents: every program
+    then writes a block, and two programs writing one slot write the same bytes."""
+    any_valid = jnp.any(valid)
+    first = jnp.argmax(valid)
+    if combined:
+        old_k, old_v = pages[0][0, 0, 0::2], pages[0][0, 0, 1::2]
+    else:
+        old_k, old_v = pages[0][:, 0, 0], pages[1][:, 0, 0]
+    fill_slot = jnp.where(any_valid, slots[first], 0)
+    slots = jnp.where(valid, slots, fill_slot)
+    out = []
+    for new, old in ((new_k, old_k), (new_v, old_v)):
+        fill = jnp.where(any_valid, new[first], old)
+        out.append(jnp.where(valid[:, None, None], new, fill[None]))
+    return slots, out[0], out[1]
+
+
+def _write_kernel(slots_ref, *refs, n: int):
+    del slots_ref  # read by the index maps
+    news, outs = refs[:n], refs[2 * n:]
+    for new, out in zip(news, outs):
+        out[...] = new[...]
+
+
+def _write(impl: str, combined: bool, ps: int, pages, news, slots):
+    n = len(pages)
+    blk_new = news[0].shape[1:]
+    new_spec = pl.BlockSpec((None,) + blk_new, lambda t, s: (t, 0, 0))
+    if combined:
+        out_spec = pl.BlockSpec((None, None) + blk_new,
+                                lambda t, s: (s[t] // ps, s[t] % ps, 0, 0))
+    else:
+        K, H = blk_new
+        out_spec = pl.BlockSpec((K, None, None, H), lambda t, s: (0, s[t] // ps, s[t] % ps, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pl.tpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(slots.shape[0],), in_specs=[new_spec] * n + [any_spec] * n,
+        out_specs=[out_spec] * n)
+    params = (pl.triton.CompilerParams(num_warps=1, dimension_semantics=("parallel",))
+              if impl in pl.TRITON_BACKENDS else pl.CompilerParams(("parallel",)))
+    return tuple(pl.pallas_call(
+        functools.partial(_write_kernel, n=n),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pages], grid_spec=grid_spec,
+        input_output_aliases={1 + n + i: i for i in range(n)}, compiler_params=params,
+        backend=impl, name="update_kv_pages",
+    )(slots, *news, *pages))
+

@@ -11,7 +11,8 @@ from ops.decoder import apply_rotary_embedding, gated_linear_unit, rope_frequenc
 from ops.matmul import fused_matmul
 from ops.reduction import (cross_entropy, layer_norm, linear_cross_entropy, log_softmax, logsumexp,
                            max, mean, rms_norm, softmax, sum)  # noqa: A004 - jnp's names
+from ops.serving import paged_attention, ragged_paged_attention, update_kv_pages
 
 __all__ = ["ACTIVATIONS", "IMPLEMENTATIONS", "apply_rotary_embedding", "cross_entropy", "dot_product_attention", "fused_matmul", "gated_linear_unit", "layer_norm",
-           "linear_cross_entropy", "log_softmax", "logsumexp", "max", "mean", "rms_norm", "rope_frequencies",
-           "softmax", "sum"]
+           "linear_cross_entropy", "log_softmax", "logsumexp", "max", "mean", "paged_attention",
+           "ragged_paged_attention", "rms_norm", "rope_frequencies", "softmax", "sum", "update_kv_pages"]

@@ -128,7 +128,7 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
-from ops._checks import check_array, check_float_dtype
+from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import PARAM, ROW, STAT, psum, reshape, rowwise
 from ops.reduction._rows import (RowLayout, check_max_chunk, as_rows, chunk_slice, column_mask, for_each_chunk,
@@ -140,8 +140,9 @@ __all__ = ["layer_norm", "rms_norm", "reference", "layer_norm_reference", "rms_n
 
 
 def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6,
-               use_fast_variance: bool = False, implementation: str | None = None,
-               max_chunk: int | None = None) -> jax.Array:
+               use_fast_variance: bool = False, residual=None, scale_offset: float = 0.0,
+               implementation: str | None = None,
+               max_chunk: int | None = None):
     """Layer normalization over the last axis: ``(x - mean) * (rsqrt(var + eps) * scale) + bias``.
 
     Matches ``flax.nnx.LayerNorm`` (and ``flax.linen.LayerNorm``) with the
@@ -158,6 +159,17 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6,
         params with 16-bit x lose nothing).
       bias: ``[features]`` or None (no offset); dtypes as scale.
       epsilon: a static non-negative number added to the variance.
+      residual: None, or an array of x's shape and dtype to add to x first:
+        the call then normalizes ``h = x + residual`` (the sum rounded to x's
+        dtype, as the unfused ``x + residual`` is) and returns ``(y, h)``, both
+        from one kernel (pre-norm transformers' "add, then norm" of the
+        residual stream; see the module docstring). The backward pass takes
+        the cotangents of both outputs; x and residual get the same gradient.
+      scale_offset: a static real number added to ``scale`` inside the
+        kernel, so the multiplier is ``scale + scale_offset``: 1.0 gives
+        Gemma's ``(1 + scale)`` with a zero-initialised scale. The gradient
+        with respect to ``scale`` is unchanged in meaning (that of the
+        ``scale`` argument). Must be 0 when ``scale`` is None.
       use_fast_variance: a static bool. False (the default): the two-pass
         variance ``mean((x - mean)**2)`` (chunked with Chan et al.'s merge),
         accurate whatever the mean. True: Flax's fast form ``max(0,
@@ -176,30 +188,33 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6,
         a small cap to exercise multi-chunk rows on small shapes.
 
     Returns:
-      ``[..., features]`` in x's dtype. Statistics and arithmetic are float32.
+      ``y [..., features]`` in x's dtype; with ``residual``, the pair ``(y,
+      x + residual)``. Statistics and arithmetic are float32.
 
     Raises:
       TypeError: a non-array argument, an integer / unsupported dtype of x,
-        scale or bias, a non-numeric epsilon, a use_fast_variance that is not
-        a bool.
+        scale, bias or residual, residual's dtype not x's, a non-numeric
+        epsilon or scale_offset, a use_fast_variance that is not a bool.
       ValueError: x a scalar or with 0 features, scale / bias not
-        ``[features]``, a negative or NaN epsilon, a bad max_chunk, an
-        unknown implementation.
+        ``[features]``, residual not x's shape, a negative or NaN epsilon, a
+        non-finite scale_offset or a non-zero one without scale, a bad
+        max_chunk, an unknown implementation.
       NotImplementedError: implementation "mosaic_gpu" (no kernel for it yet).
 
-    Differentiable in x, scale and bias (``jax.custom_vjp`` with Pallas
-    backward kernels; the gradients have the dtypes of x, scale and bias);
+    Differentiable in x, residual, scale and bias (``jax.custom_vjp`` with
+    Pallas backward kernels; the gradients have the dtypes of x, scale and bias);
     jit- and vmap-compatible. The gradient is that of the formula chosen by
     ``use_fast_variance``, clip included (module docstring).
     """
     return _normalize("layer_norm", x, scale, bias, epsilon=epsilon, center=True,
                       fast_variance=_check_flag(use_fast_variance, "use_fast_variance",
                                                 "layer_norm"),
+                      residual=residual, scale_offset=scale_offset,
                       implementation=implementation, max_chunk=max_chunk)
 
 
-def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None = None,
-             max_chunk: int | None = None) -> jax.Array:
+def rms_norm(x, scale=None, *, epsilon: float = 1e-6, residual=None, scale_offset: float = 0.0,
+             implementation: str | None = None, max_chunk: int | None = None):
     """RMS normalization over the last axis: ``x * rsqrt(mean(x**2) + eps) * scale``.
 
     Matches ``flax.nnx.RMSNorm`` (and ``flax.linen.RMSNorm``) with the feature
@@ -211,23 +226,33 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None
         any feature size >= 1.
       scale: ``[features]`` or None (no scaling); float32 / bfloat16 /
         float16, not necessarily x's dtype (read as float32).
-      epsilon, implementation, max_chunk: as in :func:`layer_norm`. (There is
-        no ``use_fast_variance``: without centering the statistic is
-        ``mean(x**2)`` either way, as in Flax's RMSNorm.)
+      epsilon, residual, scale_offset, implementation, max_chunk: as in
+        :func:`layer_norm`. (There is no ``use_fast_variance``: without
+        centering the statistic is ``mean(x**2)`` either way, as in Flax's
+        RMSNorm.) ``residual`` is the fused add of a pre-norm decoder layer
+        (``h = x + residual; y = rms_norm(h)``); ``scale_offset=1.0`` is
+        Gemma's ``x * rsqrt(mean(x**2) + eps) * (1 + scale)``.
 
     Returns:
-      ``[..., features]`` in x's dtype.
+      ``[..., features]`` in x's dtype; with ``residual``, ``(y, x + residual)``.
 
     Raises:
       As :func:`layer_norm`.
 
-    Differentiable in x and scale; jit- and vmap-compatible.
+    Per-head norms (Qwen3's and Gemma 3's q/k norms): pass ``q [B, T, N, H]``
+    with ``scale [H]``; the rows are the ``B * T * N`` heads. Merging the
+    leading dims of a row-major array is a bitcast (XLA emits no copy for it),
+    so the kernel reads q in place; no transpose is involved.
+
+    Differentiable in x, residual and scale; jit- and vmap-compatible.
     """
     return _normalize("rms_norm", x, scale, None, epsilon=epsilon, center=False,
-                      fast_variance=False, implementation=implementation, max_chunk=max_chunk)
+                      fast_variance=False, residual=residual, scale_offset=scale_offset,
+                      implementation=implementation, max_chunk=max_chunk)
 
 
-def _normalize(op, x, scale, bias, *, epsilon, center, fast_variance, implementation, max_chunk):
+def _normalize(op, x, scale, bias, *, epsilon, center, fast_variance, residual, scale_offset,
+               implementation, max_chunk):
     check_array(x, "x", op)
     check_float_dtype(x, "x", op)
     if x.ndim < 1:
@@ -244,25 +269,40 @@ def _normalize(op, x, scale, bias, *, epsilon, center, fast_variance, implementa
         if tuple(p.shape) != (features,):
             raise ValueError(f"{op}: {name} must have shape [features] = ({features},), got "
                              f"{tuple(p.shape)}.")
+    if residual is not None:
+        check_array(residual, "residual", op)
+        check_float_dtype(residual, "residual", op)
+        check_same_dtype(residual, x, "residual", "x", op)
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)}, got "
+                             f"{tuple(residual.shape)}.")
     epsilon = _check_epsilon(epsilon, op)
+    scale_offset = _check_scale_offset(scale_offset, scale, op)
     check_max_chunk(max_chunk, op)
     check_implementation(implementation, op)
     return run_implementation(
-        implementation, op, lambda impl: _norm_on(impl, op, x, scale, bias, epsilon, center,
-                                                  fast_variance, max_chunk))
+        implementation, op, lambda impl: _norm_on(impl, op, x, residual, scale, bias, epsilon,
+                                                  center, fast_variance, scale_offset, max_chunk))
 
 
-def _norm_on(impl, op, x, scale, bias, epsilon, center, fast_variance, max_chunk):
+def _norm_on(impl, op, x, residual, scale, bias, epsilon, center, fast_variance, scale_offset,
+             max_chunk):
     """The checked call on one implementation (see :func:`layer_norm`, :func:`rms_norm`)."""
     features = x.shape[-1]
     x2, lead = as_rows(x)
     if impl == "xla" or x2.shape[0] == 0:  # (no rows: keep autodiff through the reference)
-        return reference(x, scale, bias, epsilon=epsilon, center=center,
-                         use_fast_variance=fast_variance)
+        h = x if residual is None else x + residual
+        y = reference(h, scale, bias, epsilon=epsilon, center=center,
+                      use_fast_variance=fast_variance, scale_offset=scale_offset)
+        return y if residual is None else (y, h)
     config = _Config(op=op, backend=impl, center=center, epsilon=epsilon,
                      fast_variance=fast_variance,
-                     max_chunk=None if max_chunk is None else int(max_chunk))
-    return reshape(_norm(x2, scale, bias, config), (*lead, features))
+                     max_chunk=None if max_chunk is None else int(max_chunk),
+                     scale_offset=scale_offset, residual=residual is not None)
+    if residual is None:
+        return reshape(_norm(x2, scale, bias, config), (*lead, features))
+    y2, h2 = _norm_residual(x2, as_rows(residual)[0], scale, bias, config)
+    return reshape(y2, (*lead, features)), reshape(h2, (*lead, features))
 
 
 def _check_flag(value, name: str, op: str) -> bool:
@@ -271,6 +311,21 @@ def _check_flag(value, name: str, op: str) -> bool:
         raise TypeError(f"{op}: {name} must be a bool (True or False), got "
                         f"{type(value).__name__} {value!r}.")
     return bool(value)
+
+
+def _check_scale_offset(scale_offset, scale, op) -> float:
+    """A static finite real number; non-zero only with a scale."""
+    if (isinstance(scale_offset, bool)
+            or not isinstance(scale_offset, (int, float, np.integer, np.floating))):
+        raise TypeError(f"{op}: scale_offset must be a static real number (it is compiled into "
+                        f"the kernel), got {type(scale_offset).__name__}.")
+    scale_offset = float(scale_offset)
+    if not np.isfinite(scale_offset):
+        raise ValueError(f"{op}: scale_offset must be finite, got {scale_offset}.")
+    if scale_offset != 0.0 and scale is None:
+        raise ValueError(f"{op}: scale_offset={scale_offset} needs a scale (it is added to "
+                         "scale); pass scale, or scale_offset=0.")
+    return scale_offset
 
 
 def _check_epsilon(epsilon, op) -> float:
@@ -294,7 +349,7 @@ def _check_epsilon(epsilon, op) -> float:
 # --------------------------------------------------------------------------
 
 def reference(x, scale=None, bias=None, *, epsilon: float = 1e-6, center: bool = True,
-              use_fast_variance: bool = False):
+              use_fast_variance: bool = False, scale_offset: float = 0.0):
     """LayerNorm (``center=True``) or RMSNorm (``center=False``) with XLA, float32 inside.
 
     Flax's arithmetic operation for operation (``_compute_stats`` then
@@ -303,7 +358,8 @@ def reference(x, scale=None, bias=None, *, epsilon: float = 1e-6, center: bool =
     ``max(0, mean(x**2) - mean**2)``; then ``(x - mean) * (rsqrt(var + eps) *
     scale) + bias``. On CPU it is bit-identical to the Flax modules with the
     same ``use_fast_variance``. x, scale and bias may have different float
-    dtypes (all are computed in float32); the output has x's dtype.
+    dtypes (all are computed in float32); the output has x's dtype. A
+    non-zero ``scale_offset`` multiplies by ``scale + scale_offset`` (float32).
     """
     xf = x.astype(jnp.float32)
     if not center:
@@ -318,23 +374,30 @@ def reference(x, scale=None, bias=None, *, epsilon: float = 1e-6, center: bool =
     y = xf if mean is None else xf - mean
     mul = lax.rsqrt(var + epsilon)
     if scale is not None:
-        mul = mul * scale.astype(jnp.float32)
+        mul = mul * _offset(scale.astype(jnp.float32), scale_offset)
     y = y * mul
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)
 
 
+def _offset(scale, scale_offset: float):
+    """``scale + scale_offset`` (float32), with no add at all for an offset of 0."""
+    return scale if scale_offset == 0.0 else scale + scale_offset
+
+
 def layer_norm_reference(x, scale=None, bias=None, *, epsilon: float = 1e-6,
-                         use_fast_variance: bool = False):
-    """:func:`reference` with centering: what ``layer_norm(..., implementation="xla")`` runs."""
+                         use_fast_variance: bool = False, scale_offset: float = 0.0):
+    """:func:`reference` with centering: what ``layer_norm(..., implementation="xla")`` runs
+    (without ``residual``; with it, the reference of ``x + residual``)."""
     return reference(x, scale, bias, epsilon=epsilon, center=True,
-                     use_fast_variance=use_fast_variance)
+                     use_fast_variance=use_fast_variance, scale_offset=scale_offset)
 
 
-def rms_norm_reference(x, scale=None, *, epsilon: float = 1e-6):
-    """:func:`reference` without centering: what ``rms_norm(..., implementation="xla")`` runs."""
-    return reference(x, scale, None, epsilon=epsilon, center=False)
+def rms_norm_reference(x, scale=None, *, epsilon: float = 1e-6, scale_offset: float = 0.0):
+    """:func:`reference` without centering: what ``rms_norm(..., implementation="xla")`` runs
+    (without ``residual``; with it, the reference of ``x + residual``)."""
+    return reference(x, scale, None, epsilon=epsilon, center=False, scale_offset=scale_offset)
 
 
 # --------------------------------------------------------------------------
@@ -349,6 +412,8 @@ class _Config:
     epsilon: float
     fast_variance: bool = False
     max_chunk: int | None = None
+    scale_offset: float = 0.0   # added to scale in the kernels (Gemma's 1 + scale)
+    residual: bool = False      # normalizes x + residual, writes the sum too
 
 
 def _chunk_loader(ref, layout: RowLayout):
@@ -361,6 +426,25 @@ def _chunk_loader(ref, layout: RowLayout):
         value = load_chunk(ref, layout, 0)
         return lambda c: value
     return lambda c: load_chunk(ref, layout, c)
+
+
+def _sum_loader(x_ref, residual_ref, layout: RowLayout):
+    """``c -> chunk c of h = x + residual`` as float32 (padding 0), the sum rounded to
+    x's dtype as the unfused add rounds it; one load of each when the row is one chunk."""
+    def load(c):
+        h = load_chunk(x_ref, layout, c) + load_chunk(residual_ref, layout, c)
+        return h.astype(x_ref.dtype).astype(jnp.float32)
+    if layout.num_chunks == 1:
+        value = load(0)
+        return lambda c: value
+    return load
+
+
+def _scale_loader(scale_ref, layout: RowLayout, config: "_Config"):
+    """``c -> chunk c of scale + scale_offset`` as float32, or None without a scale."""
+    if scale_ref is None:
+        return None
+    return lambda c: _offset(load_chunk(scale_ref, layout, c), config.scale_offset)
 
 
 def _valid_count(layout: RowLayout, c):
@@ -443,23 +527,30 @@ def _stat_names(config: "_Config") -> tuple[str, ...]:
 def _forward_kernel(*refs, layout: RowLayout, config, has_scale, has_bias, want_stats):
     refs = list(refs)
     x_ref = refs.pop(0)
+    residual_ref = refs.pop(0) if config.residual else None
     scale_ref = refs.pop(0) if has_scale else None
     bias_ref = refs.pop(0) if has_bias else None
     y_ref = refs.pop(0)
+    h_ref = refs.pop(0) if config.residual else None
     stat_refs = dict(zip(_stat_names(config), refs)) if want_stats else {}
 
-    load_x = _chunk_loader(x_ref, layout)
+    # With a residual, "x" below is h = x + residual, which the kernel also writes.
+    load_x = (_chunk_loader(x_ref, layout) if residual_ref is None
+              else _sum_loader(x_ref, residual_ref, layout))
+    load_scale = _scale_loader(scale_ref, layout, config)
     stats = _row_stats(load_x, layout, config)
     mean, rstd = stats.mean, stats.rstd
 
     def store(c, carry):
         # Flax's order: mul = rstd * scale; y = (x - mean) * mul; y += bias.
         x = load_x(c)
-        mul = rstd if scale_ref is None else rstd * load_chunk(scale_ref, layout, c)
+        mul = rstd if load_scale is None else rstd * load_scale(c)
         y = (x if mean is None else x - mean) * mul
         if bias_ref is not None:
             y = y + load_chunk(bias_ref, layout, c)
         y_ref[:, chunk_slice(layout, c)] = y.astype(y_ref.dtype)
+        if h_ref is not None:
+            h_ref[:, chunk_slice(layout, c)] = x.astype(h_ref.dtype)
         return carry
 
     for_each_chunk(layout, store, ())
@@ -472,18 +563,23 @@ def _param_spec(layout: RowLayout) -> pl.BlockSpec:
     return pl.BlockSpec((1, layout.padded_cols), lambda i: (0, 0))
 
 
-def _forward_call(x, scale, bias, config: _Config, *, want_stats: bool):
+def _forward_call(x, scale, bias, config: _Config, *, want_stats: bool, residual=None):
     """``y``, or ``(y, stats)`` with the float32 ``[rows, 1]`` statistics named by
-    :func:`_stat_names` (a dict), for ``x [rows, F]``."""
+    :func:`_stat_names` (a dict), for ``x [rows, F]``; with ``residual`` (and
+    ``config.residual``), ``y`` is the pair ``(y, h = x + residual)``."""
     rows, features = x.shape
     layout = _layout_for(rows, features, x.dtype, config)
     operands, in_specs = [x], [layout.row_spec()]
+    if config.residual:
+        operands.append(residual)
+        in_specs.append(layout.row_spec())
     for p in (scale, bias):
         if p is not None:
             operands.append(p.reshape(1, features))
             in_specs.append(_param_spec(layout))
-    out_shapes = [jax.ShapeDtypeStruct((rows, features), x.dtype)]
-    out_specs = [layout.row_spec()]
+    n_rows_out = 2 if config.residual else 1
+    out_shapes = [jax.ShapeDtypeStruct((rows, features), x.dtype)] * n_rows_out
+    out_specs = [layout.row_spec()] * n_rows_out
     names = _stat_names(config) if want_stats else ()
     out_shapes += [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * len(names)
     out_specs += [layout.stat_spec()] * len(names)
@@ -493,9 +589,15 @@ def _forward_call(x, scale, bias, config: _Config, *, want_stats: bool):
     outs = pl.pallas_call(
         kernel, out_shape=out_shapes, grid=layout.grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=row_compiler_params(layout, config.backend), backend=config.backend,
-        name=f"{config.op}_fwd",
+        name=_kernel_name(config, "fwd"),
         cost_estimate=_cost(operands, out_shapes, rows, flops_per_element=8))(*operands)
-    return (outs[0], dict(zip(names, outs[1:]))) if want_stats else outs[0]
+    y = tuple(outs[:2]) if config.residual else outs[0]
+    return (y, dict(zip(names, outs[n_rows_out:]))) if want_stats else y
+
+
+def _kernel_name(config: _Config, direction: str) -> str:
+    """``rms_norm_fwd``, ``layer_norm_bwd``, ...; ``rms_norm_residual_fwd`` with a residual."""
+    return f"{config.op}{'_residual' if config.residual else ''}_{direction}"
 
 
 # --------------------------------------------------------------------------
@@ -505,9 +607,10 @@ def _forward_call(x, scale, bias, config: _Config, *, want_stats: bool):
 def _backward_kernel(*refs, layout: RowLayout, config, has_scale, want_dscale, want_dbias):
     refs = list(refs)
     center = config.center
-    x_ref = refs.pop(0)
+    x_ref = refs.pop(0)   # h = x + residual with a residual
     scale_ref = refs.pop(0) if has_scale else None
     g_ref = refs.pop(0)
+    gh_ref = refs.pop(0) if config.residual else None  # the cotangent of h
     stats = {name: refs.pop(0)[...] for name in _stat_names(config)}
     dx_ref = refs.pop(0)
     dscale_ref = refs.pop(0) if want_dscale else None
@@ -516,8 +619,7 @@ def _backward_kernel(*refs, layout: RowLayout, config, has_scale, want_dscale, w
     rstd = stats["rstd"]
     mean = stats.get("mean")
     load_x, load_g = _chunk_loader(x_ref, layout), _chunk_loader(g_ref, layout)
-    scale_chunk = ((lambda c: load_chunk(scale_ref, layout, c)) if has_scale
-                   else (lambda c: None))
+    scale_chunk = _scale_loader(scale_ref, layout, config) or (lambda c: None)
 
     def xhat_gs(c):
         # Padding columns have g = 0, hence gs = 0: they add nothing to any sum.
@@ -543,7 +645,10 @@ def _backward_kernel(*refs, layout: RowLayout, config, has_scale, want_dscale, w
         dx = gs - xhat * mean_gs_xhat
         if center:
             dx = dx - mean_gs
-        dx_ref[:, chunk_slice(layout, c)] = (rstd * dx).astype(dx_ref.dtype)
+        dx = rstd * dx
+        if gh_ref is not None:  # h also feeds the residual stream: add its cotangent
+            dx = dx + load_chunk(gh_ref, layout, c)
+        dx_ref[:, chunk_slice(layout, c)] = dx.astype(dx_ref.dtype)
         if dscale_ref is not None or dbias_ref is not None:
             rows = row_mask(layout, g.shape)  # rows past the end hold garbage (NaN)
             keep = (lambda v: v) if rows is None else (lambda v: jnp.where(rows, v, 0.0))
@@ -557,9 +662,10 @@ def _backward_kernel(*refs, layout: RowLayout, config, has_scale, want_dscale, w
     for_each_chunk(layout, write, ())
 
 
-def _backward_call(x, scale, g, stats, config: _Config, *, want_dscale, want_dbias):
+def _backward_call(x, scale, g, stats, config: _Config, *, want_dscale, want_dbias, gh=None):
     """``(dx, dscale float32 [F] or None, dbias float32 [F] or None)``; ``stats`` as
-    :func:`_forward_call` returns them."""
+    :func:`_forward_call` returns them. With ``config.residual``, ``x`` is the saved
+    ``h = x + residual`` and ``gh`` its cotangent, added to dx."""
     rows, features = x.shape
     layout = _layout_for(rows, features, x.dtype, config)
     operands, in_specs = [x], [layout.row_spec()]
@@ -568,6 +674,9 @@ def _backward_call(x, scale, g, stats, config: _Config, *, want_dscale, want_dbi
         in_specs.append(_param_spec(layout))
     operands.append(g)
     in_specs.append(layout.row_spec())
+    if config.residual:
+        operands.append(gh)
+        in_specs.append(layout.row_spec())
     for name in _stat_names(config):
         operands.append(stats[name])
         in_specs.append(layout.stat_spec())
@@ -588,7 +697,7 @@ def _backward_call(x, scale, g, stats, config: _Config, *, want_dscale, want_dbi
     outs = list(pl.pallas_call(
         kernel, out_shape=out_shapes, grid=layout.grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=row_compiler_params(layout, config.backend), backend=config.backend,
-        name=f"{config.op}_bwd",
+        name=_kernel_name(config, "bwd"),
         cost_estimate=_cost(operands, out_shapes, rows, flops_per_element=12))(*operands))
     dx = outs.pop(0)
     # Columns past the last chunk were never written: slice them off before use.
@@ -629,34 +738,55 @@ def _norm_bwd(config, residuals, g):
 # feature dim ("f") is gathered, as one row's statistics need all of it; the
 # backward's dscale / dbias, sums over rows, end in a psum over the row axes.
 
-def _partitioned_forward(x, scale, bias, config: _Config, *, want_stats: bool):
+def _partitioned_forward(x, scale, bias, config: _Config, *, want_stats: bool, residual=None):
     """:func:`_forward_call` on each device's rows: ``(y, stats dict)`` (stats empty
-    unless ``want_stats``)."""
+    unless ``want_stats``); with a residual, ``y`` is the pair ``(y, h)``."""
     names = _stat_names(config) if want_stats else ()
+    if config.residual:
+        n_out = 2
 
-    def local(x, scale, bias, *, reduced):
-        if not want_stats:
-            return (_forward_call(x, scale, bias, config, want_stats=False),)
-        y, stats = _forward_call(x, scale, bias, config, want_stats=True)
-        return (y, *(stats[n] for n in names))
+        def local(x, residual, scale, bias, *, reduced):
+            if not want_stats:
+                return _forward_call(x, scale, bias, config, want_stats=False, residual=residual)
+            y, stats = _forward_call(x, scale, bias, config, want_stats=True, residual=residual)
+            return (*y, *(stats[n] for n in names))
 
-    y, *stats = rowwise(config.op, local, (x, scale, bias), (ROW, PARAM, PARAM),
-                        (ROW,) + (STAT,) * len(names), out_like=(0,))
-    return y, dict(zip(names, stats))
+        args, in_dims = (x, residual, scale, bias), (ROW, ROW, PARAM, PARAM)
+    else:
+        n_out = 1
+
+        def local(x, scale, bias, *, reduced):
+            if not want_stats:
+                return (_forward_call(x, scale, bias, config, want_stats=False),)
+            y, stats = _forward_call(x, scale, bias, config, want_stats=True)
+            return (y, *(stats[n] for n in names))
+
+        args, in_dims = (x, scale, bias), (ROW, PARAM, PARAM)
+    outs = rowwise(config.op, local, args, in_dims, (ROW,) * n_out + (STAT,) * len(names),
+                   out_like=(0,) * n_out)
+    y = tuple(outs[:n_out]) if config.residual else outs[0]
+    return y, dict(zip(names, outs[n_out:]))
 
 
-def _partitioned_backward(x, scale, g, stats, config: _Config, *, want_dscale, want_dbias):
-    """:func:`_backward_call` on each device's rows; dscale / dbias summed across devices."""
+def _partitioned_backward(x, scale, g, stats, config: _Config, *, want_dscale, want_dbias,
+                          gh=None):
+    """:func:`_backward_call` on each device's rows; dscale / dbias summed across devices.
+    With ``config.residual``, ``gh`` (h's cotangent) rides along as one more row operand."""
     names = _stat_names(config)
+    extra = (gh,) if config.residual else ()
 
-    def local(x, scale, g, *row_stats, reduced):
+    def local(x, scale, g, *rest, reduced):
+        gh_local = rest[0] if config.residual else None
+        row_stats = rest[len(extra):]
         dx, dscale, dbias = _backward_call(x, scale, g, dict(zip(names, row_stats)), config,
-                                           want_dscale=want_dscale, want_dbias=want_dbias)
+                                           want_dscale=want_dscale, want_dbias=want_dbias,
+                                           gh=gh_local)
         return (dx, *(psum(d, reduced, "r") for d in (dscale, dbias) if d is not None))
 
     n_param_grads = int(want_dscale) + int(want_dbias)
-    dx, *param_grads = rowwise(config.op, local, (x, scale, g, *(stats[n] for n in names)),
-                               (ROW, PARAM, ROW) + (STAT,) * len(names),
+    dx, *param_grads = rowwise(config.op, local,
+                               (x, scale, g, *extra, *(stats[n] for n in names)),
+                               (ROW, PARAM, ROW) + (ROW,) * len(extra) + (STAT,) * len(names),
                                (ROW,) + (PARAM,) * n_param_grads, sums_over_rows=True,
                                out_like=(0, 1) if want_dscale else (0,))
     dscale = param_grads.pop(0) if want_dscale else None
@@ -665,6 +795,33 @@ def _partitioned_backward(x, scale, g, stats, config: _Config, *, want_dscale, w
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _norm_residual(x, residual, scale, bias, config: _Config):
+    """``(norm(h), h)`` with ``h = x + residual`` from one forward kernel."""
+    return _partitioned_forward(x, scale, bias, config, want_stats=False, residual=residual)[0]
+
+
+def _norm_residual_fwd(x, residual, scale, bias, config):
+    (y, h), stats = _partitioned_forward(x, scale, bias, config, want_stats=True,
+                                         residual=residual)
+    bias_marker = None if bias is None else jnp.zeros((0,), bias.dtype)
+    return (y, h), (h, scale, stats, bias_marker)
+
+
+def _norm_residual_bwd(config, residuals, cotangents):
+    h, scale, stats, bias_marker = residuals
+    gy, gh = cotangents
+    dh, dscale, dbias = _partitioned_backward(h, scale, gy, stats, config,
+                                              want_dscale=scale is not None,
+                                              want_dbias=bias_marker is not None, gh=gh)
+    return (dh, dh,  # h = x + residual: both get h's cotangent
+            None if scale is None else dscale.astype(scale.dtype),
+            None if dbias is None else dbias.astype(bias_marker.dtype))
+
+
+_norm_residual.defvjp(_norm_residual_fwd, _norm_residual_bwd)
 
 
 # --------------------------------------------------------------------------
@@ -724,5 +881,3 @@ def _cost(operands, out_shapes, rows: int, *, flops_per_element: int):
                  for a in (*operands, *out_shapes))
     return {"flops": flops_per_element * int(np.prod(operands[0].shape)),
             "transcendentals": rows, "bytes_accessed": nbytes}
-
-

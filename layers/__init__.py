@@ -13,7 +13,12 @@
 * :class:`layers.MultiHeadAttention` -- a subclass of
   ``flax.nnx.MultiHeadAttention`` whose default ``attention_fn`` is that
   function, with Linen twins ``layers.linen.MultiHeadDotProductAttention``,
-  ``MultiHeadAttention`` and ``SelfAttention``.
+  ``MultiHeadAttention`` and ``SelfAttention``; with its decoder options it
+  also takes a rotary embedding, per-head q/k RMS norms, a logit scale,
+  sliding window and logit soft cap.
+* :class:`layers.GatedMLP` -- the gated MLP of Llama / Gemma (SwiGLU, GeGLU)
+  through ``ops.gated_linear_unit``; :class:`layers.RotaryEmbedding` -- rotary
+  position embeddings through ``ops.apply_rotary_embedding``.
 
 All keep their Flax parent's constructor arguments, defaults, parameter
 names, shapes, initializers and metadata, so state and checkpoints made by
@@ -26,6 +31,9 @@ callable).
 from layers import linen
 from layers.attention import MultiHeadAttention, dot_product_attention
 from layers.dense import Dense
+from layers.mlp import GatedMLP
 from layers.norms import LayerNorm, RMSNorm
+from layers.rotary import RotaryEmbedding
 
-__all__ = ["Dense", "LayerNorm", "MultiHeadAttention", "RMSNorm", "dot_product_attention", "linen"]
+__all__ = ["Dense", "GatedMLP", "LayerNorm", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding",
+           "dot_product_attention", "linen"]

@@ -61,6 +61,8 @@ class DecodeConfig:
       k_scale, v_scale: one static dequantization scale per cache (COMBINED), or None.
       indirect: rows read table ``table_rows[row]`` (else table ``row``).
       sinks: whether sink logits join the merge.
+      heads_per_program: key/value heads one program owns (COMBINED only; the
+        TPU reads all ``2K`` combined heads of a page, its tiling's minimum).
     """
 
     backend: str
@@ -83,8 +85,14 @@ class DecodeConfig:
     v_scale: float | None = None
     indirect: bool = False
     sinks: bool = False
+    heads_per_program: int = 1
     num_warps: int | None = None
     num_stages: int | None = None
+
+    @property
+    def heads_block(self):
+        """The key/value heads dim of a program's blocks: squeezed (None) for one head."""
+        return None if self.heads_per_program == 1 else self.heads_per_program
 
     @property
     def blocks_per_split(self) -> int:
@@ -162,7 +170,7 @@ def _page_specs(cfg: DecodeConfig):
 
             def index_map(b, n, s, j, *scalars, page=page):
                 return (page(b, s, j, *scalars), 0, n, 0)
-            specs.append(pl.BlockSpec((None, ps, 2, h), index_map))
+            specs.append(pl.BlockSpec((None, ps, 2 * cfg.heads_per_program, h), index_map))
     return specs
 
 
@@ -179,12 +187,13 @@ def _params(cfg: DecodeConfig, semantics):
 # The attention kernel
 # --------------------------------------------------------------------------
 
-def _read_page(cfg: DecodeConfig, refs, p: int, dtype):
-    """``(k, v)`` of page ``p`` of the step, ``[page_size, H]`` in ``dtype``."""
+def _read_page(cfg: DecodeConfig, refs, p: int, dtype, head: int = 0):
+    """``(k, v)`` of page ``p`` of the step (of the program's key/value head ``head``),
+    ``[page_size, H]`` in ``dtype``."""
     n = cfg.pages_per_block
     if cfg.layout == COMBINED:
         kv = refs[p]
-        k, v = kv[:, 0, :], kv[:, 1, :]
+        k, v = kv[:, 2 * head, :], kv[:, 2 * head + 1, :]
         scales = (cfg.k_scale, cfg.v_scale)
         if cfg.k_scale is None and k.dtype == dtype:
             return k, v
@@ -226,25 +235,32 @@ def attention_kernel(tables, table_rows, start_ref, end_ref, q_ref, *refs, cfg: 
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
+    heads = [None] if cfg.heads_block is None else range(cfg.heads_block)
+    at = lambda ref, h: ref if h is None else ref.at[h]  # noqa: E731 - one head's view
+
     @pl.when((first < hi) & (first + cfg.block_keys > lo))
     def _step():
-        q = q_ref[...]
-        carry = (m_ref[...], l_ref[...], acc_ref[...])
-        for p in range(cfg.pages_per_block):
-            k, v = _read_page(cfg, page_refs, p, q.dtype)
-            pos = first + p * ps + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
-            seen = (pos >= lo) & (pos < hi)  # [ps, 1]
-            v = jnp.where(seen, v, jnp.zeros_like(v))
-            tile = Tile(q=q, k=k, i=0, j=0, head=0, mask=seen.T)
-            carry = forward_update(tcfg, carry, tile, v, None, cfg.group_rows, ps, masked=False)
-        m_ref[...], l_ref[...], acc_ref[...] = carry
+        for h in heads:
+            q = at(q_ref, h)[...]
+            carry = (at(m_ref, h)[...], at(l_ref, h)[...], at(acc_ref, h)[...])
+            for p in range(cfg.pages_per_block):
+                k, v = _read_page(cfg, page_refs, p, q.dtype, h or 0)
+                pos = first + p * ps + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
+                seen = (pos >= lo) & (pos < hi)  # [ps, 1]
+                v = jnp.where(seen, v, jnp.zeros_like(v))
+                tile = Tile(q=q, k=k, i=0, j=0, head=0, mask=seen.T)
+                carry = forward_update(tcfg, carry, tile, v, None, cfg.group_rows, ps,
+                                       masked=False)
+            for ref, x in zip((m_ref, l_ref, acc_ref), carry):
+                at(ref, h)[...] = x
 
     @pl.when(j == cfg.blocks_per_split - 1)
     def _finish():
-        out, lse = forward_finish(m_ref[...], l_ref[...], acc_ref[...])
-        o_ref[...] = out.astype(o_ref.dtype)
-        if lse_ref is not None:
-            lse_ref[...] = lse
+        for h in heads:
+            out, lse = forward_finish(at(m_ref, h)[...], at(l_ref, h)[...], at(acc_ref, h)[...])
+            at(o_ref, h)[...] = out.astype(o_ref.dtype)
+            if lse_ref is not None:
+                at(lse_ref, h)[...] = lse
 
 
 def merge_kernel(o_ref, lse_ref, sink_ref, out_ref):
@@ -278,20 +294,22 @@ def decode(cfg: DecodeConfig, q, pages, scales, tables, table_rows, start, end, 
       sinks: float32 ``[K, group_rows, 1]`` or None.
     """
     R, K, Gp, H = cfg.rows, cfg.kv_heads, cfg.group_rows, cfg.head_dim
-    grid = (R, K, cfg.k_splits, cfg.blocks_per_split)
+    kb = cfg.heads_block
+    grid = (R, K // cfg.heads_per_program, cfg.k_splits, cfg.blocks_per_split)
     n = cfg.pages_per_block
     operands = [x for x in pages for _ in range(n)] + [x for x in scales for _ in range(n)]
-    q_spec = pl.BlockSpec((None, None, Gp, H), lambda b, h, s, j, *_: (b, h, 0, 0))
+    q_spec = pl.BlockSpec((None, kb, Gp, H), lambda b, h, s, j, *_: (b, h, 0, 0))
     if cfg.merged:
         out_shape = [jax.ShapeDtypeStruct((cfg.k_splits, R, K, Gp, H), jnp.float32),
                      jax.ShapeDtypeStruct((cfg.k_splits, R, K, Gp, 1), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, Gp, H), lambda b, h, s, j, *_: (s, b, h, 0, 0)),
-                     pl.BlockSpec((None, None, None, Gp, 1), lambda b, h, s, j, *_: (s, b, h, 0, 0))]
+        out_specs = [pl.BlockSpec((None, None, kb, Gp, H), lambda b, h, s, j, *_: (s, b, h, 0, 0)),
+                     pl.BlockSpec((None, None, kb, Gp, 1), lambda b, h, s, j, *_: (s, b, h, 0, 0))]
     else:
         out_shape = [jax.ShapeDtypeStruct((R, K, Gp, H), q.dtype)]
         out_specs = [q_spec]
-    scratch = [pl.tpu.VMEM((Gp, 1), jnp.float32), pl.tpu.VMEM((Gp, 1), jnp.float32),
-               pl.tpu.VMEM((Gp, H), jnp.float32)]
+    lead = () if kb is None else (kb,)
+    scratch = [pl.tpu.VMEM(lead + (Gp, 1), jnp.float32), pl.tpu.VMEM(lead + (Gp, 1), jnp.float32),
+               pl.tpu.VMEM(lead + (Gp, H), jnp.float32)]
     grid_spec = pl.tpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4, grid=grid, in_specs=[q_spec] + _page_specs(cfg),
         out_specs=out_specs, scratch_shapes=scratch)

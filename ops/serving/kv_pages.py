@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pallas_core as pl
 from ops._checks import check_same_dtype
 from ops._implementation import run_implementation
+from ops.attention.tile_math import div, rem
 from ops.serving import checks
 
 _OP = "update_kv_pages"
@@ -33,8 +34,8 @@ def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None
       slot_mapping: int32 ``[T]``; a negative slot (or one past the cache) skips
         the token (padding). Two tokens with one slot: either may win.
       implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
-        "xla" (a scatter), "interpret", "triton", "mosaic_tpu", or a sequence tried
-        in order.
+        "xla" (a scatter), "interpret", "triton", "mosaic_tpu" (the combined layout
+        only; NotImplementedError for a pair), or a sequence tried in order.
 
     Returns:
       The updated cache, in ``kv_pages``' structure.
@@ -103,6 +104,10 @@ def _run(pages, new_k, new_v, slots, combined: bool, impl: str):
             return (pages[0].at[page, off].set(new, mode="drop"),)
         return tuple(x.at[:, page, off].set(jnp.swapaxes(n, 0, 1), mode="drop")
                      for x, n in zip(pages, (new_k, new_v)))
+    if impl == "mosaic_tpu" and not combined:
+        raise NotImplementedError(
+            f"{_OP}: implementation='mosaic_tpu' writes the combined layout only: one token of a "
+            "[K, P, page_size, H] cache is a [K, 1, H] block, below the TPU's (8, 128) tiling.")
     slots, new_k, new_v = _padding_rewritten(pages, new_k, new_v, slots, valid, combined)
     if combined:
         return _write(impl, combined, ps, pages, (_interleaved(new_k, new_v),), slots)
@@ -147,13 +152,14 @@ def _write(impl: str, combined: bool, ps: int, pages, news, slots):
     new_spec = pl.BlockSpec((None,) + blk_new, lambda t, s: (t, 0, 0))
     if combined:
         out_spec = pl.BlockSpec((None, None) + blk_new,
-                                lambda t, s: (s[t] // ps, s[t] % ps, 0, 0))
+                                lambda t, s: (div(s[t], ps), rem(s[t], ps), 0, 0))
     else:
         K, H = blk_new
-        out_spec = pl.BlockSpec((K, None, None, H), lambda t, s: (0, s[t] // ps, s[t] % ps, 0))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+        out_spec = pl.BlockSpec((K, None, None, H), lambda t, s: (0, div(s[t], ps), rem(s[t], ps), 0))
+    # The aliased cache comes in blocked as the output (the kernel never reads it; a
+    # TPU copies in one [heads, H] block per token, nothing more).
     grid_spec = pl.tpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(slots.shape[0],), in_specs=[new_spec] * n + [any_spec] * n,
+        num_scalar_prefetch=1, grid=(slots.shape[0],), in_specs=[new_spec] * n + [out_spec] * n,
         out_specs=[out_spec] * n)
     params = (pl.triton.CompilerParams(num_warps=1, dimension_semantics=("parallel",))
               if impl in pl.TRITON_BACKENDS else pl.CompilerParams(("parallel",)))

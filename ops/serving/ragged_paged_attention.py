@@ -7,6 +7,7 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_core as pl
 from ops._checks import check_float_dtype
 from ops._implementation import run_implementation
 from ops.serving import checks, kernels
@@ -166,7 +167,7 @@ def _run(args, impl: str, bs):
         pages_per_block=min(bs.pages_per_block, pps), k_splits=bs.k_splits,
         scale=args["scale"], soft_cap=args["soft_cap"], dtype=np.dtype(q.dtype).name,
         k_scale=args["k_scale"], v_scale=args["v_scale"], indirect=True,
-        sinks=args["sinks"] is not None)
+        sinks=args["sinks"] is not None, heads_per_program=1 if impl in pl.TRITON_BACKENDS else K)
     qg = pad_group(q.reshape(T, K, G, H), Gp)
     out = kernels.decode(cfg, qg, (kv,), (), args["tables"], seq, start, end,
                          sink_tile(args["sinks"], K, Gp))

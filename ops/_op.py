@@ -293,10 +293,12 @@ class Op:
                                   kernel_backends=self.kernel_backends,
                                   missing_reason=self.missing_reason)
 
-    def select(self, problem: Problem, implementation: str,
-               explicit: KernelConfig | None = None) -> KernelConfig:
+    def select(self, problem: Problem, implementation: str, explicit: KernelConfig | None = None,
+               **hints) -> KernelConfig:
         """The config of ``problem`` on ``implementation``: ``explicit`` when given (the
-        caller's tiles), else the tuning cache's entry for the device, else the heuristic.
+        caller's tiles), else the tuning cache's entry for the device, else the heuristic
+        (``hints``: keyword arguments of the config class's ``heuristic`` beyond the
+        problem and device, for an op whose heuristic takes some).
 
         Raises:
           NotImplementedError: no kernel for ``implementation``.
@@ -310,7 +312,13 @@ class Op:
                              problem.variant_dict())
         if tuned is not None:
             return cls.from_tuned(tuned, problem, device)
-        return cls.heuristic(problem, device)
+        return cls.heuristic(problem, device, **hints)
+
+
+def fit(block: int, dim: int, floor: int = 16) -> int:
+    """``block`` clamped to ``dim`` rounded up to a power of two (at least ``floor``):
+    a candidate tile no bigger than the problem needs."""
+    return min(block, max(floor, 1 << max(0, int(dim) - 1).bit_length()))
 
 
 _REGISTRY: dict[str, Op] = {}

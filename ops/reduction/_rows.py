@@ -33,6 +33,8 @@ past the block.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +43,9 @@ from jax import lax
 
 import pallas_core as pl
 from pallas_core.triton import backend as triton_backend
-from ops import tuning
+from ops import _op
 from ops._checks import check_array, check_float_dtype
-from ops._implementation import check_implementation
+from ops._implementation import KERNEL_BACKENDS, check_implementation
 from ops._partitioning import reshape
 
 
@@ -149,34 +151,137 @@ def row_layout(rows: int, features: int, dtype, backend: str, *, max_chunk: int 
                      num_chunks=num_chunks, padded_cols=padded)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowConfig(_op.KernelConfig):
+    """The config of every row-wise kernel (:mod:`ops._op`): what the tuning cache
+    stores for a ``[rows, features]`` problem; :meth:`layout` makes it a :class:`RowLayout`.
+
+    Attributes:
+      block_rows: rows per program.
+      chunk: columns per loop step (a power of two >= 128).
+      num_warps, num_stages: Triton launch parameters; None:
+        :func:`row_compiler_params`' heuristic.
+
+    Subclasses change only :meth:`default_block_rows` (the norms' rows per program).
+    """
+
+    block_rows: int = _op.tunable()
+    chunk: int = _op.tunable()
+    num_warps: int | None = _op.tunable(None)
+    num_stages: int | None = _op.tunable(None)
+
+    @classmethod
+    def default_block_rows(cls, problem: _op.Problem, backend: str,
+                           max_chunk: int | None) -> int | None:
+        """Rows per program of the heuristic; None: :func:`row_layout`'s default."""
+        return None
+
+    @classmethod
+    def heuristic(cls, problem: _op.Problem, device: _op.Device, *,
+                  max_chunk: int | None = None, block_rows: int | None = None) -> "RowConfig":
+        """:func:`row_layout` with ``block_rows`` (None: :meth:`default_block_rows`) rows
+        per program, or, in Triton's CPU interpreter (``device.interpreter``),
+        :func:`interpreter_block_rows`; ``max_chunk`` caps the chunk (the ops'
+        ``max_chunk=`` argument)."""
+        rows, features = problem.shape
+        if block_rows is None:
+            block_rows = cls.default_block_rows(problem, device.backend, max_chunk)
+        layout = row_layout(rows, features, problem.dtype, device.backend, max_chunk=max_chunk,
+                            block_rows=block_rows)
+        if device.interpreter:
+            layout = row_layout(rows, features, problem.dtype, device.backend, max_chunk=max_chunk,
+                                block_rows=interpreter_block_rows(rows, layout.chunk))
+        return cls(block_rows=layout.block_rows, chunk=layout.chunk)
+
+    @classmethod
+    def from_tuned(cls, tuned, problem: _op.Problem, device: _op.Device) -> "RowConfig":
+        """A cache entry: its ``chunk`` caps the chunk as ``max_chunk`` does; fields it
+        leaves out are :func:`row_layout`'s defaults.
+
+        Raises:
+          ValueError: a config ``device.backend`` cannot run (from :func:`row_layout`).
+        """
+        rows, features = problem.shape
+        layout = row_layout(rows, features, problem.dtype, device.backend,
+                            max_chunk=tuned.get("chunk"), block_rows=tuned.get("block_rows"))
+        return cls(block_rows=layout.block_rows, chunk=layout.chunk,
+                   num_warps=tuned.get("num_warps"), num_stages=tuned.get("num_stages"))
+
+    @classmethod
+    def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["RowConfig", ...]:
+        """1, 2 or 4 rows per program, chunks of 1024, 4096 or 8192 columns, 4 or 8
+        warps; two pipeline stages when a row takes several chunks (clamped to the
+        problem, distinct)."""
+        rows, features = problem.shape
+        configs = []
+        for block_rows, chunk, warps in itertools.product((1, 2, 4), (1024, 4096, 8192), (4, 8)):
+            chunk = _op.fit(chunk, features, floor=128)
+            configs.append(cls(block_rows=min(block_rows, pl.next_power_of_2(rows)), chunk=chunk,
+                               num_warps=warps,
+                               num_stages=2 if pl.cdiv(features, chunk) > 1 else 1))
+        return tuple(dict.fromkeys(configs))
+
+    def layout(self, problem: _op.Problem, backend: str) -> RowLayout:
+        """The kernels' layout of ``problem`` with this config on ``backend``."""
+        rows, features = problem.shape
+        layout = row_layout(rows, features, problem.dtype, backend, max_chunk=self.chunk,
+                            block_rows=self.block_rows)
+        return dataclasses.replace(layout, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
 def select_row_layout(op: str, rows: int, features: int, dtype, backend: str, *,
                       max_chunk: int | None = None, heuristic_block_rows=None) -> RowLayout:
-    """The layout of ``op`` on a ``[rows, features]`` problem: an explicit
-    ``max_chunk`` (the caller's choice) goes to the heuristic; otherwise the
-    tuning cache's entry (:func:`ops.tuning.lookup`, key ``(rows, features)``;
-    its ``chunk`` caps the chunk as ``max_chunk`` does), else the heuristic
-    :func:`row_layout` with ``heuristic_block_rows(max_chunk)`` rows per
-    program (None: row_layout's default), or, on ``triton`` in Triton's CPU
-    interpreter (:func:`pallas_core.triton.backend.wants_interpreter_tiles`),
-    :func:`interpreter_block_rows` rows.
+    """The layout of the registered row-wise op ``op`` on a ``[rows, features]``
+    problem (:meth:`ops._op.Op.select`): an explicit ``max_chunk`` (the caller's
+    choice) goes to the heuristic, capping its chunk; otherwise the tuning cache's
+    entry (key ``(rows, features)``), else the op's :meth:`RowConfig.heuristic`.
+    ``heuristic_block_rows(max_chunk)``, when given, is the heuristic's rows per
+    program (instead of the config class's :meth:`RowConfig.default_block_rows`).
 
     Raises:
       ops.tuning.TuningCacheError: a malformed user or packaged cache file.
       ValueError: a cached config this backend cannot run (from row_layout).
     """
-    if max_chunk is None:
-        tuned = tuning.lookup(op, backend, dtype, (rows, features))
-        if tuned is not None:
-            layout = row_layout(rows, features, dtype, backend, max_chunk=tuned.get("chunk"),
-                                block_rows=tuned.get("block_rows"))
-            return dataclasses.replace(layout, num_warps=tuned.get("num_warps"),
-                                       num_stages=tuned.get("num_stages"))
-    block_rows = None if heuristic_block_rows is None else heuristic_block_rows(max_chunk)
-    layout = row_layout(rows, features, dtype, backend, max_chunk=max_chunk, block_rows=block_rows)
-    if triton_backend.wants_interpreter_tiles(backend):
-        layout = row_layout(rows, features, dtype, backend, max_chunk=max_chunk,
-                            block_rows=interpreter_block_rows(rows, layout.chunk))
-    return layout
+    registered = _op.get(op)
+    problem = registered.problem((rows, features), dtype)
+    hints = {} if heuristic_block_rows is None else {"block_rows": heuristic_block_rows(max_chunk)}
+    explicit = None
+    if max_chunk is not None:
+        explicit = registered.config_type(backend).heuristic(
+            problem, _op.Device.current(backend), max_chunk=max_chunk, **hints)
+    return registered.select(problem, backend, explicit, **hints).layout(problem, backend)
+
+
+def row_example(fn: Callable, *, params: int = 0, labels: bool = False) -> Callable:
+    """The tuner's call of the row-wise op ``fn`` (:attr:`ops._op.Tuning.example`):
+    ``x [rows, features]`` of the problem's dtype, then ``params`` ``[features]``
+    vectors (a norm's scale and bias) or, with ``labels``, int32 labels ``[rows]``;
+    otherwise a reduction over the last axis."""
+    def example(problem: _op.Problem, implementation: str):
+        rows, features = problem.shape
+        dtype = jnp.dtype(problem.dtype)
+        x = jax.ShapeDtypeStruct((rows, features), dtype)
+        if labels:
+            return (lambda x, y: fn(x, y, implementation=implementation),
+                    [x, jax.ShapeDtypeStruct((rows,), jnp.int32)])
+        if params:
+            return (lambda x, *p: fn(x, *p, implementation=implementation),
+                    [x] + [jax.ShapeDtypeStruct((features,), dtype)] * params)
+        return lambda x: fn(x, axis=-1, implementation=implementation), [x]
+
+    return example
+
+
+def register_row_op(name: str, reference: Callable, example: Callable, *,
+                    config: type[RowConfig] = RowConfig, shapes=(), quick=(), order: int = 100,
+                    check: Callable | None = None) -> _op.Op:
+    """Registers a row-wise op (:func:`ops._op.register`): problem dims ``(rows,
+    features)``, ``config`` on every kernel backend, the tuner's ``shapes`` and
+    ``quick`` problems, ``example(problem, implementation)`` the tuner's call."""
+    return _op.register(_op.Op(
+        name=name, dims=("rows", "features"), configs=dict.fromkeys(KERNEL_BACKENDS, config),
+        reference=reference, check=check,
+        tuning=_op.Tuning(example=example, shapes=tuple(shapes), quick=tuple(quick), order=order)))
 
 
 def interpreter_block_rows(rows: int, chunk: int) -> int:

@@ -131,6 +131,7 @@ import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import PARAM, ROW, STAT, psum, reshape, rowwise
+from ops.reduction._rows import register_row_op, row_example
 from ops.reduction._rows import (RowLayout, check_max_chunk, as_rows, chunk_slice, column_mask, for_each_chunk,
                                  load_chunk, row_compiler_params, row_layout, select_row_layout, row_mask)
 
@@ -881,3 +882,11 @@ def _cost(operands, out_shapes, rows: int, *, flops_per_element: int):
                  for a in (*operands, *out_shapes))
     return {"flops": flops_per_element * int(np.prod(operands[0].shape)),
             "transcendentals": rows, "bytes_accessed": nbytes}
+
+
+# The tuner fills the cache for both norms over 4096 rows of 4096..32768 features (the
+# static gate's sizes); --quick tunes one small layer norm.
+register_row_op("layer_norm", layer_norm_reference, row_example(layer_norm, params=2),
+                shapes=[(4096, f) for f in (4096, 8192, 32768)], quick=[(256, 4096)], order=30)
+register_row_op("rms_norm", rms_norm_reference, row_example(rms_norm, params=1),
+                shapes=[(4096, f) for f in (4096, 8192, 32768)], order=31)

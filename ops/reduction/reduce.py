@@ -52,7 +52,8 @@ from ops._implementation import run_implementation
 from ops._partitioning import (ROW, STAT, explicit_sharding, reduced_axes, reshape, run,
                                with_sharding)
 from ops.reduction._rows import (RowLayout, check_axis_op, for_each_chunk, load_chunk,
-                                 row_compiler_params, rows_over_axes, select_row_layout)
+                                 register_row_op, row_compiler_params, row_example, rows_over_axes,
+                                 select_row_layout)
 
 KINDS = ("sum", "mean", "max")
 # The pallas_core backends these kernels are written and tested for. pallas_core's
@@ -377,3 +378,6 @@ def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
     return select_row_layout(config.kind, rows, features, dtype, config.backend,
                              max_chunk=config.max_chunk)
 
+
+for _kind, _fn in (("sum", sum), ("mean", mean), ("max", max)):
+    register_row_op(_kind, functools.partial(reference, kind=_kind), row_example(_fn))

@@ -46,8 +46,9 @@ from ops._checks import check_array, check_broadcasts_to, check_where
 from ops._implementation import run_implementation
 from ops._partitioning import PER_ROW, ROW, STAT, reshape, rowwise
 from ops.reduction._rows import (RowLayout, check_axis_op, chunk_slice, for_each_chunk, load_chunk,
-                                 logsumexp_shift, online_logsumexp_update,
-                                 row_compiler_params, rows_over_axes, select_row_layout)
+                                 logsumexp_shift, online_logsumexp_update, register_row_op,
+                                 row_compiler_params, row_example, rows_over_axes,
+                                 select_row_layout)
 
 MODES = ("softmax", "log_softmax", "logsumexp")
 # The pallas_core backends these kernels are written and tested for. pallas_core's
@@ -406,3 +407,11 @@ def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
     them. The backward pass uses the same layout as the forward."""
     return select_row_layout(config.mode, rows, features, dtype, config.backend,
                              max_chunk=config.max_chunk)
+
+
+# The tuner fills the cache for softmax over 4096 rows of 4096..32768 features (the static
+# gate's sizes); log_softmax and logsumexp share its kernels' layout.
+register_row_op("softmax", softmax_reference, row_example(softmax),
+                shapes=[(4096, f) for f in (4096, 8192, 32768)], order=32)
+register_row_op("log_softmax", log_softmax_reference, row_example(log_softmax))
+register_row_op("logsumexp", logsumexp_reference, row_example(logsumexp))

@@ -7,16 +7,12 @@ steps with a float32 accumulator, and applies bias and activation to the
 accumulator before the single store, so the pre-activation never makes a
 round trip through memory.
 
-The contraction is walked one of two ways, chosen by backend:
-
-* ``"grid"`` (interpret, mosaic_tpu, triton): K is the last grid axis,
-  marked ``"arbitrary"``; the accumulator is a scratch buffer initialised
-  under ``pl.when(k == 0)`` and stored under ``pl.when(k == last)`` (docs/pallas_core.md section 5).
-  Our Triton lowering runs that axis as a loop inside each program and keeps
-  the accumulator in registers across it, which Triton pipelines like its
-  own tutorial matmul (sm_90: cp.async, num_stages=3, wgmma).
-* ``"loop"`` (pallas_triton, whose programs all run concurrently): each
-  program loads ``pl.ds`` slices of full-K blocks in a ``fori_loop``.
+The tile loop is the shared core, :mod:`ops.matmul.tiled`: K walked as the
+last grid axis with a scratch accumulator (interpret, mosaic_tpu, triton, where
+our Triton lowering runs that axis as a loop inside each program, pipelined
+like Triton's tutorial matmul: sm_90 cp.async, num_stages=3, wgmma), or as a
+``fori_loop`` over ``pl.ds`` slices of full-K blocks (pallas_triton); this
+module supplies the epilogue.
 
 Backward (``jax.custom_vjp``): ``dz = g * act'(z)`` by one elementwise kernel
 that also emits per-row-block partial sums for ``dbias``; then
@@ -47,8 +43,9 @@ from ops._checks import check_array, check_matmul_operands, check_same_dtype
 from ops import tuning
 from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
-from ops._tiles import dot, mosaic_tpu_matmul_blocks
 from ops.activations import resolve_activation
+from ops.matmul import tiled
+from ops.matmul.tiled import default_block_sizes, interpreter_block_sizes
 
 _OP = "fused_matmul"
 
@@ -143,7 +140,7 @@ def reference(x, w, bias=None, activation: Callable | None = None):
 
 
 # --------------------------------------------------------------------------
-# Forward kernel: a tiled matmul with the epilogue, on either contraction walk
+# Forward kernel: the tiled-matmul core with this op's epilogue
 # --------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +149,11 @@ class _Config:
     block_sizes: tuple[int, int, int] | None = None
 
 
-def _strategy(backend: str) -> str:
-    return "loop" if backend == "pallas_triton" else "grid"
-
-
-def _epilogue(acc, bias_ref, out_ref, preact_ref, activation):
+def _epilogue(acc, refs: tiled.TileRefs, *, has_bias, want_preact, activation):
+    """bias, the pre-activation residual, the activation and the store of one output tile."""
+    bias_ref = refs.extras[0] if has_bias else None
+    out_ref = refs.outs[0]
+    preact_ref = refs.outs[1] if want_preact else None
     z = acc
     if bias_ref is not None:
         z = z + bias_ref[...].astype(jnp.float32)
@@ -167,59 +164,11 @@ def _epilogue(acc, bias_ref, out_ref, preact_ref, activation):
     out_ref[...] = z.astype(out_ref.dtype)
 
 
-def _split_refs(refs, has_bias, want_preact):
-    refs = list(refs)
-    a_ref, b_ref = refs.pop(0), refs.pop(0)
-    bias_ref = refs.pop(0) if has_bias else None
-    out_ref = refs.pop(0)
-    preact_ref = refs.pop(0) if want_preact else None
-    return a_ref, b_ref, bias_ref, out_ref, preact_ref, refs
-
-
-def _grid_kernel(*refs, ca, cb, has_bias, want_preact, activation):
-    """K is grid axis 2 ("arbitrary"); the accumulator lives in scratch."""
-    a_ref, b_ref, bias_ref, out_ref, preact_ref, (acc_ref,) = _split_refs(refs, has_bias, want_preact)
-    k = pl.program_id(2)
-
-    @pl.when(k == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    acc_ref[...] += dot(a_ref[...], b_ref[...], ca, cb)
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _store():
-        _epilogue(acc_ref[...], bias_ref, out_ref, preact_ref, activation)
-
-
-def _loop_kernel(*refs, ca, cb, has_bias, want_preact, activation, block_k, num_k):
-    """Full-K blocks walked by an in-kernel loop; the accumulator is a loop carry."""
-    a_ref, b_ref, bias_ref, out_ref, preact_ref, _ = _split_refs(refs, has_bias, want_preact)
-
-    def k_slice(ref, contract_dim, k):
-        idx = [slice(None), slice(None)]
-        idx[contract_dim] = pl.ds(k * block_k, block_k)
-        return ref[tuple(idx)]
-
-    def step(k, acc):
-        return acc + dot(k_slice(a_ref, ca, k), k_slice(b_ref, cb, k), ca, cb)
-
-    acc = lax.fori_loop(0, num_k, step, jnp.zeros(out_ref.shape, jnp.float32))
-    _epilogue(acc, bias_ref, out_ref, preact_ref, activation)
-
-
-def _pad_axis(x, axis, size):
-    if x.shape[axis] == size:
-        return x
-    pads = [(0, 0)] * x.ndim
-    pads[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pads)
-
-
 def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=None,
                  activation=None, want_preact=False, num_warps=None, num_stages=None,
                  group_size=None, name=None):
-    """``act(A @ B + bias)`` with A = a contracting dim ca, B = b contracting dim cb.
+    """``act(A @ B + bias)`` with A = a contracting dim ca, B = b contracting dim cb,
+    on the tiled-matmul core (:func:`ops.matmul.tiled.matmul_call`).
 
     ``blocks = (block_rows, block_cols, block_k)`` for the output's two dims
     and the contraction; ``num_warps`` / ``num_stages`` / ``group_size`` (Triton
@@ -230,73 +179,18 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
     activation and bias, :func:`_kernel_name`).
     """
     name = name or _kernel_name(activation, bias)
-    bm, bn, bk = blocks
-    m, n, k = a.shape[1 - ca], b.shape[1 - cb], a.shape[ca]
-    # At least one step: an empty contraction (K == 0, or M == 0 in dw) still
-    # owes the epilogue its zero accumulator.
-    num_k = max(1, pl.cdiv(k, bk))
-    kp = num_k * bk
-    a, b = _pad_axis(a, ca, kp), _pad_axis(b, cb, kp)
-    grid_mn = (pl.cdiv(m, bm), pl.cdiv(n, bn))
-    strategy = _strategy(backend)
-    num_warps = num_warps or _num_warps(bm, bn)
-    num_stages = num_stages or 3
-    group_size = group_size or 8  # bands of 8 row blocks: L2 reuse
-
-    out_shapes = [jax.ShapeDtypeStruct((m, n), out_dtype)]
-    if want_preact:
-        out_shapes.append(jax.ShapeDtypeStruct((m, n), out_dtype))
-    operands = [a, b] + ([bias.reshape(1, n)] if bias is not None else [])
-    kw = dict(ca=ca, cb=cb, has_bias=bias is not None, want_preact=want_preact,
-              activation=activation)
-
-    def operand_block(free, contract_dim, free_idx, k_idx, k_block):
-        shape, index = [0, 0], [0, 0]
-        shape[1 - contract_dim], shape[contract_dim] = free, k_block
-        index[1 - contract_dim], index[contract_dim] = free_idx, k_idx
-        return tuple(shape), tuple(index)
-
-    if strategy == "grid":
-        def spec(free, contract_dim, pick):
-            def index_map(i, j, kk):
-                return operand_block(free, contract_dim, pick(i, j), kk, bk)[1]
-            return pl.BlockSpec(operand_block(free, contract_dim, 0, 0, bk)[0], index_map)
-        in_specs = [spec(bm, ca, lambda i, j: i), spec(bn, cb, lambda i, j: j)]
-        if bias is not None:
-            in_specs.append(pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)))
-        out_spec = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
-        call = pl.pallas_call(
-            functools.partial(_grid_kernel, **kw),
-            out_shape=out_shapes, grid=(*grid_mn, num_k), in_specs=in_specs,
-            out_specs=[out_spec] * len(out_shapes),
-            scratch_shapes=[pl.tpu.VMEM((bm, bn), jnp.float32)],
-            compiler_params=pl.triton.CompilerParams(
-                num_warps=num_warps, num_stages=num_stages, group_size=group_size,
-                dimension_semantics=("parallel", "parallel", "arbitrary"))
-            if backend == "triton" else pl.CompilerParams(("parallel", "parallel", "arbitrary")),
-            backend=backend, name=name)
-    else:
-        def spec(free, contract_dim, pick):
-            def index_map(i, j):
-                return operand_block(free, contract_dim, pick(i, j), 0, kp)[1]
-            return pl.BlockSpec(operand_block(free, contract_dim, 0, 0, kp)[0], index_map)
-        in_specs = [spec(bm, ca, lambda i, j: i), spec(bn, cb, lambda i, j: j)]
-        if bias is not None:
-            in_specs.append(pl.BlockSpec((1, bn), lambda i, j: (0, j)))
-        out_spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
-        call = pl.pallas_call(
-            functools.partial(_loop_kernel, block_k=bk, num_k=num_k, **kw),
-            out_shape=out_shapes, grid=grid_mn, in_specs=in_specs,
-            out_specs=[out_spec] * len(out_shapes),
-            compiler_params=pl.triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            backend=backend, name=name)
-    outs = call(*operands)
+    m, n = a.shape[1 - ca], b.shape[1 - cb]
+    walk = tiled.strategy(backend)
+    params = tiled.launch_params(walk, backend, blocks, num_warps=num_warps,
+                                 num_stages=num_stages, group_size=group_size)
+    out_shapes = [jax.ShapeDtypeStruct((m, n), out_dtype)] * (2 if want_preact else 1)
+    extras = [(bias.reshape(1, n), tiled.COLS)] if bias is not None else []
+    epilogue = functools.partial(_epilogue, has_bias=bias is not None, want_preact=want_preact,
+                                 activation=activation)
+    outs = tiled.matmul_call(a, b, ca=ca, cb=cb, blocks=blocks, backend=backend,
+                             out_shape=out_shapes, epilogue=epilogue, extras=extras, walk=walk,
+                             compiler_params=params, name=name)
     return tuple(outs) if want_preact else outs[0]
-
-
-def _num_warps(block_m: int, block_n: int) -> int:
-    """8 warps once a float32 accumulator tile reaches 128x128 (64 KiB of registers), else 4."""
-    return 8 if block_m * block_n >= 128 * 128 else 4
 
 
 def _kernel_name(activation, bias):
@@ -356,7 +250,7 @@ def _dz_call(g, z, *, activation, want_dbias, blocks, backend):
         # Twice the forward's warps, one stage (no loop): at a 128 x 128 float32 tile,
         # act' and the dbias column sums spill on sm_90 with 4 warps (4 KiB) and 8
         # (128 bytes), and take 60 registers with 16 (benchmarks.static).
-        compiler_params=pl.triton.CompilerParams(num_warps=2 * _num_warps(bm, bn), num_stages=1)
+        compiler_params=pl.triton.CompilerParams(num_warps=2 * tiled.default_num_warps(bm, bn), num_stages=1)
         if backend in pl.TRITON_BACKENDS else None,
         backend=backend, name="fused_matmul_dz")(*operands)
     outs = list(outs)
@@ -463,28 +357,7 @@ _fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)
 # --------------------------------------------------------------------------
 
 
-def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[int, int, int]:
-    """``(block_m, block_n, block_k)`` for an ``[m, k] @ [k, n]`` product.
-
-    * mosaic_tpu: whole dims when small, else 256 / 512 / 512 (multiples of the
-      8 x 128 tiling, within the default scoped VMEM with double buffering);
-      block_k prefers a size that divides K so no padded copy is made.
-    * pallas_triton / triton: powers of two, 128 x 128 x 64 for 16-bit
-      dtypes (32 for float32), the shapes tensor cores run well.
-    * interpret: powers of two capped at 128, so edge blocks are exercised.
-
-    Every choice is valid in the backward pass too, where the same sizes are
-    reused by role (dx tiles (block_m, block_k), dw tiles (block_k, block_n)).
-    """
-    if backend == "mosaic_tpu":
-        return mosaic_tpu_matmul_blocks(m, n, k, max_m=256, max_n=512)
-    small = 16
-    if backend in pl.TRITON_BACKENDS:
-        cap_k = 32 if np.dtype(dtype) == np.float32 else 64
-        return (min(128, max(small, pl.next_power_of_2(m))), min(128, max(small, pl.next_power_of_2(n))),
-                min(cap_k, max(small, pl.next_power_of_2(k))))
-    return (min(128, max(8, pl.next_power_of_2(m))), min(128, max(8, pl.next_power_of_2(n))),
-            min(128, max(8, pl.next_power_of_2(k))))
+# default_block_sizes and interpreter_block_sizes: the core's (ops.matmul.tiled).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,12 +404,3 @@ def select_tiles(m: int, n: int, k: int, dtype, backend: str,
     if triton_backend.wants_interpreter_tiles(backend):
         return Tiles(interpreter_block_sizes(m, n, k), source="interpreter")
     return Tiles(default_block_sizes(m, n, k, dtype, backend))
-
-
-def interpreter_block_sizes(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """Tiles for Triton's CPU interpreter: each dim whole (rounded up to a power of
-    two) up to 512, so a model-sized product is a handful of programs with a
-    short (usually one-step) contraction loop: the interpreter's cost is per
-    tl operation, not per element (the default cap of
-    :func:`pallas_core.triton.backend.interpreter_tiles`: a 512 x 512 tile)."""
-    return triton_backend.interpreter_tiles((m, n, k))

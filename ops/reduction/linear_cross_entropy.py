@@ -14,8 +14,8 @@ owns a block of rows and a range of the vocabulary; for every vocabulary tile
 it forms ``x_block @ w[:, tile]`` in a float32 accumulator (walking D in
 chunks), folds the tile into an online logsumexp
 (:func:`~ops.reduction._rows.online_logsumexp_update`) and picks the label's
-logit. How the work is laid out depends on the backend (as in
-:mod:`ops.matmul.fused_matmul`):
+logit. How the work is laid out depends on the backend (the two walks of
+the tiled-matmul core, :mod:`ops.matmul.tiled`):
 
 * ``"grid"`` (interpret, mosaic_tpu): grid ``(row blocks, vocab tiles, D
   chunks)``, the last two ``"arbitrary"``; the tile accumulator is VMEM
@@ -40,7 +40,7 @@ Backward (Pallas kernels inside an XLA loop over vocabulary chunks of
    ``exp((z - m) - log_s)`` from the saved logsumexp (kept as the row max
    and the log of the shifted sum, as in cross_entropy); ``[N, chunk]`` in x's dtype;
 2. ``dx += dz @ w[:, chunk]^T`` and ``dw[:, chunk] = x^T @ dz`` by the tiled
-   matmul kernel of :mod:`ops.matmul.fused_matmul` (float32 accumulation).
+   matmul core :mod:`ops.matmul.tiled` (float32 accumulation).
 
 Every output block has exactly one writer (dx is accumulated across chunks
 by the XLA loop, dw's chunks are disjoint), so there are no write races and
@@ -76,9 +76,8 @@ import pallas_core as pl
 from ops._checks import check_array, check_matmul_operands
 from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
-from ops._tiles import dot, mosaic_tpu_matmul_blocks
-from ops.matmul.fused_matmul import _matmul_call, _strategy
-from ops.matmul.fused_matmul import default_block_sizes as matmul_block_sizes
+from ops._tiles import mosaic_tpu_matmul_blocks
+from ops.matmul import tiled
 from ops.reduction import _rows
 # Named imports: the package re-exports the function cross_entropy, which shadows the module.
 from ops.reduction.cross_entropy import check_labels
@@ -221,37 +220,24 @@ class _Dims:
 
     @property
     def padded_d(self) -> int:
-        return self.d if self.d % self.block_d == 0 else pl.next_power_of_2(self.d)
+        return tiled.loop_k_width(self.d, self.block_d, "mask")
 
     @property
     def masks_d(self) -> bool:
         return self.d % self.block_d != 0
 
 
-def _tile_dot(xa, wb, d0, dims: _Dims):
-    """``xa @ wb`` in float32 for the D chunk starting at ``d0``; columns of xa
-    and rows of wb at or past D (block padding, unspecified) are zeroed first."""
-    if dims.masks_d:
-        xcol = d0 + lax.broadcasted_iota(jnp.int32, xa.shape, 1)
-        xa = jnp.where(xcol < dims.d, xa, jnp.zeros((), xa.dtype))
-        wrow = d0 + lax.broadcasted_iota(jnp.int32, wb.shape, 0)
-        wb = jnp.where(wrow < dims.d, wb, jnp.zeros((), wb.dtype))
-    return dot(xa, wb, 1, 0)
+def _k_size(dims: _Dims) -> int | None:
+    """The contraction extent the core masks past (None when block_d divides D)."""
+    return dims.d if dims.masks_d else None
 
 
 def _logits_tile_loop(x_ref, w_ref, col0, dims: _Dims):
     """Loop path: ``x_block @ w_block[:, col0:col0 + block_v]`` over D chunks, float32."""
-    bd = dims.block_d
-
-    def step(k, acc):
-        xa = x_ref[:, pl.ds(k * bd, bd)]
-        wb = w_ref[pl.ds(k * bd, bd), pl.ds(col0, dims.block_v)]
-        return acc + _tile_dot(xa, wb, k * bd, dims)
-
-    init = jnp.zeros((x_ref.shape[0], dims.block_v), jnp.float32)
-    if dims.num_d == 1:
-        return step(0, init)
-    return lax.fori_loop(0, dims.num_d, step, init)
+    return tiled.loop_accumulate(x_ref, w_ref, ca=1, cb=0, block_k=dims.block_d, num_k=dims.num_d,
+                                 out_shape=(x_ref.shape[0], dims.block_v),
+                                 k_size=_k_size(dims),
+                                 b_cols=pl.ds(col0, dims.block_v))
 
 
 def _mask_vocab(z, tile, dims: _Dims):
@@ -275,25 +261,21 @@ def _fold_tile(z, col, labels, m, s, picked):
 
 def _forward_grid_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, acc_ref, *,
                          dims: _Dims):
-    j, k = pl.program_id(1), pl.program_id(2)
+    j = pl.program_id(1)
 
-    @pl.when((j == 0) & (k == 0))
+    @pl.when((j == 0) & (pl.program_id(2) == 0))
     def _init_stats():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         s_ref[...] = jnp.zeros(s_ref.shape, jnp.float32)
         p_ref[...] = jnp.zeros(p_ref.shape, jnp.float32)
 
-    @pl.when(k == 0)
-    def _init_acc():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    acc_ref[...] += _tile_dot(x_ref[...], w_ref[...], k * dims.block_d, dims)
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _fold():
-        z, col = _mask_vocab(acc_ref[...], j, dims)
+    def fold(acc):
+        z, col = _mask_vocab(acc, j, dims)
         m, s, p = _fold_tile(z, col, labels_ref[...], m_ref[...], s_ref[...], p_ref[...])
         m_ref[...], s_ref[...], p_ref[...] = m, s, p
+
+    tiled.grid_accumulate(x_ref, w_ref, acc_ref, fold, ca=1, cb=0, k_axis=2,
+                          block_k=dims.block_d, k_size=_k_size(dims))
 
 
 def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *, dims: _Dims):
@@ -370,66 +352,36 @@ def _merge_stats(m, s, p):
 # logits recomputed by a tiled matmul whose epilogue applies the softmax grad
 # --------------------------------------------------------------------------
 
-def _dz_epilogue(z, labels, m, log_s, g, tile, dz_ref, dims: _Dims):
-    col = tile * dims.block_v + lax.broadcasted_iota(jnp.int32, z.shape, 1)
-    onehot = (col == labels).astype(jnp.float32)
+def _dz_epilogue(z, refs: tiled.TileRefs, *, dims: _Dims):
+    labels_ref, m_ref, log_s_ref, g_ref = refs.extras
+    dz_ref = refs.outs[0]
+    col = pl.program_id(1) * dims.block_v + lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    onehot = (col == labels_ref[...]).astype(jnp.float32)
     # Columns past the chunk and rows past N hold garbage; their stores are discarded.
-    dz_ref[...] = (g * (jnp.exp((z - m) - log_s) - onehot)).astype(dz_ref.dtype)
-
-
-def _dz_grid_kernel(x_ref, w_ref, labels_ref, m_ref, log_s_ref, g_ref, dz_ref, acc_ref, *,
-                    dims: _Dims):
-    j, k = pl.program_id(1), pl.program_id(2)
-
-    @pl.when(k == 0)
-    def _init_acc():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    acc_ref[...] += _tile_dot(x_ref[...], w_ref[...], k * dims.block_d, dims)
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _store():
-        _dz_epilogue(acc_ref[...], labels_ref[...], m_ref[...], log_s_ref[...], g_ref[...], j,
-                     dz_ref, dims)
-
-
-def _dz_loop_kernel(x_ref, w_ref, labels_ref, m_ref, log_s_ref, g_ref, dz_ref, *, dims: _Dims):
-    z = _logits_tile_loop(x_ref, w_ref, 0, dims)
-    _dz_epilogue(z, labels_ref[...], m_ref[...], log_s_ref[...], g_ref[...], pl.program_id(1),
-                 dz_ref, dims)
+    dz_ref[...] = (g_ref[...] * (jnp.exp((z - m_ref[...]) - log_s_ref[...]) - onehot)
+                   ).astype(dz_ref.dtype)
 
 
 def _dz_call(x2, w_chunk, local_labels, m, log_s, g2, config: _Config):
-    """``g * (softmax - onehot)`` for the columns of ``w_chunk``: ``[rows, chunk]``, x's dtype.
+    """``g * (softmax - onehot)`` for the columns of ``w_chunk``: ``[rows, chunk]``, x's dtype,
+    by the tiled-matmul core (:func:`ops.matmul.tiled.matmul_call`) with the softmax
+    gradient as epilogue.
 
     ``local_labels`` are the labels relative to the chunk's first column (-1
     for invalid labels), so the kernel needs no column offset.
     """
     dims = _dims(x2, w_chunk, config)
     n, v = x2.shape[0], w_chunk.shape[1]
-    bm, bv, bd = dims.block_rows, dims.block_v, dims.block_d
-    out_shape = jax.ShapeDtypeStruct((n, v), x2.dtype)
-    operands = (x2, w_chunk, local_labels, m, log_s, g2)
-    if dims.strategy == "grid":
-        row = pl.BlockSpec((bm, 1), lambda i, j, k: (i, 0))
-        return pl.pallas_call(
-            functools.partial(_dz_grid_kernel, dims=dims), out_shape=out_shape,
-            grid=(dims.num_row_blocks, dims.num_v_tiles, dims.num_d),
-            in_specs=[pl.BlockSpec((bm, bd), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((bd, bv), lambda i, j, k: (k, j)), row, row, row, row],
-            out_specs=pl.BlockSpec((bm, bv), lambda i, j, k: (i, j)),
-            scratch_shapes=[pl.tpu.VMEM((bm, bv), jnp.float32)],
-            compiler_params=pl.CompilerParams((pl.PARALLEL, pl.PARALLEL, pl.ARBITRARY)),
-            backend=config.backend, name="linear_cross_entropy_dz")(*operands)
-    row = pl.BlockSpec((bm, 1), lambda i, j: (i, 0))
-    return pl.pallas_call(
-        functools.partial(_dz_loop_kernel, dims=dims), out_shape=out_shape,
-        grid=(dims.num_row_blocks, dims.num_v_tiles),
-        in_specs=[pl.BlockSpec((bm, dims.padded_d), lambda i, j: (i, 0)),
-                  pl.BlockSpec((dims.padded_d, bv), lambda i, j: (0, j)), row, row, row, row],
-        out_specs=pl.BlockSpec((bm, bv), lambda i, j: (i, j)),
-        compiler_params=_loop_params(dims, config.backend),
-        backend=config.backend, name="linear_cross_entropy_dz")(*operands)
+    if dims.strategy == tiled.GRID:
+        params = pl.CompilerParams((pl.PARALLEL, pl.PARALLEL, pl.ARBITRARY))
+    else:
+        params = _loop_params(dims, config.backend)
+    return tiled.matmul_call(
+        x2, w_chunk, ca=1, cb=0, blocks=(dims.block_rows, dims.block_v, dims.block_d),
+        backend=config.backend, out_shape=[jax.ShapeDtypeStruct((n, v), x2.dtype)],
+        epilogue=functools.partial(_dz_epilogue, dims=dims),
+        extras=[(a, tiled.ROWS) for a in (local_labels, m, log_s, g2)], walk=dims.strategy,
+        k_edge="mask", compiler_params=params, name="linear_cross_entropy_dz")[0]
 
 
 def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config):
@@ -441,13 +393,13 @@ def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config
     dz = _dz_call(x2, w_chunk, local, m, log_s, g2, config)
     backend = config.backend
     # dx[N, D] = dz[N, chunk] @ w_chunk[D, chunk]^T
-    bm, bn, bk = matmul_block_sizes(n, d, size, x2.dtype, backend)
-    dx = _matmul_call(dz, w_chunk, ca=1, cb=1, blocks=(bm, bn, bk), backend=backend,
-                      out_dtype=jnp.float32)
+    dx = tiled.matmul(dz, w_chunk, ca=1, cb=1, backend=backend, out_dtype=jnp.float32,
+                      blocks=tiled.default_block_sizes(n, d, size, x2.dtype, backend),
+                      name="linear_cross_entropy_dx")
     # dw[D, chunk] = x[N, D]^T @ dz[N, chunk]
-    bm, bn, bk = matmul_block_sizes(d, size, n, x2.dtype, backend)
-    dw = _matmul_call(x2, dz, ca=0, cb=0, blocks=(bm, bn, bk), backend=backend,
-                      out_dtype=w.dtype)
+    dw = tiled.matmul(x2, dz, ca=0, cb=0, backend=backend, out_dtype=w.dtype,
+                      blocks=tiled.default_block_sizes(d, size, n, x2.dtype, backend),
+                      name="linear_cross_entropy_dw")
     return dx, dw
 
 
@@ -612,7 +564,7 @@ def _dims(x2, w, config: _Config) -> _Dims:
         bm, bv, bd = config.block_sizes
     else:
         bm, bv, bd = default_block_sizes(rows, d, vocab, x2.dtype, config.backend)
-    strategy = config.strategy or _strategy(config.backend)
+    strategy = config.strategy or tiled.strategy(config.backend)
     num_v_tiles = pl.cdiv(vocab, bv)
     # The grid path walks the whole vocabulary in one program per row block: one split.
     tiles = _tiles_per_split(num_v_tiles, config.backend) if strategy == "loop" else num_v_tiles

@@ -1,0 +1,426 @@
+"""The tiled-matmul core: one tile loop for every matmul-shaped kernel.
+
+``fused_matmul`` (forward, ``dx``, ``dw``), ``linear_cross_entropy`` (the
+logits tiles of its forward and of its backward's ``dz`` kernel, the ``dx`` /
+``dw`` products) and the grouped matmul of ``ragged_dot`` all compute an
+output tile ``A @ B`` of ``block_m x block_n`` in a float32 accumulator,
+walking the contraction in ``block_k`` steps, then hand the accumulator to an
+epilogue that does the op's own work (bias and activation, a softmax
+gradient, a masked store) before the single store. This module is that
+walk; the ops keep only their epilogues and their tile choices.
+
+The algorithm is the classic tiled matmul (Triton's tutorial "Matrix
+Multiplication"; the templated matmul of the Pallas design notes). The
+contraction is walked one of two ways (:func:`strategy`):
+
+* ``"grid"`` (interpret, mosaic_tpu, triton): K is the last grid axis,
+  marked ``"arbitrary"``; the accumulator is a scratch buffer initialised
+  under ``pl.when(k == 0)`` and handed to the epilogue under
+  ``pl.when(k == last)`` (docs/pallas_core.md section 5). Our Triton
+  lowering runs that axis as a loop inside each program with the
+  accumulator in registers (docs/pallas_core.md section 11, loop peeling),
+  which Triton pipelines like its own tutorial matmul.
+* ``"loop"`` (pallas_triton, whose programs all run concurrently, and
+  kernels whose trip count depends on data): each program loads ``pl.ds``
+  slices of full-K blocks in a ``fori_loop``.
+
+A contraction that ``block_k`` does not divide is handled one of two ways
+(``k_edge``): ``"pad"`` zero-pads both operands to whole blocks (a copy,
+made only when K does not divide), ``"mask"`` zeroes the elements past K
+inside the tile (no copy; the loop walk then reads full blocks ``K`` wide,
+or the next power of two when ``block_k`` does not divide K).
+
+Row tiles through a table (:class:`RowTable`): instead of the identity,
+the first grid axis can walk a table of visits held in scalar memory
+(``PrefetchScalarGridSpec``): visit ``v`` reads the row block
+``row_block(v)`` of A and of the outputs and the slice ``b_index(v)`` of a
+batched ``B [G, ...]``, and may be skipped (``active(v)`` false: no
+product, the epilogue sees zeros). The grouped matmul builds that table on
+the device from the group sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas_core as pl
+from pallas_core.triton import backend as triton_backend
+from ops._tiles import dot, mosaic_tpu_matmul_blocks
+
+GRID = "grid"
+LOOP = "loop"
+
+# How an epilogue operand's blocks follow the output tile (i, j).
+ROWS = "rows"  # an [M, w] array: block (block_m, w) at (i, 0)
+COLS = "cols"  # an [h, N] array: block (h, block_n) at (0, j)
+
+
+def strategy(backend: str) -> str:
+    """How the contraction is walked on ``backend``: ``"loop"`` on pallas_triton
+    (JAX's lowering, whose programs all run concurrently), else ``"grid"``."""
+    return LOOP if backend == "pallas_triton" else GRID
+
+
+def default_num_warps(block_m: int, block_n: int) -> int:
+    """8 warps once a float32 accumulator tile reaches 128x128 (64 KiB of registers), else 4."""
+    return 8 if block_m * block_n >= 128 * 128 else 4
+
+
+def pad_axis(x, axis: int, size: int):
+    """``x`` zero-padded along ``axis`` to ``size`` (``x`` itself when it has that size)."""
+    if x.shape[axis] == size:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pads)
+
+
+# --------------------------------------------------------------------------
+# The product of one K step, and the two walks
+# --------------------------------------------------------------------------
+
+def product(a, b, ca: int, cb: int, k0=None, k_size: int | None = None):
+    """``A @ B`` of one K step in float32 (:func:`ops._tiles.dot`). With
+    ``k_size``, the elements of a (along ``ca``) and b (along ``cb``) at
+    contraction positions ``k0 + index >= k_size`` (block padding, whose
+    values are unspecified) are zeroed first."""
+    if k_size is not None:
+        a = _zero_past(a, ca, k0, k_size)
+        b = _zero_past(b, cb, k0, k_size)
+    return dot(a, b, ca, cb)
+
+
+def _zero_past(x, axis, start, size):
+    pos = start + lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.where(pos < size, x, jnp.zeros((), x.dtype))
+
+
+def _k_slice(ref, contract_dim: int, k, block_k: int, other=None):
+    """One ``block_k`` step of a two-dimensional Ref along ``contract_dim``;
+    the other dim whole, or ``other`` (a ``pl.ds``)."""
+    idx = [slice(None), slice(None)]
+    idx[contract_dim] = pl.ds(k * block_k, block_k)
+    if other is not None:
+        idx[1 - contract_dim] = other
+    return ref[tuple(idx)]
+
+
+def loop_accumulate(a_ref, b_ref, *, ca: int, cb: int, block_k: int, num_k, out_shape,
+                    k_size: int | None = None, b_cols=None):
+    """The loop walk: ``sum_k A[k] @ B[k]`` over ``num_k`` steps of ``block_k``
+    (a static int, or a traced trip count) from full-K Refs, float32
+    ``out_shape``. ``k_size``: mask the contraction past it (:func:`product`);
+    ``b_cols``: a ``pl.ds`` of b's free dim (a tile of a wider block). One
+    static step runs without a loop."""
+    def step(k, acc):
+        a = _k_slice(a_ref, ca, k, block_k)
+        b = _k_slice(b_ref, cb, k, block_k, b_cols)
+        k0 = k * block_k if k_size is not None else None
+        return acc + product(a, b, ca, cb, k0, k_size)
+
+    init = jnp.zeros(out_shape, jnp.float32)
+    if isinstance(num_k, int) and num_k == 1:
+        return step(0, init)
+    return lax.fori_loop(0, num_k, step, init)
+
+
+def grid_accumulate(a_ref, b_ref, acc_ref, finish: Callable[[Any], None], *, ca: int, cb: int,
+                    k_axis: int, block_k: int, k_size: int | None = None, active=None):
+    """The grid walk, one step of it: grid axis ``k_axis`` is the contraction.
+    Zeroes ``acc_ref`` on the first step, adds this step's product, and calls
+    ``finish(acc)`` with the float32 accumulator on the last. ``active``: a
+    traced predicate; where false the product is skipped (``finish`` sees
+    zeros)."""
+    k = pl.program_id(k_axis)
+
+    @pl.when(k == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def accumulate():
+        k0 = k * block_k if k_size is not None else None
+        acc_ref[...] += product(a_ref[...], b_ref[...], ca, cb, k0, k_size)
+
+    if active is None:
+        accumulate()
+    else:
+        pl.when(active)(accumulate)
+
+    @pl.when(k == pl.num_programs(k_axis) - 1)
+    def _finish():
+        finish(acc_ref[...])
+
+
+# --------------------------------------------------------------------------
+# The pallas_call: A @ B tiled over (rows, columns[, K]) with an epilogue
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RowTable:
+    """Row tiles walked through tables in scalar memory (scalar prefetch).
+
+    Attributes:
+      tables: int32 arrays passed as scalar-prefetch operands; every index
+        map and the kernel receive their Refs after the program ids.
+      num_visits: the extent of the first grid axis (a static bound; visits
+        past the table's real length should be inactive).
+      row_block: ``row_block(v, *tables) -> int``: the row block of A and of
+        the outputs that visit ``v`` works on.
+      b_index: ``b_index(v, *tables) -> int`` or None: the leading index of a
+        batched ``B [G, ...]`` (its block squeezed), None for a plain B.
+      active: ``active(v, *tables) -> bool`` or None: visits where it is
+        false skip the product (the epilogue sees a zero accumulator).
+    """
+
+    tables: tuple
+    num_visits: int
+    row_block: Callable
+    b_index: Callable | None = None
+    active: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TileRefs:
+    """What an epilogue sees besides the accumulator: the scalar-prefetch
+    Refs (a :class:`RowTable`'s tables), the epilogue operands' Refs (in the
+    order given) and the output Refs."""
+
+    scalars: tuple
+    extras: tuple
+    outs: tuple
+
+
+def _grid_kernel(*refs, ca, cb, block_k, k_size, num_scalars, num_extras, num_outs, epilogue,
+                 active):
+    scalars = refs[:num_scalars]
+    a_ref, b_ref = refs[num_scalars:num_scalars + 2]
+    rest = refs[num_scalars + 2:]
+    extras, outs, (acc_ref,) = (rest[:num_extras], rest[num_extras:num_extras + num_outs],
+                                rest[num_extras + num_outs:])
+    tile = TileRefs(tuple(scalars), tuple(extras), tuple(outs))
+    is_active = None if active is None else active(pl.program_id(0), *scalars)
+    grid_accumulate(a_ref, b_ref, acc_ref, lambda acc: epilogue(acc, tile), ca=ca, cb=cb,
+                    k_axis=2, block_k=block_k, k_size=k_size, active=is_active)
+
+
+def _loop_kernel(*refs, ca, cb, block_k, num_k, k_size, num_scalars, num_extras, num_outs,
+                 epilogue, active, tile_shape):
+    scalars = refs[:num_scalars]
+    a_ref, b_ref = refs[num_scalars:num_scalars + 2]
+    rest = refs[num_scalars + 2:]
+    extras, outs = rest[:num_extras], rest[num_extras:num_extras + num_outs]
+    trips = num_k
+    if active is not None:
+        trips = jnp.where(active(pl.program_id(0), *scalars), num_k, 0)
+    acc = loop_accumulate(a_ref, b_ref, ca=ca, cb=cb, block_k=block_k, num_k=trips,
+                          out_shape=tile_shape, k_size=k_size)
+    epilogue(acc, TileRefs(tuple(scalars), tuple(extras), tuple(outs)))
+
+
+def launch_params(walk: str, backend: str, blocks: tuple[int, int, int], *,
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  group_size: int | None = None):
+    """Compiler params of a :func:`matmul_call`: on ``triton`` (grid walk) the
+    launch parameters with the grid's semantics, on the loop walk Triton's
+    warps and stages (pallas_triton reads them, the others ignore them), else
+    the grid's semantics only. None takes the heuristic's: warps by tile
+    (:func:`default_num_warps`), 3 stages, grouped program order in bands of
+    8 row blocks (L2 reuse, Triton's tutorial)."""
+    num_warps = num_warps or default_num_warps(blocks[0], blocks[1])
+    num_stages = num_stages or 3
+    semantics = (pl.PARALLEL, pl.PARALLEL, pl.ARBITRARY)
+    if walk == GRID:
+        if backend == "triton":
+            return pl.triton.CompilerParams(num_warps=num_warps, num_stages=num_stages,
+                                            group_size=group_size or 8,
+                                            dimension_semantics=semantics)
+        return pl.CompilerParams(semantics)
+    return pl.triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def loop_k_width(k: int, block_k: int, k_edge: str) -> int:
+    """The width of the loop walk's full-K blocks: whole blocks when padded;
+    masked, K itself when ``block_k`` divides it, else its next power of two
+    (every step stays inside the block)."""
+    if k_edge == "pad" or k % block_k == 0:
+        return max(1, pl.cdiv(k, block_k)) * block_k
+    return pl.next_power_of_2(k)
+
+
+def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend: str,
+                out_shape: Sequence[jax.ShapeDtypeStruct],
+                epilogue: Callable[[Any, TileRefs], None],
+                extras: Sequence[tuple[Any, str]] = (), walk: str | None = None,
+                k_edge: str = "pad", compiler_params=None, rows: RowTable | None = None,
+                name: str = "matmul"):
+    """``A @ B`` tiled into ``block_m x block_n`` outputs, each handed to ``epilogue``.
+
+    Args:
+      a: a two-dimensional array; A is a contracting its dim ``ca``
+        (``A [M, K]``).
+      b: a two-dimensional array contracting its dim ``cb`` (``B [K, N]``),
+        or with ``rows.b_index`` a batched ``[G, ...]`` whose trailing two
+        dims are that.
+      blocks: ``(block_m, block_n, block_k)``.
+      backend: a pallas_core backend.
+      out_shape: the outputs, each ``[M, N]``, tiled like the accumulator.
+      epilogue: ``epilogue(acc, refs)`` with the float32 ``[block_m,
+        block_n]`` accumulator and a :class:`TileRefs`; it writes the outputs.
+        Rows and columns of an edge tile past M / N hold unspecified values,
+        and their stores are discarded.
+      extras: epilogue operands ``(array, ROWS | COLS)`` (:data:`ROWS`:
+        ``[M, w]`` read as ``[block_m, w]`` row blocks; :data:`COLS`:
+        ``[h, N]`` read as ``[h, block_n]`` column blocks).
+      walk: ``"grid"`` or ``"loop"``; None: :func:`strategy` of the backend.
+      k_edge: ``"pad"`` or ``"mask"``: see the module docstring.
+      compiler_params: None for :func:`launch_params` of the walk with the
+        heuristic's warps and stages.
+      rows: a :class:`RowTable`, or None for row blocks ``0 .. cdiv(M,
+        block_m) - 1``.
+      name: the kernel's name.
+
+    Returns:
+      The list of outputs. An empty contraction still runs one (zero) step,
+      so the epilogue sees a zero accumulator.
+    """
+    walk = walk or strategy(backend)
+    bm, bn, bk = blocks
+    b_batched = rows is not None and rows.b_index is not None
+    b2 = b.shape[1:] if b_batched else b.shape
+    m, n, k = a.shape[1 - ca], b2[1 - cb], a.shape[ca]
+    # At least one step: an empty contraction (K == 0, or M == 0 in dw) still
+    # owes the epilogue its zero accumulator.
+    num_k = max(1, pl.cdiv(k, bk))
+    k_size = None
+    if k_edge == "pad":
+        kp = num_k * bk
+        a = pad_axis(a, ca, kp)
+        b = pad_axis(b, cb + (1 if b_batched else 0), kp)
+    elif k % bk:
+        k_size = k
+    num_rows = rows.num_visits if rows is not None else pl.cdiv(m, bm)
+    grid_mn = (num_rows, pl.cdiv(n, bn))
+    scalars = tuple(rows.tables) if rows is not None else ()
+    row_of = rows.row_block if rows is not None else (lambda i, *s: i)
+
+    def operand_block(free, contract_dim, free_idx, k_idx, k_block):
+        shape, index = [0, 0], [0, 0]
+        shape[1 - contract_dim], shape[contract_dim] = free, k_block
+        index[1 - contract_dim], index[contract_dim] = free_idx, k_idx
+        return tuple(shape), tuple(index)
+
+    def a_spec(k_block, k_index):
+        return pl.BlockSpec(operand_block(bm, ca, 0, 0, k_block)[0],
+                            lambda i, j, *rest: operand_block(
+                                bm, ca, row_of(i, *rest[len(rest) - len(scalars):]),
+                                k_index(rest[:len(rest) - len(scalars)]), k_block)[1])
+
+    def b_spec(k_block, k_index):
+        shape = operand_block(bn, cb, 0, 0, k_block)[0]
+
+        def index_map(i, j, *rest):
+            ks, ss = rest[:len(rest) - len(scalars)], rest[len(rest) - len(scalars):]
+            index = operand_block(bn, cb, j, k_index(ks), k_block)[1]
+            return (rows.b_index(i, *ss), *index) if b_batched else index
+        return pl.BlockSpec((None, *shape) if b_batched else shape, index_map)
+
+    def extra_spec(array, role):
+        if role == ROWS:
+            return pl.BlockSpec((bm, array.shape[1]), lambda i, j, *rest: (
+                row_of(i, *rest[len(rest) - len(scalars):]), 0))
+        if role == COLS:
+            return pl.BlockSpec((array.shape[0], bn), lambda i, j, *rest: (0, j))
+        raise ValueError(f"extras: role must be {ROWS!r} or {COLS!r}, got {role!r}.")
+
+    out_spec = pl.BlockSpec((bm, bn), lambda i, j, *rest: (
+        row_of(i, *rest[len(rest) - len(scalars):]), j))
+    kw = dict(ca=ca, cb=cb, block_k=bk, k_size=k_size, num_scalars=len(scalars),
+              num_extras=len(extras), num_outs=len(out_shape), epilogue=epilogue,
+              active=rows.active if rows is not None else None)
+    if walk == GRID:
+        kernel = functools.partial(_grid_kernel, **kw)
+        grid = (*grid_mn, num_k)
+        in_specs = [a_spec(bk, lambda ks: ks[0]), b_spec(bk, lambda ks: ks[0])]
+        scratch = [pl.tpu.VMEM((bm, bn), jnp.float32)]
+    else:
+        width = loop_k_width(a.shape[ca], bk, k_edge)
+        kernel = functools.partial(_loop_kernel, num_k=num_k, tile_shape=(bm, bn), **kw)
+        grid = grid_mn
+        in_specs = [a_spec(width, lambda ks: 0), b_spec(width, lambda ks: 0)]
+        scratch = []
+    in_specs += [extra_spec(array, role) for array, role in extras]
+    if compiler_params is None:
+        compiler_params = launch_params(walk, backend, blocks)
+    operands = (a, b, *(array for array, _ in extras))
+    if rows is not None:
+        grid_spec = pl.tpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars), grid=grid, in_specs=in_specs,
+            out_specs=[out_spec] * len(out_shape), scratch_shapes=scratch)
+        call = pl.pallas_call(kernel, out_shape=list(out_shape), grid_spec=grid_spec,
+                              compiler_params=compiler_params, backend=backend, name=name)
+        return call(*scalars, *operands)
+    call = pl.pallas_call(kernel, out_shape=list(out_shape), grid=grid, in_specs=in_specs,
+                          out_specs=[out_spec] * len(out_shape), scratch_shapes=scratch,
+                          compiler_params=compiler_params, backend=backend, name=name)
+    return call(*operands)
+
+
+def store(acc, refs: TileRefs) -> None:
+    """The plain epilogue: the accumulator stored in the (one) output's dtype."""
+    out_ref = refs.outs[0]
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def matmul(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend: str, out_dtype,
+           name: str = "matmul"):
+    """``A @ B`` (a contracting dim ``ca``, b dim ``cb``) in ``out_dtype`` with
+    float32 accumulation: :func:`matmul_call` with the plain epilogue and the
+    heuristic's launch parameters."""
+    m, n = a.shape[1 - ca], b.shape[1 - cb]
+    return matmul_call(a, b, ca=ca, cb=cb, blocks=blocks, backend=backend,
+                       out_shape=[jax.ShapeDtypeStruct((m, n), out_dtype)], epilogue=store,
+                       name=name)[0]
+
+
+# --------------------------------------------------------------------------
+# Heuristics
+# --------------------------------------------------------------------------
+
+def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[int, int, int]:
+    """``(block_m, block_n, block_k)`` for an ``[m, k] @ [k, n]`` product.
+
+    * mosaic_tpu: whole dims when small, else 256 / 512 / 512 (multiples of the
+      8 x 128 tiling, within the default scoped VMEM with double buffering);
+      block_k prefers a size that divides K so no padded copy is made.
+    * pallas_triton / triton: powers of two, 128 x 128 x 64 for 16-bit
+      dtypes (32 for float32), the shapes tensor cores run well.
+    * interpret: powers of two capped at 128, so edge blocks are exercised.
+
+    Every choice is valid in a backward pass too, where the same sizes are
+    reused by role (dx tiles (block_m, block_k), dw tiles (block_k, block_n)).
+    """
+    if backend == "mosaic_tpu":
+        return mosaic_tpu_matmul_blocks(m, n, k, max_m=256, max_n=512)
+    small = 16
+    if backend in pl.TRITON_BACKENDS:
+        cap_k = 32 if np.dtype(dtype) == np.float32 else 64
+        return (min(128, max(small, pl.next_power_of_2(m))), min(128, max(small, pl.next_power_of_2(n))),
+                min(cap_k, max(small, pl.next_power_of_2(k))))
+    return (min(128, max(8, pl.next_power_of_2(m))), min(128, max(8, pl.next_power_of_2(n))),
+            min(128, max(8, pl.next_power_of_2(k))))
+
+
+def interpreter_block_sizes(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """Tiles for Triton's CPU interpreter: each dim whole (rounded up to a power of
+    two) up to 512, so a model-sized product is a handful of programs with a
+    short (usually one-step) contraction loop: the interpreter's cost is per
+    tl operation, not per element (the default cap of
+    :func:`pallas_core.triton.backend.interpreter_tiles`: a 512 x 512 tile)."""
+    return triton_backend.interpreter_tiles((m, n, k))

@@ -4,7 +4,9 @@
 ``ops.fused_matmul``. ``LayerNorm`` / ``RMSNorm`` come from
 :mod:`layers.linen_norms`; ``MultiHeadDotProductAttention``,
 ``MultiHeadAttention`` and ``SelfAttention`` (flash attention through
-:func:`layers.dot_product_attention`) from :mod:`layers.linen_attention`.
+:func:`layers.dot_product_attention`) from :mod:`layers.linen_attention`;
+``GatedMLP`` and ``RotaryEmbedding`` from :mod:`layers.linen_mlp` and
+:mod:`layers.linen_rotary`.
 
 ``Dense`` is a subclass of :class:`flax.linen.Dense` with two more dataclass fields,
 ``activation`` and ``implementation`` (both default None). Parameters are
@@ -107,6 +109,8 @@ class Dense(nn.Dense):
 from layers.linen_norms import LayerNorm, RMSNorm  # noqa: E402 - the Linen twins of layers.norms
 from layers.linen_attention import (  # noqa: E402 - the Linen twins of layers.attention
     MultiHeadAttention, MultiHeadDotProductAttention, SelfAttention)
+from layers.linen_mlp import GatedMLP  # noqa: E402 - the Linen twin of layers.GatedMLP
+from layers.linen_rotary import RotaryEmbedding  # noqa: E402 - of layers.RotaryEmbedding
 
-__all__ = ["Dense", "LayerNorm", "MultiHeadAttention", "MultiHeadDotProductAttention", "RMSNorm",
-           "SelfAttention"]
+__all__ = ["Dense", "GatedMLP", "LayerNorm", "MultiHeadAttention", "MultiHeadDotProductAttention",
+           "RMSNorm", "RotaryEmbedding", "SelfAttention"]

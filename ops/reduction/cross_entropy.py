@@ -28,8 +28,22 @@ and silently wraps negative ones, Python-style; we treat every out-of-range
 label alike, so a ``-1`` or ``-100`` padding label can never quietly train
 towards a real class). The gradient of such a row is ``g * softmax`` (no
 label term), what ``jax.grad`` of optax gives for labels >= V. To ignore
-padding, select rather than multiply: ``jnp.where(mask, loss, 0)`` gives zero
-loss and zero gradient for masked rows, while ``loss * mask`` keeps the NaN.
+padding, pass ``ignore_index`` (e.g. -100, transformers' convention): those
+rows give loss 0 and a zero gradient. (By hand, select rather than multiply:
+``jnp.where(mask, loss, 0)`` zeroes loss and gradient, ``loss * mask`` keeps
+the NaN.) Under ``jax.experimental.checkify.checkify`` an out-of-range label
+that is not ``ignore_index`` is a reported error.
+
+LM-loss options (:mod:`ops.reduction.lm_loss` gives their exact meaning):
+``logits_soft_cap`` caps every chunk as it is loaded (``cap * tanh(x /
+cap)``, forward and backward, the backward multiplying by ``1 - tanh**2``);
+``label_smoothing`` makes the forward kernel also sum each row's logits and
+the backward subtract ``a / V`` from every class's target; the z-loss needs
+only ``lse = m + log_s``, which the forward kernel writes anyway: it is added
+outside the kernels, and its cotangent comes back to the backward kernel as a
+second per-row input (``dlogits += g_lse * softmax``). Ignoring rows and the
+reduction act on the ``[rows]`` losses outside the kernels. With every option
+at its default the kernels are the plain ones above.
 """
 from __future__ import annotations
 
@@ -45,7 +59,7 @@ import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
 from ops._implementation import check_implementation, run_implementation
 from ops._partitioning import ROW, STAT, reshape, rowwise
-from ops.reduction import _rows
+from ops.reduction import _rows, lm_loss
 
 _OP = "cross_entropy"
 
@@ -53,16 +67,35 @@ _OP = "cross_entropy"
 # lowering ("triton") is not validated on them yet.
 
 
-def cross_entropy(logits, labels, *, implementation: str | None = None,
-                  max_chunk: int | None = None) -> jax.Array:
+def cross_entropy(logits, labels, *, ignore_index: int | None = None,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  logits_soft_cap: float | None = None, reduction: str = "none",
+                  return_z_loss: bool = False, implementation: str | None = None,
+                  max_chunk: int | None = None):
     """Per-example softmax cross-entropy: ``logsumexp(logits) - logits[label]``.
+
+    With the defaults, ``optax.softmax_cross_entropy_with_integer_labels``;
+    the keyword options make it a language model's loss (their meaning in
+    full: :mod:`ops.reduction.lm_loss`).
 
     Args:
       logits: ``[..., V]`` float32 / bfloat16 / float16 unnormalised log
         probabilities; any number of leading dims.
       labels: integer array of shape ``logits.shape[:-1]``, the class of each
-        example in ``[0, V)``. Labels outside that range give a NaN loss (see
-        the module docstring).
+        example in ``[0, V)``. Labels outside that range that are not
+        ``ignore_index`` give a NaN loss (see the module docstring).
+      ignore_index: None (the default: no label is ignored, as optax), or a
+        label value whose rows give loss 0 and zero gradient (-100 in
+        transformers and PyTorch); excluded from ``"mean"``'s count.
+      label_smoothing: ``a`` in [0, 1]: targets ``(1 - a) * onehot + a / V``
+        (``optax.smooth_labels``).
+      z_loss: weight ``w >= 0`` of PaLM's auxiliary ``w * logsumexp**2``,
+        added to each row's loss.
+      logits_soft_cap: None or ``cap > 0``: the loss of ``cap * tanh(logits /
+        cap)`` (Gemma 2's final logit cap).
+      reduction: ``"none"`` (per-row losses in logits' dtype), ``"sum"`` or
+        ``"mean"`` (float32 scalars; the mean over rows not ignored).
+      return_z_loss: also return the z-loss term alone (reduced the same way).
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu";
         or a sequence of these tried in order (:mod:`ops._implementation`).
@@ -71,12 +104,15 @@ def cross_entropy(logits, labels, *, implementation: str | None = None,
 
     Returns:
       ``[...]`` losses in logits' dtype (as optax), computed in float32 and
-      rounded once at the end.
+      rounded once at the end; a float32 scalar for ``"sum"`` / ``"mean"``;
+      ``(loss, z_loss)`` with ``return_z_loss``.
 
     Raises:
-      TypeError: non-array inputs, logits not floating point, labels not integer.
+      TypeError: non-array inputs, logits not floating point, labels not
+        integer, a bad type of option (:func:`ops.reduction.lm_loss.check_options`).
       ValueError: logits a scalar or with an empty class axis, labels' shape
-        not ``logits.shape[:-1]``, an unknown implementation, a bad max_chunk.
+        not ``logits.shape[:-1]``, an option out of range, an unknown
+        implementation, a bad max_chunk.
 
     Differentiable in logits (``jax.custom_vjp`` with a Pallas backward
     kernel); jit- and vmap-compatible. Large logits (``|x|`` up to 1e4 and
@@ -89,20 +125,29 @@ def cross_entropy(logits, labels, *, implementation: str | None = None,
     if logits.shape[-1] == 0:
         raise ValueError(f"{_OP}: logits' last dim (the classes) is empty; shape "
                          f"{tuple(logits.shape)}.")
+    options = lm_loss.check_options(
+        _OP, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+        logits_soft_cap=logits_soft_cap, reduction=reduction, return_z_loss=return_z_loss)
     check_implementation(implementation, _OP)
     _rows.check_max_chunk(max_chunk, _OP)
     return run_implementation(implementation, _OP,
-                              lambda impl: _cross_entropy_on(impl, logits, labels, max_chunk))
+                              lambda impl: _cross_entropy_on(impl, logits, labels, max_chunk,
+                                                             options))
 
 
-def _cross_entropy_on(impl, logits, labels, max_chunk):
+def _cross_entropy_on(impl, logits, labels, max_chunk, options=lm_loss.LossOptions()):
     """The checked call on one implementation (see :func:`cross_entropy`)."""
     if impl == "xla":
-        return reference(logits, labels)
+        return lm_loss.reference(logits, labels, options)
     x2, lead = _rows.as_rows(logits)
     labels2 = reshape(labels, (-1, 1)).astype(jnp.int32)
-    loss = _cross_entropy(x2, labels2, _Config(impl, max_chunk))
-    return reshape(loss, lead)
+    config = _Config(impl, max_chunk, smoothing=options.label_smoothing,
+                     soft_cap=options.logits_soft_cap, lse_grad=options.needs_lse_grad)
+    out = _cross_entropy(x2, labels2, config)
+    loss, lse = out if config.lse_grad else (out, None)
+    loss = reshape(loss, lead)
+    lse = reshape(lse, lead) if lse is not None else None
+    return lm_loss.finish(loss, lse, labels, logits.shape[-1], options, logits.dtype)
 
 
 def check_labels(expected_shape, labels, ref_name: str, op: str) -> None:
@@ -121,22 +166,17 @@ def check_labels(expected_shape, labels, ref_name: str, op: str) -> None:
 # XLA reference (also the "xla" implementation)
 # --------------------------------------------------------------------------
 
-def reference(logits, labels):
+def reference(logits, labels, **options):
     """Cross-entropy with XLA in float32; NaN for labels outside ``[0, V)``; logits' dtype.
 
     Computed as ``(m - x[label]) + log(sum(exp(x - m)))`` with ``m`` the row
     maximum (held constant for autodiff: the value does not depend on it), as
     the kernels do, so large logits lose no accuracy to a rounded logsumexp.
+    ``options``: :func:`cross_entropy`'s keyword options (ignore_index,
+    label_smoothing, z_loss, logits_soft_cap, reduction, return_z_loss), the
+    arithmetic of :func:`ops.reduction.lm_loss.row_losses` and ``finish``.
     """
-    x = logits.astype(jnp.float32)
-    v = logits.shape[-1]
-    m = lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    log_s = jnp.log(jnp.sum(jnp.exp(x - m), axis=-1))
-    safe = jnp.clip(labels, 0, v - 1).astype(jnp.int32)
-    picked = jnp.take_along_axis(x, safe[..., None], axis=-1)[..., 0]
-    valid = (labels >= 0) & (labels < v)
-    return jnp.where(valid, (m[..., 0] - picked) + log_s, jnp.nan).astype(logits.dtype)
+    return lm_loss.reference(logits, labels, lm_loss.check_options(_OP, **options))
 
 
 # --------------------------------------------------------------------------
@@ -147,6 +187,9 @@ def reference(logits, labels):
 class _Config:
     backend: str
     max_chunk: int | None = None
+    smoothing: float = 0.0          # label smoothing a: targets (1 - a) onehot + a / V
+    soft_cap: float | None = None   # logits -> cap * tanh(logits / cap)
+    lse_grad: bool = False          # lse is an output whose cotangent the backward takes
 
 
 def _columns(layout: _rows.RowLayout, c, shape):
@@ -158,25 +201,50 @@ def _valid_labels(labels, features: int):
     return (labels >= 0) & (labels < features)
 
 
+def _load_logits(logits_ref, layout: _rows.RowLayout, c, config: _Config, *, fill):
+    """Chunk ``c`` of the logits as float32, soft-capped when ``config.soft_cap``; padding
+    columns ``fill``. Returns ``(z, t)``: ``t = tanh(x / cap)`` for the cap's derivative
+    (None without a cap)."""
+    if config.soft_cap is None:
+        return _rows.load_chunk(logits_ref, layout, c, fill=fill), None
+    x = _rows.load_chunk(logits_ref, layout, c, fill=0.0)
+    t = jnp.tanh(x / config.soft_cap)
+    z = config.soft_cap * t
+    mask = _rows.column_mask(layout, c, z.shape)
+    return (z if mask is None else jnp.where(mask, z, fill)), t
+
+
 def _forward_kernel(logits_ref, labels_ref, loss_ref, m_ref, log_s_ref, *,
-                    layout: _rows.RowLayout):
+                    layout: _rows.RowLayout, config: _Config):
     labels = labels_ref[...]                       # [block_rows, 1] int32
     shape = (labels.shape[0], 1)
+    smoothing = config.smoothing
 
     def body(c, carry):
-        m, s, picked = carry
-        x = _rows.load_chunk(logits_ref, layout, c, fill=-jnp.inf)
+        m, s, picked, *total = carry
+        x, _ = _load_logits(logits_ref, layout, c, config, fill=-jnp.inf)
         m, s = _rows.online_logsumexp_update(m, s, x)
-        hit = _columns(layout, c, x.shape) == labels
+        cols = _columns(layout, c, x.shape)
+        hit = cols == labels
         picked = picked + jnp.sum(jnp.where(hit, x, 0.0), axis=1, keepdims=True)
-        return m, s, picked
+        if smoothing:  # the row's sum of logits, for the uniform part of the target
+            real = x if not layout.needs_column_mask else jnp.where(cols < layout.features, x, 0.0)
+            total = [total[0] + jnp.sum(real, axis=1, keepdims=True)]
+        return (m, s, picked, *total)
 
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape, jnp.float32))
-    m, s, picked = _rows.for_each_chunk(layout, body, init)
+    if smoothing:
+        init += (jnp.zeros(shape, jnp.float32),)
+    m, s, picked, *total = _rows.for_each_chunk(layout, body, init)
     log_s = jnp.log(s)
-    loss_ref[...] = jnp.where(_valid_labels(labels, layout.features), (m - picked) + log_s,
-                              jnp.nan)
+    valid = _valid_labels(labels, layout.features)
+    if smoothing:  # (1 - a) (m - x[label]) + a (m - mean(x)) + log_s
+        loss = ((1.0 - smoothing) * (m - picked) + smoothing * (m - total[0] / layout.features)
+                + log_s)
+    else:
+        loss = (m - picked) + log_s
+    loss_ref[...] = jnp.where(valid, loss, jnp.nan)
     m_ref[...] = m
     log_s_ref[...] = log_s
 
@@ -187,7 +255,7 @@ def _forward_call(x2, labels2, config: _Config):
     rows = x2.shape[0]
     stat = jax.ShapeDtypeStruct((rows, 1), jnp.float32)
     return pl.pallas_call(
-        functools.partial(_forward_kernel, layout=layout),
+        functools.partial(_forward_kernel, layout=layout, config=config),
         out_shape=[stat] * 3, grid=layout.grid,
         in_specs=[layout.row_spec(), layout.stat_spec()],
         out_specs=[layout.stat_spec()] * 3,
@@ -199,32 +267,42 @@ def _forward_call(x2, labels2, config: _Config):
 # Backward kernel: g * (softmax - onehot), softmax recomputed from the saved stats
 # --------------------------------------------------------------------------
 
-def _backward_kernel(logits_ref, labels_ref, m_ref, log_s_ref, g_ref, dlogits_ref, *,
-                     layout: _rows.RowLayout):
+def _backward_kernel(logits_ref, labels_ref, m_ref, log_s_ref, g_ref, *refs,
+                     layout: _rows.RowLayout, config: _Config):
+    g_lse_ref, dlogits_ref = refs if config.lse_grad else (None, *refs)
     labels = labels_ref[...]
     m, log_s = m_ref[...], log_s_ref[...]
     g = g_ref[...]
+    smoothing = config.smoothing
 
     def body(c, carry):
         # Padding columns: fill 0 keeps exp finite; their stores are discarded.
-        x = _rows.load_chunk(logits_ref, layout, c, fill=0.0)
+        x, t = _load_logits(logits_ref, layout, c, config, fill=0.0)
         onehot = (_columns(layout, c, x.shape) == labels).astype(jnp.float32)
-        d = g * (jnp.exp((x - m) - log_s) - onehot)
+        if smoothing:
+            onehot = (1.0 - smoothing) * onehot + smoothing / layout.features
+        p = jnp.exp((x - m) - log_s)
+        d = g * (p - onehot)
+        if g_lse_ref is not None:  # d lse / d logits = softmax
+            d = d + g_lse_ref[...] * p
+        if t is not None:          # the soft cap's derivative
+            d = d * (1.0 - t * t)
         dlogits_ref[:, _rows.chunk_slice(layout, c)] = d.astype(dlogits_ref.dtype)
         return carry
 
     _rows.for_each_chunk(layout, body, 0)
 
 
-def _backward_call(x2, labels2, m, log_s, g, config: _Config):
+def _backward_call(x2, labels2, m, log_s, g, *g_lse, config: _Config):
+    """``g_lse``: the cotangent of lse, ``[rows, 1]`` float32, with ``config.lse_grad``."""
     layout = _layout(x2, config)
     return pl.pallas_call(
-        functools.partial(_backward_kernel, layout=layout),
+        functools.partial(_backward_kernel, layout=layout, config=config),
         out_shape=jax.ShapeDtypeStruct(x2.shape, x2.dtype), grid=layout.grid,
-        in_specs=[layout.row_spec()] + [layout.stat_spec()] * 4,
+        in_specs=[layout.row_spec()] + [layout.stat_spec()] * (4 + len(g_lse)),
         out_specs=layout.row_spec(),
         compiler_params=_compiler_params(layout, config.backend, x2.dtype, row_blocks=2),
-        backend=config.backend, name="cross_entropy_bwd")(x2, labels2, m, log_s, g)
+        backend=config.backend, name="cross_entropy_bwd")(x2, labels2, m, log_s, g, *g_lse)
 
 
 # --------------------------------------------------------------------------
@@ -233,20 +311,22 @@ def _backward_call(x2, labels2, m, log_s, g, config: _Config):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _cross_entropy(x2, labels2, config: _Config):
-    loss, _, _ = _partitioned_forward(x2, labels2, config)
-    return loss[:, 0].astype(x2.dtype)
+    """Float32 per-row losses ``[rows]``; with ``config.lse_grad``, ``(loss, lse)``."""
+    return _cross_entropy_fwd(x2, labels2, config)[0]
 
 
 def _cross_entropy_fwd(x2, labels2, config):
     loss, m, log_s = _partitioned_forward(x2, labels2, config)
-    return loss[:, 0].astype(x2.dtype), (x2, labels2, m, log_s)
+    out = (loss[:, 0], (m + log_s)[:, 0]) if config.lse_grad else loss[:, 0]
+    return out, (x2, labels2, m, log_s)
 
 
 def _cross_entropy_bwd(config, residuals, g):
     x2, labels2, m, log_s = residuals
-    g2 = reshape(g.astype(jnp.float32), (-1, 1))
-    (dlogits,) = rowwise(_OP, lambda *a, reduced: (_backward_call(*a, config),),
-                         (x2, labels2, m, log_s, g2), (ROW, STAT, STAT, STAT, STAT), (ROW,),
+    gs = g if config.lse_grad else (g,)
+    gs = tuple(reshape(c.astype(jnp.float32), (-1, 1)) for c in gs)
+    (dlogits,) = rowwise(_OP, lambda *a, reduced: (_backward_call(*a, config=config),),
+                         (x2, labels2, m, log_s, *gs), (ROW,) + (STAT,) * (3 + len(gs)), (ROW,),
                          out_like=(0,))
     return dlogits, None  # labels are integers: no cotangent
 
@@ -291,8 +371,3 @@ def _compiler_params(layout: _rows.RowLayout, backend: str, dtype, *, row_blocks
             return pl.tpu.CompilerParams(dimension_semantics=(pl.PARALLEL,),
                                          vmem_limit_bytes=min(need, _MAX_VMEM_LIMIT))
     return _rows.row_compiler_params(layout, backend)
-
-
-# The tuner fills the cache for 4096 rows of a 128256-class vocabulary (Llama 3's).
-_rows.register_row_op(_OP, reference, _rows.row_example(cross_entropy, labels=True),
-                      shapes=[(4096, 128256)], order=40)

@@ -1,0 +1,216 @@
+"""``ops.ragged_dot``: the grouped matmul of mixture-of-experts layers.
+
+Tokens sorted by expert form contiguous groups of rows of ``lhs``; group
+``g`` is multiplied by its own ``rhs[g]``. This is ``jax.lax.ragged_dot``'s
+meaning, with ``group_offset`` implemented (expert parallelism: ``rhs``
+holds only the groups this call owns, rows of the others are zero).
+
+Kernels (the grouped GEMM of megablox, "MegaBlocks: Efficient Sparse
+Training with Mixture-of-Experts", Gale et al. 2023, arXiv:2211.15841,
+section 5, as JAX's TPU ``gmm`` / ``tgmm`` implement it; our own code on
+the tiled-matmul core, :mod:`ops.matmul.tiled`):
+
+* forward, ``gmm``: programs over (row-tile visit, column tile); the row
+  tiles follow the group boundaries through a visit table built on the
+  device from ``group_sizes`` (:mod:`ops.moe.group_table`) and read through
+  scalar prefetch. A tile that a boundary cuts is visited once per group,
+  each visit storing only its group's rows; an empty group has no visit; no
+  group is padded in memory.
+* backward: ``dlhs = gmm(dout, rhs^T)`` (the same kernel, contracting N) and
+  ``drhs[g] = lhs_g^T @ dout_g`` (``tgmm``: programs over (group, K tile, N
+  tile), the group's rows reduced inside; :mod:`ops.moe.tgmm`). Every output
+  block has one writer: no atomics.
+"""
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ops._checks import check_array, check_float_dtype, check_same_dtype
+from ops._op import Op, Problem, Tuning, register
+from ops.moe.config import RaggedDotConfig
+from ops.moe.reference import ragged_dot_reference
+
+_OP = "ragged_dot"
+_PRECISION_NAMES = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32", "fastest")
+
+
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+               group_offset=None, *, implementation=None, block_sizes=None) -> jax.Array:
+    """Grouped matmul: ``out[i] = lhs[i] @ rhs[g(i)]`` where row ``i`` is in group ``g(i)``.
+
+    A drop-in for ``jax.lax.ragged_dot``. Group ``g`` is rows
+    ``[sum(group_sizes[:g]), sum(group_sizes[:g + 1]))`` of ``lhs``.
+
+    Args:
+      lhs: ``[M, K]`` float32 / bfloat16 / float16 (tokens sorted by group).
+      rhs: ``[G_local, K, N]``, lhs's dtype: one matrix per owned group.
+      group_sizes: integer ``[G]`` (``G = G_local`` without ``group_offset``),
+        rows per group, ``sum(group_sizes) <= M``; rows at or past the sum
+        are zero in the output.
+      precision: as ``jax.lax.ragged_dot`` (None, a ``lax.Precision`` or its
+        name, or a pair); it reaches the ``"xla"`` implementation. The
+        kernels accumulate in float32 and multiply float32 operands in IEEE
+        float32 whatever it says.
+      preferred_element_type: the output dtype (float32 / bfloat16 /
+        float16); None: lhs's dtype.
+      group_offset: None, or an int32 scalar or ``[1]``: this call owns
+        groups ``[group_offset, group_offset + G_local)`` of ``group_sizes``
+        (expert parallelism); rows of the other groups are zero in the
+        output (not left unwritten), so a sum over expert shards is the full
+        product. Group ids outside ``[0, G)`` own no rows.
+      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
+        "mosaic_tpu"), "xla" (``jax.lax.ragged_dot``), "interpret", "triton",
+        "mosaic_tpu"; "pallas_triton" and "mosaic_gpu" raise
+        NotImplementedError (JAX's Triton lowering has no scalar prefetch). Or
+        a sequence of these tried in order (:mod:`ops._implementation`).
+      block_sizes: optional ``(block_m, block_n, block_k)`` or a
+        :class:`~ops.moe.config.RaggedDotConfig`; None takes the tuning
+        cache's entry, else the heuristic (by M / G, K and N).
+
+    Returns:
+      ``[M, N]`` in ``preferred_element_type``.
+
+    Raises:
+      TypeError: non-array inputs, lhs not float32 / bfloat16 / float16,
+        rhs's dtype not lhs's, non-integer group_sizes or group_offset, a
+        non-float preferred_element_type, a bad precision.
+      ValueError: lhs not rank 2, rhs not rank 3, K mismatch, group_sizes not
+        ``[G]`` (``G`` = rhs's groups without group_offset, at least that
+        with it), group_offset not a scalar or ``[1]``, bad block_sizes or
+        implementation.
+
+    Differentiable in lhs and rhs (``jax.custom_vjp``; the backward pass is
+    two Pallas kernels); jit- and vmap-compatible.
+    """
+    out_dtype, explicit = _check(lhs, rhs, group_sizes, precision, preferred_element_type,
+                                 group_offset, block_sizes)
+    return OP.run(implementation, lambda impl: _ragged_dot_on(
+        impl, lhs, rhs, group_sizes, precision, out_dtype, group_offset, explicit))
+
+
+def _check(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, block_sizes):
+    """Validates every argument before anything is traced; returns (out dtype, explicit config)."""
+    check_array(lhs, "lhs", _OP)
+    check_array(rhs, "rhs", _OP)
+    check_array(group_sizes, "group_sizes", _OP)
+    check_float_dtype(lhs, "lhs", _OP)
+    check_same_dtype(rhs, lhs, "rhs", "lhs", _OP)
+    if lhs.ndim != 2:
+        raise ValueError(f"{_OP}: lhs must have rank 2 [M, K], got shape {tuple(lhs.shape)}.")
+    if rhs.ndim != 3:
+        raise ValueError(f"{_OP}: rhs must have rank 3 [G, K, N], got shape {tuple(rhs.shape)}.")
+    if lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"{_OP}: lhs's K ({lhs.shape[1]}) must equal rhs's K (dim 1, "
+                         f"{rhs.shape[1]}); got lhs {tuple(lhs.shape)} and rhs {tuple(rhs.shape)}.")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"{_OP}: group_sizes must have an integer dtype (int32), got "
+                        f"{np.dtype(group_sizes.dtype).name}.")
+    g_local = rhs.shape[0]
+    if group_offset is None:
+        if tuple(group_sizes.shape) != (g_local,):
+            raise ValueError(f"{_OP}: group_sizes must have shape [G] = ({g_local},) (rhs's "
+                             f"groups), got {tuple(group_sizes.shape)}.")
+    else:
+        if group_sizes.ndim != 1 or group_sizes.shape[0] < g_local:
+            raise ValueError(f"{_OP}: with group_offset, group_sizes must list every group, "
+                             f"shape [G] with G >= {g_local} (rhs's groups), got "
+                             f"{tuple(group_sizes.shape)}.")
+        if isinstance(group_offset, (numbers.Integral, np.integer)) and not isinstance(
+                group_offset, bool):
+            pass
+        else:
+            check_array(group_offset, "group_offset", _OP)
+            if not jnp.issubdtype(group_offset.dtype, jnp.integer):
+                raise TypeError(f"{_OP}: group_offset must be an integer (int32) scalar or [1], "
+                                f"got dtype {np.dtype(group_offset.dtype).name}.")
+            if tuple(group_offset.shape) not in ((), (1,)):
+                raise ValueError(f"{_OP}: group_offset must be a scalar or have shape [1], got "
+                                 f"{tuple(group_offset.shape)}.")
+    _check_precision(precision)
+    if preferred_element_type is None:
+        out_dtype = np.dtype(lhs.dtype)
+    else:
+        try:
+            out_dtype = np.dtype(jnp.dtype(preferred_element_type))
+        except TypeError:
+            raise TypeError(f"{_OP}: preferred_element_type must be a float dtype, got "
+                            f"{preferred_element_type!r}.") from None
+        if out_dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
+                             np.dtype(jnp.float16)):
+            raise TypeError(f"{_OP}: preferred_element_type must be float32, bfloat16 or "
+                            f"float16, got {out_dtype.name}.")
+    return out_dtype, _check_block_sizes(block_sizes)
+
+
+def _check_precision(precision):
+    def ok(p):
+        return p is None or isinstance(p, lax.Precision) or (
+            isinstance(p, str) and p.lower() in _PRECISION_NAMES)
+    if ok(precision) or (isinstance(precision, (tuple, list)) and len(precision) == 2
+                         and all(ok(p) for p in precision)):
+        return
+    raise TypeError(f"{_OP}: precision must be None, a jax.lax.Precision (or its name) or a "
+                    f"pair of them, got {precision!r}.")
+
+
+def _check_block_sizes(block_sizes):
+    if block_sizes is None or isinstance(block_sizes, RaggedDotConfig):
+        return block_sizes
+    sizes = tuple(block_sizes) if isinstance(block_sizes, (tuple, list)) else None
+    if sizes is None or len(sizes) != 3 or not all(
+            isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in sizes):
+        raise ValueError(f"{_OP}: block_sizes must be three positive ints (block_m, block_n, "
+                         f"block_k) or a RaggedDotConfig, got {block_sizes!r}.")
+    return RaggedDotConfig(*(int(b) for b in sizes))
+
+
+def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offset, explicit):
+    """The checked call on one implementation."""
+    offset = None if group_offset is None else jnp.reshape(
+        jnp.asarray(group_offset), ()).astype(jnp.int32)
+    if impl == "xla" or lhs.size == 0 or rhs.size == 0:
+        # Nothing to multiply (M, K, N or G zero): XLA's answer (zeros for K = 0) is exact.
+        return ragged_dot_reference(lhs, rhs, group_sizes.astype(jnp.int32), precision, out_dtype,
+                                    offset)
+    m, k = lhs.shape
+    g_local, _, n = rhs.shape
+    problem = OP.problem((m, k, n, g_local), lhs.dtype)
+    config = OP.select(problem, impl, explicit)
+    return _kernel_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), offset, impl, config,
+                              out_dtype)
+
+
+def _kernel_ragged_dot(lhs, rhs, group_sizes, offset, backend, config, out_dtype):
+    raise NotImplementedError(f"{_OP}: the {backend} kernels are not in yet.")
+
+
+# --------------------------------------------------------------------------
+# Registration (ops._op)
+# --------------------------------------------------------------------------
+
+def _example(problem: Problem, implementation: str):
+    m, k, n, groups = problem.shape
+    dtype = jnp.dtype(problem.dtype)
+    args = [jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((groups, k, n), dtype)]
+
+    def fn(lhs, rhs):
+        sizes = jnp.full((groups,), m // groups, jnp.int32)
+        return ragged_dot(lhs, rhs, sizes, implementation=implementation)
+    return fn, args
+
+
+OP = register(Op(
+    name=_OP, dims=("m", "k", "n", "groups"),
+    configs={b: RaggedDotConfig for b in ("interpret", "triton", "mosaic_tpu")},
+    reference=ragged_dot_reference,
+    tuning=Tuning(example=_example, shapes=((32768, 4096, 14336, 8), (32768, 14336, 4096, 8),
+                                            (131072, 2048, 1024, 64)),
+                  quick=((512, 256, 512, 4),)),
+    missing_reason=" (pallas_triton: JAX's Triton lowering has no scalar prefetch, which the "
+    "grouped matmul's tile table needs; mosaic_gpu: no kernel for it yet)"))
+

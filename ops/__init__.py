@@ -9,10 +9,11 @@ from ops.activations import ACTIVATIONS
 from ops.attention import dot_product_attention
 from ops.decoder import apply_rotary_embedding, gated_linear_unit, rope_frequencies
 from ops.matmul import fused_matmul
+from ops.moe import ragged_dot
 from ops.reduction import (cross_entropy, layer_norm, linear_cross_entropy, log_softmax, logsumexp,
                            max, mean, rms_norm, softmax, sum)  # noqa: A004 - jnp's names
 from ops.serving import paged_attention, ragged_paged_attention, update_kv_pages
 
 __all__ = ["ACTIVATIONS", "IMPLEMENTATIONS", "apply_rotary_embedding", "cross_entropy", "dot_product_attention", "fused_matmul", "gated_linear_unit", "layer_norm",
            "linear_cross_entropy", "log_softmax", "logsumexp", "max", "mean", "paged_attention",
-           "ragged_paged_attention", "rms_norm", "rope_frequencies", "softmax", "sum", "update_kv_pages"]
+           "ragged_dot", "ragged_paged_attention", "rms_norm", "rope_frequencies", "softmax", "sum", "update_kv_pages"]

@@ -1,0 +1,221 @@
+"""ops.paged_attention against JAX's own ``paged_attention_reference`` (and JAX's GPU kernel
+on its interpreter), on random pages, page tables and lengths (0, 1, partial, full pages),
+GQA ratios, windows, soft caps, int8 pages with per-token scales and sinks; every
+kernel backend (Triton's CPU interpreter for ``triton``); bad input named."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+import ops
+from ops.serving import PagedBlockSizes
+from tests.test_lowering import lower_text
+from tests.tolerances import FORWARD, assert_close
+
+F32 = jnp.float32
+
+
+def make_case(seed, *, B=4, N=8, K=2, H=32, page_size=16, pages_per_seq=4, total_pages=20,
+              dtype=F32, lengths=None, int8=False):
+    """Random q, pages, tables of distinct random pages (no page shared), and lengths."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, N, H)).astype(np.float32)
+    shape = (K, total_pages, page_size, H)
+    if int8:
+        k = rng.integers(-127, 128, shape).astype(np.int8)
+        v = rng.integers(-127, 128, shape).astype(np.int8)
+        ks = rng.uniform(0.002, 0.02, shape[:3]).astype(np.float32)
+        vs = rng.uniform(0.002, 0.02, shape[:3]).astype(np.float32)
+        scales = (jnp.asarray(ks), jnp.asarray(vs))
+    else:
+        k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+        scales = (None, None)
+    tables = rng.permutation(total_pages)[:B * pages_per_seq].reshape(B, pages_per_seq)
+    if lengths is None:
+        lengths = rng.integers(1, pages_per_seq * page_size + 1, B)
+    cast = (lambda x: jnp.asarray(x)) if int8 else (lambda x: jnp.asarray(x, dtype))
+    return (jnp.asarray(q, dtype), cast(k), cast(v), jnp.asarray(tables, jnp.int32),
+            jnp.asarray(lengths, jnp.int32)) + scales
+
+
+def dense(pages, tables, scales=None):
+    """JAX's reference layout ``[B, S, K, H]`` float32 from pages and tables (dequantized)."""
+    x = pages.astype(F32)
+    if scales is not None:
+        x = x * scales[..., None]
+    x = x[:, tables]  # [K, B, pps, ps, H]
+    K, B, n, ps, H = x.shape
+    return jnp.moveaxis(x, 0, 3).reshape(B, n * ps, K, H)
+
+
+def jax_reference(q, k_pages, v_pages, tables, lengths, ks=None, vs=None, *, scale=1.0,
+                  soft_cap=None):
+    """JAX's ``paged_attention_reference`` (float32); rows of length 0 are 0 (ours)."""
+    out = jax_paged.paged_attention_reference(
+        q.astype(F32) * scale, dense(k_pages, tables, ks), dense(v_pages, tables, vs), lengths,
+        attn_logits_soft_cap=None if soft_cap is None else soft_cap)
+    return jnp.where((lengths > 0)[:, None, None], out, 0.0)
+
+
+def reference_with(q, k_pages, v_pages, tables, lengths, *, scale, left=None, sinks=None):
+    """float64 numpy: each sequence's last ``left + 1`` keys, the sink as a key of value 0."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, dense(k_pages, tables),
+                                                   dense(v_pages, tables)))
+    B, N, H = q.shape
+    G = N // k.shape[2]
+    out = np.zeros((B, N, H))
+    for b in range(B):
+        n = int(lengths[b])
+        lo = 0 if left is None else max(n - 1 - left, 0)
+        for h in range(N):
+            s = k[b, lo:n, h // G] @ q[b, h] * scale
+            if sinks is not None:
+                s = np.append(s, float(sinks[h]))
+            if len(s) == 0:
+                continue
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[b, h] = p[:n - lo] @ v[b, lo:n, h // G]
+    return out
+
+
+KERNELS = ["interpret", "triton"]
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_matches_jax_reference_gqa_lengths_splits(impl):
+    # Lengths 0, one token, a partial page and every page full; GQA 4:1; two splits of
+    # two pages per step (the merge kernel runs) on the kernels.
+    q, kp, vp, tables, _, _, _ = make_case(0)
+    lengths = jnp.asarray([0, 1, 37, 64], jnp.int32)
+    out = ops.paged_attention(q, kp, vp, tables, lengths, scale=0.2, implementation=impl,
+                              block_sizes=PagedBlockSizes(2, 2))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, jax_reference(q, kp, vp, tables, lengths, scale=0.2), FORWARD[F32], impl)
+    assert np.all(np.asarray(out[0]) == 0)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_int8_pages_soft_cap_one_split(impl):
+    # int8 pages with per-token scales dequantized in the kernel, a soft cap, MQA (K = 1),
+    # one split (no merge), one page per step.
+    q, kp, vp, tables, lengths, ks, vs = make_case(1, N=4, K=1, int8=True)
+    out = ops.paged_attention(q, kp, vp, tables, lengths, ks, vs, logits_soft_cap=2.0,
+                              implementation=impl, block_sizes=(1, 1))
+    assert_close(out, jax_reference(q, kp, vp, tables, lengths, ks, vs, soft_cap=2.0),
+                 FORWARD[F32], impl)
+
+
+@pytest.mark.parametrize("impl", ["xla"] + KERNELS)
+def test_window_and_sinks(impl):
+    q, kp, vp, tables, _, _, _ = make_case(2, N=16, K=2)
+    lengths = jnp.asarray([64, 5, 30, 0], jnp.int32)
+    sinks = jnp.asarray(np.linspace(-1.0, 2.0, 16), F32)
+    out = ops.paged_attention(q, kp, vp, tables, lengths, scale=0.25, local_window_size=(20, 0),
+                              sinks=sinks, implementation=impl, block_sizes=(2, 2))
+    expected = reference_with(q, kp, vp, tables, lengths, scale=0.25, left=20, sinks=sinks)
+    assert_close(out, expected, FORWARD[F32], impl)
+
+
+@pytest.mark.slow
+def test_matches_jax_gpu_kernel_on_its_interpreter():
+    # JAX's own GPU kernel (interpret=True) on the same call: block_h 16 needs N / K >= 16.
+    q, kp, vp, tables, lengths, _, _ = make_case(3, B=2, N=16, K=1, pages_per_seq=4)
+    theirs = jax_paged.paged_attention(q, kp, vp, tables, lengths, k_splits=2,
+                                       pages_per_compute_block=2, interpret=True)
+    ours = ops.paged_attention(q, kp, vp, tables, lengths, implementation="interpret",
+                               block_sizes=(2, 2))
+    assert_close(ours, theirs, 1e-5, "jax gpu kernel")
+
+
+def test_bfloat16_jit_and_heuristic_default():
+    q, kp, vp, tables, lengths, _, _ = make_case(4, dtype=jnp.bfloat16)
+    f = jax.jit(functools.partial(ops.paged_attention, scale=0.2, implementation="interpret"))
+    out = f(q, kp, vp, tables, lengths)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, jax_reference(q, kp, vp, tables, lengths, scale=0.2), FORWARD[jnp.bfloat16])
+
+
+def test_garbage_past_the_lengths_is_ignored_and_lengths_none_is_full():
+    # NaN in a page's slots past the length and out-of-range table entries past it
+    # change nothing.
+    q, kp, vp, tables, _, _, _ = make_case(5)
+    lengths = jnp.asarray([20, 3, 64, 33], jnp.int32)
+    dirty_v = vp.at[:, tables[0, 1], 4:].set(jnp.nan).at[:, tables[1, 0], 3:].set(jnp.nan)
+    dirty_tables = tables.at[0, 2:].set(10_000).at[1, 1:].set(-5)
+    out = ops.paged_attention(q, kp, dirty_v, dirty_tables, lengths, implementation="interpret",
+                              block_sizes=(2, 2))
+    assert_close(out, jax_reference(q, kp, vp, tables, lengths), FORWARD[F32])
+    full = ops.paged_attention(q, kp, vp, tables, None, implementation="xla")
+    assert_close(full, jax_reference(q, kp, vp, tables, jnp.full((4,), 64, jnp.int32)),
+                 FORWARD[F32])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("N,K", [(8, 8), (16, 2), (12, 3)])
+@pytest.mark.parametrize("H", [64, 96])
+def test_sweep_gqa_head_dims(impl, N, K, H):
+    q, kp, vp, tables, lengths, _, _ = make_case(N + K + H, N=N, K=K, H=H, pages_per_seq=6,
+                                                 total_pages=30)
+    out = ops.paged_attention(q, kp, vp, tables, lengths, scale=H ** -0.5, implementation=impl,
+                              block_sizes=(2, 3))
+    assert_close(out, jax_reference(q, kp, vp, tables, lengths, scale=H ** -0.5), FORWARD[F32])
+
+
+def test_mosaic_tpu_lowering():
+    text = lower_text(lambda *a: ops.paged_attention(*a, implementation="mosaic_tpu",
+                                                     block_sizes=(2, 2)), "mosaic_tpu",
+                      ((2, 16, 128), jnp.bfloat16), ((2, 32, 16, 128), jnp.bfloat16),
+                      ((2, 32, 16, 128), jnp.bfloat16), ((2, 8), jnp.int32), ((2,), jnp.int32))
+    assert text.count("tpu_custom_call") == 2  # attention and merge
+
+
+def test_no_kernel_backends_fall_through():
+    q, kp, vp, tables, lengths, _, _ = make_case(7)
+    with pytest.raises(NotImplementedError, match="scalar prefetch"):
+        ops.paged_attention(q, kp, vp, tables, lengths, implementation="pallas_triton")
+    out = ops.paged_attention(q, kp, vp, tables, lengths, implementation=("pallas_triton", "xla"))
+    assert_close(out, jax_reference(q, kp, vp, tables, lengths), FORWARD[F32])
+    small = make_case(7, B=1, page_size=8, total_pages=40, pages_per_seq=8)
+    with pytest.raises(NotImplementedError, match="page_size >= 16"):
+        ops.paged_attention(*small[:5], implementation="triton")
+
+
+def _bad_inputs():
+    q, kp, vp, tables, lengths, _, _ = make_case(8, B=2)
+    i8 = kp.astype(jnp.int8)
+    s = jnp.ones(kp.shape[:3], F32)
+    good = dict(q=q, k_pages=kp, v_pages=vp, block_tables=tables, lengths=lengths)
+    return [
+        (dict(good, q=q[0]), ValueError, "q must have rank 3"),
+        (dict(good, q=q.astype(jnp.int32)), TypeError, "q has dtype int32"),
+        (dict(good, v_pages=vp[:, :10]), ValueError, "k_pages and v_pages must have the same shape"),
+        (dict(good, k_pages=kp.astype(jnp.bfloat16)), TypeError, "k_pages has dtype bfloat16"),
+        (dict(good, q=q[:, :7]), ValueError, "multiple of the number of key/value heads"),
+        (dict(good, q=q[..., :16]), ValueError, "head dim of q"),
+        (dict(good, block_tables=tables.astype(jnp.int16)), TypeError, "block_tables must be int32"),
+        (dict(good, block_tables=tables[:1]), ValueError, "block_tables must have shape"),
+        (dict(good, lengths=lengths[:1]), ValueError, "lengths must have shape"),
+        (dict(good, k_scales_pages=s, v_scales_pages=s), ValueError, "k_scales_pages is for int8"),
+        (dict(good, k_pages=i8, v_pages=i8, k_scales_pages=s[:, :3], v_scales_pages=s),
+         ValueError, "k_scales_pages must have shape"),
+        (dict(good, k_pages=i8, v_pages=i8, k_scales_pages=s), ValueError, "both k_scales_pages"),
+        (dict(good, scale=float("nan")), ValueError, "scale must be a finite"),
+        (dict(good, logits_soft_cap=0.0), ValueError, "logits_soft_cap must be"),
+        (dict(good, local_window_size=-1), ValueError, "local_window_size must be"),
+        (dict(good, sinks=jnp.zeros((3,))), ValueError, "sinks must have shape"),
+        (dict(good, block_sizes=(0, 1)), ValueError, "block_sizes.pages_per_block"),
+        (dict(good, block_sizes="big"), ValueError, "block_sizes must be"),
+        (dict(good, implementation="cuda"), ValueError, "implementation must be"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(19))
+def test_bad_input_named(case):
+    kwargs, error, match = _bad_inputs()[case]
+    with pytest.raises(error, match=match):
+        ops.paged_attention(**kwargs)

@@ -37,7 +37,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           local_window_size=None, implementation: str | None = None,
                           return_residual: bool = False, query_segment_ids=None,
                           key_value_segment_ids=None, logits_soft_cap=None,
-                          dropout_rate: float = 0.0, dropout_rng=None, block_sizes=None):
+                          dropout_rate: float = 0.0, dropout_rng=None, block_sizes=None,
+                          sinks=None):
     """Scaled dot-product attention by flash-attention kernels (FlashAttention-2).
 
     ``softmax(scale * q k^T + bias, masked) v`` per head, never materialising
@@ -52,9 +53,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
     Args:
       query: ``[B, T, N, H]`` (BTNH) or ``[T, N, H]``; float32, bfloat16 or float16.
-      key, value: ``[B, S, K, H]`` (or ``[S, K, H]``), query's dtype, ``N % K == 0``:
-        grouped-query (``1 < K < N``) and multi-query (``K == 1``) attention read
-        each key/value head once for its whole group, never repeated in memory.
+      key, value: ``[B, S, K, H]`` and ``[B, S, K, Hv]`` (or ``[S, K, H]``,
+        ``[S, K, Hv]``), query's dtype, ``N % K == 0``: grouped-query
+        (``1 < K < N``) and multi-query (``K == 1``) attention read each
+        key/value head once for its whole group, never repeated in memory. The
+        value head dim ``Hv`` may differ from ``H`` (DeepSeek-V2's multi-head
+        latent attention: 192 and 128); the output has ``Hv``.
       bias: optional float array broadcastable to ``[B, N, T, S]`` (rank <= 4,
         each dim 1 or full), added to the logits in float32; read block by block,
         never broadcast in memory. Differentiable (its gradient is summed over
@@ -88,9 +92,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         shape bucket, else the heuristic; see
         :func:`ops.attention.block_sizes.select_block_sizes`), a
         :class:`BlockSizes` or a pair ``(block_q, block_k)``.
+      sinks: optional float ``[N]``: a learnable sink logit per query head that
+        joins every query's softmax denominator as a key whose value is zero
+        (the attention sink of StreamingLLM, Xiao et al. 2023, as gpt-oss
+        learns it): ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``. It is a
+        logit like the scaled (and capped, biased) scores, itself neither
+        scaled nor capped, and is computed in float32. Differentiable: its
+        gradient is ``-sum over rows of p_sink * (dO . O)``, with ``p_sink =
+        exp(sink - lse)``. A query that sees no key gets output 0 and
+        logsumexp ``sink``.
 
     Returns:
-      ``[B, T, N, H]`` (or ``[T, N, H]``) in query's dtype; with
+      ``[B, T, N, Hv]`` (or ``[T, N, Hv]``) in query's dtype; with
       ``return_residual`` also the logsumexp of each query's logits, float32
       ``[B, T, N]`` (or ``[T, N]``) (jax.nn returns it in the input dtype),
       with no gradient (as jax.nn's).
@@ -107,8 +120,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
     Raises:
       TypeError: non-arrays, non-float or mixed q/k/v dtypes, a non-boolean mask,
-        non-int32 lengths or segment ids, a bad dropout_rng.
-      ValueError: ranks, mismatched B / H / shapes, ``N % K != 0``, a bias or mask
+        non-int32 lengths or segment ids, a bad dropout_rng, non-float sinks.
+      ValueError: ranks, mismatched B / H / shapes, ``N % K != 0``, sinks not
+        ``[N]``, a bias or mask
         that does not broadcast, bad lengths or segment-id shapes, a negative
         window, a soft cap <= 0, a dropout_rate outside ``[0, 1)`` or without
         dropout_rng, bad block sizes, an unknown implementation.
@@ -116,7 +130,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     """
     args = _check(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, local_window_size, query_segment_ids,
-                  key_value_segment_ids, logits_soft_cap, dropout_rate, dropout_rng)
+                  key_value_segment_ids, logits_soft_cap, dropout_rate, dropout_rng, sinks)
     return run_implementation(
         implementation, _OP, lambda impl: _attention(args, impl, is_causal, dropout_rate,
                                                      dropout_rng, block_sizes, return_residual),
@@ -138,15 +152,20 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
         # the reference's answer is exact (zeros and logsumexp -inf for S = 0).
         out, lse = attention_reference(q, k, v, bias, mask, spec=spec, scale=args["scale"],
                                        q_seg=q_seg, kv_seg=kv_seg, logits_soft_cap=args["cap"],
-                                       dropout_rate=rate, seed=seed)
+                                       dropout_rate=rate, seed=seed, sinks=args["sinks"])
         out = out.astype(q.dtype)
     else:
+        if impl == "pallas_triton" and any(d & (d - 1) for d in (q.shape[-1], v.shape[-1])):
+            raise NotImplementedError(
+                f"{_OP}: pallas_triton (JAX's Triton lowering) needs power-of-two head dims, got "
+                f"H={q.shape[-1]}, Hv={v.shape[-1]}; use 'triton'")
         variant = tuning_variant(
             causal=spec.causal, window=(spec.left, spec.right), segments=args["q_seg"] is not None,
             q_lengths=args["q_len"] is not None, kv_lengths=args["kv_len"] is not None,
             bias=bias, mask=mask, dropout=rate > 0, soft_cap=args["cap"] is not None,
             group=q.shape[2] // k.shape[2])
-        blocks = _check_block_sizes(block_sizes, T, S, q.shape[-1], q.dtype, impl, variant)
+        blocks = _check_block_sizes(block_sizes, T, S, max(q.shape[-1], v.shape[-1]), q.dtype,
+                                    impl, variant)
         cfg = Config(
             backend=impl, layout="BNTH" if impl == "mosaic_tpu" else "BTNH", spec=spec,
             batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
@@ -155,10 +174,11 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
             mask_full=None if mask is None else tuple(d != 1 for d in mask.shape),
             block_q=blocks.block_q, block_k=blocks.block_k, block_q_dkv=blocks.block_q_dkv,
             block_k_dkv=blocks.block_k_dkv, num_warps=blocks.num_warps,
-            num_stages=blocks.num_stages)
+            num_stages=blocks.num_stages, sinks=args["sinks"] is not None,
+            value_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1])
         if mask is not None and impl in ("pallas_triton", "mosaic_tpu"):
             mask = mask.astype(jnp.int32)  # neither lowering loads booleans from memory
-        out, lse = _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, cfg)
+        out, lse = _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, args["sinks"], cfg)
         lse = jnp.transpose(lse[..., 0], (0, 2, 1))
     if args["unbatched"]:
         out, lse = out[0], lse[0]
@@ -200,7 +220,7 @@ def _check_per_batch(x, name, shape, unbatched):
 
 
 def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, window, q_seg, kv_seg,
-           cap, dropout_rate, dropout_rng) -> dict:
+           cap, dropout_rate, dropout_rng, sinks=None) -> dict:
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_array(x, name, _OP)
         check_float_dtype(x, name, _OP)
@@ -212,9 +232,9 @@ def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
                          f"{tuple(key.shape)}, {tuple(value.shape)}.")
     unbatched = query.ndim == 3
     q, k, v = (jnp.asarray(x)[None] if unbatched else jnp.asarray(x) for x in (query, key, value))
-    if k.shape != v.shape:
-        raise ValueError(f"{_OP}: key and value must have the same shape, got {tuple(key.shape)} "
-                         f"and {tuple(value.shape)}.")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{_OP}: key and value must have the same shape up to their head dims "
+                         f"([B, S, K]), got {tuple(key.shape)} and {tuple(value.shape)}.")
     B, T, N, H = q.shape
     _, S, K, _ = k.shape
     if k.shape[0] != B:
@@ -281,8 +301,15 @@ def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
                 or np.dtype(dropout_rng.dtype) == np.uint32):
             raise TypeError(f"{_OP}: dropout_rng must be a JAX PRNG key (jax.random.key or "
                             f"PRNGKey), got {dropout_rng!r}.")
+    if sinks is not None:
+        check_array(sinks, "sinks", _OP)
+        check_float_dtype(sinks, "sinks", _OP)
+        if tuple(sinks.shape) != (N,):
+            raise ValueError(f"{_OP}: sinks must have shape [N] = ({N},) (one logit per query "
+                             f"head), got {tuple(sinks.shape)}.")
+        sinks = jnp.asarray(sinks)
     segments = q_seg is not None or q_len is not None or kv_len is not None
-    return dict(q=q, k=k, v=v, bias=bias, mask=mask, scale=float(scale), left=left, right=right,
+    return dict(sinks=sinks, q=q, k=k, v=v, bias=bias, mask=mask, scale=float(scale), left=left, right=right,
                 q_len=q_len, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg, cap=cap,
                 segments=segments, unbatched=unbatched)
 
@@ -342,24 +369,37 @@ def _tables(cfg: Config, q_seg, kv_seg, seed):
             ranges(cfg.block_q_dkv, cfg.block_k_dkv, transpose=True, bound_q=True))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, cfg):
-    return _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, cfg):
+    return _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks)
 
 
-def _flash_fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, cfg):
+def _flash_fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, cfg):
     # symbolic_zeros: each array argument arrives as (value, perturbed); None stays None.
-    values = [None if x is None else x.value for x in (q, k, v, bias, mask, q_seg, kv_seg, seed)]
+    values = [None if x is None else x.value
+              for x in (q, k, v, bias, mask, q_seg, kv_seg, seed, sinks)]
     bias_wanted = bias is not None and bias.perturbed
     out, lse = _partitioned_forward(cfg, *values)
     return (out, lse), ((*values, out, lse), bias_wanted)
 
 
+def _sinks_grad(sinks, out, lse, do):
+    """The sinks' gradient, ``-sum over (batch, query) of p_sink * (dO . O)`` with
+    ``p_sink = exp(sink - lse)``: the sink takes probability from every key in
+    proportion, so ``d out / d sink = -p_sink * out``. One XLA pass over O and dO."""
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+    lse = jnp.transpose(lse[..., 0], (0, 2, 1))  # [B, T, N]
+    z = sinks.astype(jnp.float32)
+    p_sink = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(z - lse))
+    return (-jnp.sum(p_sink * delta, axis=(0, 1))).astype(sinks.dtype)
+
+
 def _flash_bwd(cfg, saved, cotangents):
-    (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse), bias_wanted = saved
+    (q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, out, lse), bias_wanted = saved
     do = cotangents[0]
     if type(do).__name__ == "SymbolicZero":  # out unused: every gradient is zero
         do = jnp.zeros(out.shape, out.dtype)
+    dsinks = None if sinks is None else _sinks_grad(sinks, out, lse, do)
 
     def local(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, do, *, reduced):
         c = _local_config(cfg, q, k)
@@ -382,12 +422,12 @@ def _flash_bwd(cfg, saved, cotangents):
 
     dims = _dims(cfg, bias, mask)
     grads = run(_OP, local, (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, do),
-                (*dims.operands, dims.out, dims.lse, dims.out),
+                (*dims.operands[:8], dims.out, dims.lse, dims.out),
                 (dims.operands[0], dims.operands[1], dims.operands[2])
                 + ((dims.operands[3],) if bias_wanted else ()),
                 gather=dims.gather, reduce=("b", "k"), out_like=(0, 1, 2, 3))
     dq, dk, dv, *dbias = grads
-    return dq, dk, dv, (dbias[0] if bias_wanted else None), None, None, None, None
+    return dq, dk, dv, (dbias[0] if bias_wanted else None), None, None, None, None, dsinks
 
 
 # Multi-device (ops._partitioning): batch ("b") and heads run where they live.
@@ -401,7 +441,7 @@ def _flash_bwd(cfg, saved, cotangents):
 
 @dataclasses.dataclass(frozen=True)
 class _Signature:
-    operands: tuple[str, ...]  # q, k, v, bias, mask, q_seg, kv_seg, seed
+    operands: tuple[str, ...]  # q, k, v, bias, mask, q_seg, kv_seg, seed, sinks
     out: str
     lse: str
     gather: tuple[str, ...]
@@ -413,11 +453,14 @@ def _dims(cfg: Config, bias, mask) -> _Signature:
             return ""
         return " ".join(f if is_full else "one" for f, is_full in zip(("b", "(k g)", "t", "s"), full))
 
-    gather = ("t", "s", "h") + (("b", "k") if cfg.dropout_rate > 0 else ())
+    # The value head dim is its own factor ("hv") when it differs from the query/key one.
+    hv = "h" if cfg.value_head_dim is None else "hv"
+    gather = ("t", "s", "h") + ((hv,) if hv != "h" else ()) + (
+        ("b", "k") if cfg.dropout_rate > 0 else ())
     return _Signature(
-        operands=("b t (k g) h", "b s k h", "b s k h", pair(cfg.bias_full), pair(cfg.mask_full),
-                  "b t", "b s", ""),
-        out="b t (k g) h", lse="b (k g) t one", gather=gather)
+        operands=("b t (k g) h", "b s k h", f"b s k {hv}", pair(cfg.bias_full),
+                  pair(cfg.mask_full), "b t", "b s", "", "(k g)"),
+        out=f"b t (k g) {hv}", lse="b (k g) t one", gather=gather)
 
 
 def _local_config(cfg: Config, q, k) -> Config:
@@ -425,15 +468,15 @@ def _local_config(cfg: Config, q, k) -> Config:
     return dataclasses.replace(cfg, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2])
 
 
-def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed):
+def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks=None):
     """``(out, lse)`` of :func:`calls.forward_call`, partitioned over batch and heads."""
-    def local(q, k, v, bias, mask, q_seg, kv_seg, seed, *, reduced):
+    def local(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, *, reduced):
         c = _local_config(cfg, q, k)
         table, _ = _tables(c, q_seg, kv_seg, seed)
-        return calls.forward_call(c, q, k, v, bias, mask, q_seg, kv_seg, table)
+        return calls.forward_call(c, q, k, v, bias, mask, q_seg, kv_seg, table, sinks)
 
     dims = _dims(cfg, bias, mask)
-    return run(_OP, local, (q, k, v, bias, mask, q_seg, kv_seg, seed), dims.operands,
+    return run(_OP, local, (q, k, v, bias, mask, q_seg, kv_seg, seed, sinks), dims.operands,
                (dims.out, dims.lse), gather=dims.gather)
 
 

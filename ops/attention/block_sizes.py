@@ -57,9 +57,15 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
       (padded) head dim 64 (sm_90 bf16: 94 SASS instructions per MFLOP of the
       loop, against 122 at 32 x 128), 32 x 128 at the others up to 128 (64 x
       128 spills at 128, and at 32 with the 4 warps its accumulators get) and
-      16 x 64 above (the key block and its two float32 accumulators fill the
+      16 x 64 up to 256 (the key block and its two float32 accumulators fill the
       registers; 32 x 64 spills); never more than the
-      (power-of-two rounded) sequence. 16-bit inputs at every head dim 32..256 compile for
+      (power-of-two rounded) sequence. Above 256 (head dim 512): 32 x 32
+      forward and dQ tiles and 16 x 32 dK/dV tiles on 8 warps, whose products
+      run on ``mma.sync``, not ``wgmma``: its 64-row minimum per warp group does
+      not fit (64 x 512 q, dO and float32 dQ tiles fill a thread's 255 registers
+      and spill; two 64 x 512 float32 dK/dV accumulators are the whole register
+      file). They compile for sm_90 without spills within its shared memory.
+      The head dim here is the larger of the query/key and value head dims. 16-bit inputs at every head dim 32..256 compile for
       sm_90 without register spills (tests/test_attention_static.py). float32
       inputs multiply at IEEE precision on FMA units, not tensor cores, which
       needs far more registers: 16 x 16 tiles, 4 warps up to head dim 64 and
@@ -80,8 +86,10 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
             bq, bk, bq_dkv, bk_dkv = 128, 64, 64, 128
         elif padded_h <= 128:
             bq, bk, bq_dkv, bk_dkv = 128, 64, 32, 128
-        else:
+        elif padded_h <= 256:
             bq, bk, bq_dkv, bk_dkv = 64, 32, 16, 64
+        else:  # 512: 32-row tiles on mma.sync (see the docstring)
+            bq, bk, bq_dkv, bk_dkv = 32, 32, 16, 32
         fit_t = lambda b: min(b, max(16, pl.next_power_of_2(T)))
         fit_s = lambda b: min(b, max(16, pl.next_power_of_2(S)))
         return BlockSizes(fit_t(bq), fit_s(bk), block_q_dkv=fit_t(bq_dkv), block_k_dkv=fit_s(bk_dkv))

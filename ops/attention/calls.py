@@ -67,13 +67,14 @@ def _heads_block(cfg: Config, n: int) -> int:
     return pl.next_power_of_2(n) if cfg.backend == "pallas_triton" else n
 
 
-def _seq_spec(cfg: Config, block_l: int, pick, *, all_heads: bool = False):
+def _seq_spec(cfg: Config, block_l: int, pick, *, all_heads: bool = False, value: bool = False):
     """Block ``(block_l, H)`` (or ``(block_l, heads, H)``) of a ``[B, L, heads, H]`` operand.
 
     ``pick(*ids) -> (b, l, n)``: the batch, sequence-block and head indices
     (n ignored with ``all_heads``). BNTH operands are ``[B, heads, L, H]``.
+    ``value``: an operand of the value head dim (v, out, dO, dV).
     """
-    h = cfg.head_dim
+    h = cfg.v_dim if value else cfg.head_dim
 
     def index_map(*ids):
         b, l, n = pick(*ids)
@@ -119,12 +120,20 @@ def _table_spec(cfg: Config):
     return pl.BlockSpec(memory_space=space) if space is not None else pl.BlockSpec()
 
 
+def sinks_operand(sinks):
+    """The float32 ``[N]`` sink logits zero-padded to a power-of-two length, a whole
+    block of scalars read at the program's head (:func:`_table_spec`'s placement)."""
+    sinks = sinks.astype(jnp.float32)
+    size = pl.next_power_of_2(max(sinks.shape[0], 2))
+    return jnp.pad(sinks, (0, size - sinks.shape[0]))
+
+
 def _params(cfg: Config, semantics, accumulator_rows: int, threshold: int = 128 * 128):
     """Compiler params; Triton gets 8 warps once the float32 accumulator tiles
     (``accumulator_rows x H``, H padded to a power of two) reach ``threshold``
     elements, 4 below: the split that compiles for sm_90 without spills."""
     if cfg.backend in pl.TRITON_BACKENDS:
-        tile = accumulator_rows * pl.next_power_of_2(cfg.head_dim)
+        tile = accumulator_rows * pl.next_power_of_2(max(cfg.head_dim, cfg.v_dim))
         warps = cfg.num_warps or (8 if tile >= threshold else 4)
         stages = cfg.num_stages or 2
         if cfg.backend == "pallas_triton":
@@ -207,29 +216,37 @@ def _query_block_layout(cfg: Config) -> _QueryBlockLayout:
         seg_k=pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0)))
 
 
-def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table):
-    """``(out [B, T, N, H] in q's dtype, lse float32 [B, N, T, 1])``."""
+def _out_shape(cfg: Config, q):
+    """The output's ``ShapeDtypeStruct`` in the call's layout: q's, with the value head dim."""
+    return jax.ShapeDtypeStruct(_to_layout(cfg, q).shape[:-1] + (cfg.v_dim,), q.dtype)
+
+
+def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table, sinks=None):
+    """``(out [B, T, N, Hv] in q's dtype, lse float32 [B, N, T, 1])``."""
     T, bq = cfg.spec.T, cfg.block_q
     lay = _query_block_layout(cfg)
     grid_walk, q_pick = cfg.strategy == "grid", lay.q_pick
     in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, lay.kv_block, lay.kv_pick),
-                _seq_spec(cfg, lay.kv_block, lay.kv_pick)]
+                _seq_spec(cfg, lay.kv_block, lay.kv_pick, value=True)]
     in_specs += lay.aux_specs(cfg, bias is not None, mask is not None)
+    aux = _aux_inputs(cfg, bias, mask, q_seg, kv_seg)
+    if cfg.sinks:
+        in_specs.append(_table_spec(cfg))
+        aux.append(sinks_operand(sinks))
     in_specs.append(_table_spec(cfg))
-    out_shape = [jax.ShapeDtypeStruct(_to_layout(cfg, q).shape, q.dtype),
+    out_shape = [_out_shape(cfg, q),
                  jax.ShapeDtypeStruct((cfg.batch, cfg.heads, T, 1), jnp.float32)]
-    out_specs = [_seq_spec(cfg, bq, q_pick), _stat_spec(cfg, bq, q_pick)]
+    out_specs = [_seq_spec(cfg, bq, q_pick, value=True), _stat_spec(cfg, bq, q_pick)]
     scratch = []
     if grid_walk:
         scratch = [pl.tpu.VMEM((bq, 1), jnp.float32), pl.tpu.VMEM((bq, 1), jnp.float32),
-                   pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)]
+                   pl.tpu.VMEM((bq, cfg.v_dim), jnp.float32)]
     out, lse = pl.pallas_call(
         functools.partial(_walk(cfg).forward_kernel, cfg=cfg), out_shape=out_shape, grid=lay.grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
         compiler_params=_params(cfg, lay.semantics, bq), backend=cfg.backend,
         name="flash_attention_fwd")(
-            _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v),
-            *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table)
+            _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v), *aux, table)
     return _from_layout(cfg, out), lse
 
 
@@ -243,7 +260,8 @@ def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, tab
     lay = _query_block_layout(cfg)
     grid_walk, q_pick, kv_block, pair = cfg.strategy == "grid", lay.q_pick, lay.kv_block, lay.pair
     in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, kv_block, lay.kv_pick),
-                _seq_spec(cfg, kv_block, lay.kv_pick), _seq_spec(cfg, bq, q_pick),
+                _seq_spec(cfg, kv_block, lay.kv_pick, value=True),
+                _seq_spec(cfg, bq, q_pick, value=True),
                 _stat_spec(cfg, bq, q_pick), _stat_spec(cfg, bq, q_pick)]
     in_specs += lay.aux_specs(cfg, bias is not None, mask is not None)
     in_specs.append(_table_spec(cfg))
@@ -306,8 +324,8 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
         pair = lambda b, kh, j: (b, 0, j, 0)
         seg_q = pl.BlockSpec((None, q_block, 1), lambda b, kh, j: (b, 0, 0))
     in_specs = [_seq_spec(cfg, q_block, q_pick, all_heads=all_heads),
-                _seq_spec(cfg, bk, kv_pick), _seq_spec(cfg, bk, kv_pick),
-                _seq_spec(cfg, q_block, q_pick, all_heads=all_heads),
+                _seq_spec(cfg, bk, kv_pick), _seq_spec(cfg, bk, kv_pick, value=True),
+                _seq_spec(cfg, q_block, q_pick, all_heads=all_heads, value=True),
                 _stat_spec(cfg, q_block, q_pick, all_heads=all_heads),
                 _stat_spec(cfg, q_block, q_pick, all_heads=all_heads)]
     heads_block = _heads_block(cfg, cfg.heads)
@@ -320,12 +338,13 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
     if cfg.spec.segments:
         in_specs += [seg_q, pl.BlockSpec((None, 1, bk), lambda b, kh, j, *_: (b, 0, j))]
     in_specs.append(_table_spec(cfg))
-    kv_shape = _to_layout(cfg, k).shape
-    out_shape = [jax.ShapeDtypeStruct(kv_shape, k.dtype), jax.ShapeDtypeStruct(kv_shape, v.dtype)]
-    out_specs = [_seq_spec(cfg, bk, kv_pick), _seq_spec(cfg, bk, kv_pick)]
+    out_shape = [jax.ShapeDtypeStruct(_to_layout(cfg, k).shape, k.dtype),
+                 jax.ShapeDtypeStruct(_to_layout(cfg, v).shape, v.dtype)]
+    out_specs = [_seq_spec(cfg, bk, kv_pick), _seq_spec(cfg, bk, kv_pick, value=True)]
     scratch, semantics = [], ("parallel",) * 3
     if grid_walk:
-        scratch = [pl.tpu.VMEM((bk, cfg.head_dim), jnp.float32)] * 2
+        scratch = [pl.tpu.VMEM((bk, cfg.head_dim), jnp.float32),
+                   pl.tpu.VMEM((bk, cfg.v_dim), jnp.float32)]
         semantics += ("arbitrary",)
     dk, dv = pl.pallas_call(
         functools.partial(_walk(cfg).dkdv_kernel, cfg=cfg), out_shape=out_shape, grid=grid,

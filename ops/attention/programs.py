@@ -27,7 +27,8 @@ import pallas_core as pl
 from ops.attention.config import Config
 from ops.attention.range_table import BlockRange, RangeTable
 from ops._tiles import dot
-from ops.attention.tile_math import Tile, backward_tile, forward_finish, forward_update, zero_rows_past
+from ops.attention.tile_math import (LOG2E, Tile, backward_tile, forward_finish, forward_update,
+                                     zero_rows_past)
 
 
 class AuxRefs(NamedTuple):
@@ -37,16 +38,17 @@ class AuxRefs(NamedTuple):
     mask: Any
     q_seg: Any
     k_seg: Any
+    sinks: Any = None  # the forward kernel's per-head sink logits (a whole float32 [N] Ref)
 
 
-def split_refs(cfg: Config, refs, leading: int):
+def split_refs(cfg: Config, refs, leading: int, sinks: bool = False):
     """``(leading refs, AuxRefs, the rest)``: a kernel's Refs are ``leading`` fixed
-    inputs, the optional bias, mask and segment ids, then the scalar table, the
-    outputs and the scratch."""
+    inputs, the optional bias, mask, segment ids and (``sinks``: the forward
+    kernel's) sink logits, then the scalar table, the outputs and the scratch."""
     refs = list(refs)
     first, rest = refs[:leading], refs[leading:]
     flags = (cfg.bias_full is not None, cfg.mask_full is not None, cfg.spec.segments,
-             cfg.spec.segments)
+             cfg.spec.segments, sinks and cfg.sinks)
     aux = AuxRefs(*(rest.pop(0) if f else None for f in flags))
     return first, aux, rest
 
@@ -119,9 +121,11 @@ def _pair_block(ref, full, j, block, read):
 
 def forward_body(cfg: Config, refs, read, stats) -> Body:
     """Forward (FA-2 Algorithm 1): carry ``(m, l, acc)``, the running max and sum
-    shaped ``stats`` (see :func:`ops.attention.tile_math.forward_update`)."""
+    shaped ``stats`` (see :func:`ops.attention.tile_math.forward_update`). A sink
+    logit starts the carry as a key of value zero already seen (:func:`sink_carry`)."""
     bq, bk = cfg.block_q, cfg.block_k
-    (q_ref, k_ref, v_ref), aux, (table_ref, out_ref, lse_ref, *rest) = split_refs(cfg, refs, 3)
+    (q_ref, k_ref, v_ref), aux, (table_ref, out_ref, lse_ref, *rest) = split_refs(
+        cfg, refs, 3, sinks=True)
     prog = query_program(cfg, table_ref, aux.q_seg)
     q = q_ref[...]
 
@@ -134,9 +138,19 @@ def forward_body(cfg: Config, refs, read, stats) -> Body:
         out_ref[...] = out.astype(out_ref.dtype)
         lse_ref[...] = lse.reshape(lse_ref.shape)
 
-    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros((bq, cfg.head_dim), jnp.float32))
+    if aux.sinks is None:
+        m0, l0 = jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32)
+    else:
+        m0, l0 = sink_carry(aux.sinks[pl.program_id(1)], stats)
+    init = (m0, l0, jnp.zeros((bq, cfg.v_dim), jnp.float32))
     return _query_body(prog, step, init, finish, rest)
+
+
+def sink_carry(sink, stats):
+    """``(m, l)`` of an online softmax that has seen one key of logit ``sink`` (a
+    float32 scalar): the running max ``sink`` in log2 units and the sum 1. Its
+    value is zero, so the accumulator starts at zero as without a sink."""
+    return (jnp.full(stats, sink * LOG2E, jnp.float32), jnp.ones(stats, jnp.float32))
 
 
 def dq_body(cfg: Config, refs, read, want_dbias: bool, write_dbias) -> Body:
@@ -217,4 +231,5 @@ def dkdv_body(cfg: Config, refs, read_q, transposed: bool) -> Body:
         dv_ref[...] = dv.astype(dv_ref.dtype)
 
     zeros = jnp.zeros((bk, cfg.head_dim), jnp.float32)
-    return Body(lo, hi, lambda: (row.full_lo, row.full_hi), step, (zeros, zeros), finish, rest)
+    init = (zeros, zeros if cfg.value_head_dim is None else jnp.zeros((bk, cfg.v_dim), jnp.float32))
+    return Body(lo, hi, lambda: (row.full_lo, row.full_hi), step, init, finish, rest)

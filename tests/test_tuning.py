@@ -134,9 +134,10 @@ def test_matmul_precedence_explicit_then_cache_then_heuristic():
                    block_k=32)
     with tuning.override([entry]):
         tiles = select_tiles(m, n, k, jnp.float32, "interpret")
-        assert (tiles.blocks, tiles.source) == ((32, 16, 32), "cache")
+        assert (tiles.blocks, tiles.num_warps, tiles.walk) == ((32, 16, 32), None, "grid")
         explicit = select_tiles(m, n, k, jnp.float32, "interpret", (8, 8, 8))
-        assert (explicit.blocks, explicit.source) == ((8, 8, 8), "argument")
+        assert explicit.blocks == (8, 8, 8)
+        assert select_tiles(m, n, k, jnp.float32, "pallas_triton", (8, 8, 8)).walk == "loop"
         # The cached tiles run on a shape they do not divide.
         x, w = (jax.random.normal(key, s) for key, s in zip(jax.random.split(jax.random.key(0)),
                                                             ((m, k), (k, n))))
@@ -316,7 +317,7 @@ def test_interpreter_tiles():
     compile, the static gate) it is the GPU heuristic's; explicit sizes and the
     other backends are untouched."""
     from ops.attention.block_sizes import interpreter_block_sizes
-    from ops.matmul.fused_matmul import interpreter_block_sizes as matmul_interpreter
+    from ops.matmul.tiled import interpreter_block_sizes as matmul_interpreter
     from ops.reduction.norms import default_block_rows
 
     assert triton_backend.runs_in_interpreter()
@@ -324,7 +325,7 @@ def test_interpreter_tiles():
     assert not any(map(triton_backend.wants_interpreter_tiles, ("interpret", "pallas_triton", "mosaic_tpu")))
     assert triton_backend.interpreter_tiles((1, 100, 5000)) == (16, 128, 512)
     tiles = select_tiles(2048, 1536, 384, jnp.float32, "triton")
-    assert tiles.source == "interpreter" and tiles.blocks == matmul_interpreter(2048, 1536, 384) == (512, 512, 512)
+    assert tiles.blocks == matmul_interpreter(2048, 1536, 384) == (512, 512, 512)
     assert select_tiles(2048, 1536, 384, jnp.float32, "triton", (64, 64, 32)).blocks == (64, 64, 32)
     assert select_block_sizes(32, 32, 32, jnp.float32, "triton") == interpreter_block_sizes(32, 32)
     assert interpreter_block_sizes(32, 1000).block_k == 128

@@ -38,14 +38,14 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
-from pallas_core.triton import backend as triton_backend
+from ops import _op
 from ops._checks import check_array, check_matmul_operands, check_same_dtype
-from ops import tuning
-from ops._implementation import check_implementation, run_implementation
+from ops._implementation import KERNEL_BACKENDS, check_implementation, run_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.activations import resolve_activation
 from ops.matmul import tiled
-from ops.matmul.tiled import default_block_sizes, interpreter_block_sizes
+from ops.matmul.config import MatmulConfig
+from ops.matmul.tiled import default_block_sizes
 
 _OP = "fused_matmul"
 
@@ -68,10 +68,11 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
         raises NotImplementedError (it needs a wgmma kernel). Or a sequence of
         these tried in order, each that raises NotImplementedError skipped
         (:mod:`ops._implementation`).
-      block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes; None takes
-        the tuning cache's entry for the device, dtype and shape bucket
-        (:mod:`ops.tuning`), else picks them by shape, dtype and backend
-        (:func:`default_block_sizes`); see :func:`select_tiles`. The backward
+      block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes (a
+        :class:`~ops.matmul.config.MatmulConfig` with the heuristic's launch
+        parameters); None takes the tuning cache's entry for the device, dtype
+        and shape bucket (:mod:`ops.tuning`), else picks them by shape, dtype
+        and backend (:func:`default_block_sizes`); see :func:`select_tiles`. The backward
         pass reuses them by role.
 
     Returns:
@@ -164,14 +165,15 @@ def _epilogue(acc, refs: tiled.TileRefs, *, has_bias, want_preact, activation):
     out_ref[...] = z.astype(out_ref.dtype)
 
 
-def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=None,
+def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, walk, out_dtype, bias=None,
                  activation=None, want_preact=False, num_warps=None, num_stages=None,
                  group_size=None, name=None):
     """``act(A @ B + bias)`` with A = a contracting dim ca, B = b contracting dim cb,
     on the tiled-matmul core (:func:`ops.matmul.tiled.matmul_call`).
 
     ``blocks = (block_rows, block_cols, block_k)`` for the output's two dims
-    and the contraction; ``num_warps`` / ``num_stages`` / ``group_size`` (Triton
+    and the contraction, ``walk`` the contraction's (the config's); ``num_warps``
+    / ``num_stages`` / ``group_size`` (Triton
     backends; the last on ``triton`` only) None for the heuristic's. The
     contraction dim is zero-padded to a multiple of block_k (exact for a sum; a
     copy only when K does not divide); the free dims use edge blocks, whose
@@ -180,7 +182,6 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, out_dtype, bias=Non
     """
     name = name or _kernel_name(activation, bias)
     m, n = a.shape[1 - ca], b.shape[1 - cb]
-    walk = tiled.strategy(backend)
     params = tiled.launch_params(walk, backend, blocks, num_warps=num_warps,
                                  num_stages=num_stages, group_size=group_size)
     out_shapes = [jax.ShapeDtypeStruct((m, n), out_dtype)] * (2 if want_preact else 1)
@@ -303,7 +304,7 @@ def _partitioned_forward(x, w, bias, config: _Config, activation, *, want_preact
         tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
                              config.block_sizes)
         partial = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
-                               out_dtype=jnp.float32, num_warps=tiles.num_warps,
+                               walk=tiles.walk, out_dtype=jnp.float32, num_warps=tiles.num_warps,
                                num_stages=tiles.num_stages, group_size=tiles.group_size)
         z = psum(partial, reduced, "k")
         if bias is not None:
@@ -320,7 +321,7 @@ def _forward(x, w, bias, config: _Config, activation, *, want_preact: bool) -> t
     tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
                          config.block_sizes)
     outs = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
-                        out_dtype=x.dtype, bias=bias, activation=activation,
+                        walk=tiles.walk, out_dtype=x.dtype, bias=bias, activation=activation,
                         want_preact=want_preact, num_warps=tiles.num_warps,
                         num_stages=tiles.num_stages, group_size=tiles.group_size)
     return tuple(outs) if want_preact else (outs,)
@@ -332,7 +333,8 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
     n = w.shape[1]
     # The backward kernels reuse the forward's tiles by role; their warps and
     # stages stay the heuristic's (the tuner times the forward kernel).
-    bm, bn, bk = select_tiles(m, n, k, x.dtype, config.backend, config.block_sizes).blocks
+    tiles = select_tiles(m, n, k, x.dtype, config.backend, config.block_sizes)
+    (bm, bn, bk), walk = tiles.blocks, tiles.walk
     backend = config.backend
     if activation is not None or bias is not None:
         dz, dbias = _dz_call(g, z, activation=activation, want_dbias=bias is not None,
@@ -341,11 +343,11 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
         dz, dbias = g, None
     # dx[M, K] = dz[M, N] @ w[K, N]^T: output tiles (bm, bk), contraction over N by bn.
     # Distinct kernel names, so the static gate budgets the two K loops apart.
-    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, bn), backend=backend, out_dtype=x.dtype,
-                      name="fused_matmul_dx")
+    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, bn), backend=backend, walk=walk,
+                      out_dtype=x.dtype, name="fused_matmul_dx")
     # dw[K, N] = x[M, K]^T @ dz[M, N]: output tiles (bk, bn), contraction over M by bm.
-    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, bm), backend=backend, out_dtype=w.dtype,
-                      name="fused_matmul_dw")
+    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, bm), backend=backend, walk=walk,
+                      out_dtype=w.dtype, name="fused_matmul_dw")
     return dx, dw, dbias
 
 
@@ -357,50 +359,34 @@ _fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)
 # --------------------------------------------------------------------------
 
 
-# default_block_sizes and interpreter_block_sizes: the core's (ops.matmul.tiled).
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """The forward kernel's launch configuration.
-
-    Attributes:
-      blocks: ``(block_m, block_n, block_k)``.
-      num_warps, num_stages: Triton launch parameters; None: the heuristic's
-        (8 warps from a 128 x 128 tile, 3 stages).
-      group_size: grouped program ordering on ``triton``
-        (:class:`pallas_core.triton.CompilerParams`); None: 8.
-      source: where it came from: "argument", "cache", "interpreter" or
-        "heuristic".
-    """
-
-    blocks: tuple[int, int, int]
-    num_warps: int | None = None
-    num_stages: int | None = None
-    group_size: int | None = None
-    source: str = "heuristic"
+# default_block_sizes and interpreter_block_sizes: the core's (ops.matmul.tiled);
+# the config class: ops.matmul.config.MatmulConfig.
 
 
 def select_tiles(m: int, n: int, k: int, dtype, backend: str,
-                 block_sizes: tuple[int, int, int] | None = None) -> Tiles:
-    """The tiles of an ``[m, k] @ [k, n]`` product: explicit ``block_sizes``,
-    else the tuning cache (:func:`ops.tuning.lookup`, key ``(m, n, k)``), else
-    :func:`default_block_sizes`. On ``triton`` in Triton's CPU interpreter
-    (:func:`pallas_core.triton.backend.wants_interpreter_tiles`) the heuristic's
-    GPU tiles give way to :func:`interpreter_block_sizes`.
+                 block_sizes: tuple[int, int, int] | None = None) -> MatmulConfig:
+    """The config of an ``[m, k] @ [k, n]`` product (:meth:`ops._op.Op.select`):
+    explicit ``block_sizes``, else the tuning cache (key ``(m, n, k)``), else
+    :meth:`MatmulConfig.heuristic` (:func:`default_block_sizes`, or in Triton's CPU
+    interpreter :func:`ops.matmul.tiled.interpreter_block_sizes`).
 
     Raises:
       ops.tuning.TuningCacheError: a malformed user or packaged cache file.
     """
-    if block_sizes is not None:
-        return Tiles(tuple(block_sizes), source="argument")
-    tuned = tuning.lookup(_OP, backend, dtype, (m, n, k))
-    if tuned is not None:
-        heuristic = default_block_sizes(m, n, k, dtype, backend)
-        blocks = tuple(tuned.get(name, h) for name, h in zip(("block_m", "block_n", "block_k"),
-                                                             heuristic))
-        return Tiles(blocks, tuned.get("num_warps"), tuned.get("num_stages"),
-                     tuned.get("group_size"), source="cache")
-    if triton_backend.wants_interpreter_tiles(backend):
-        return Tiles(interpreter_block_sizes(m, n, k), source="interpreter")
-    return Tiles(default_block_sizes(m, n, k, dtype, backend))
+    explicit = None if block_sizes is None else MatmulConfig.from_blocks(block_sizes, backend)
+    return OP.select(OP.problem((m, n, k), dtype), backend, explicit)
+
+
+def _example(problem: _op.Problem, implementation: str):
+    m, n, k = problem.shape
+    return (lambda x, w: fused_matmul(x, w, implementation=implementation),
+            [jax.ShapeDtypeStruct((m, k), problem.dtype), jax.ShapeDtypeStruct((k, n), problem.dtype)])
+
+
+# The tuner fills the cache for 4096^3 and 8192^3 products (the static gate's sizes)
+# first: compute-bound ops are where tuning moves most.
+OP = _op.register(_op.Op(
+    name=_OP, dims=("m", "n", "k"), configs=dict.fromkeys(KERNEL_BACKENDS, MatmulConfig),
+    reference=reference,
+    tuning=_op.Tuning(example=_example, shapes=((4096,) * 3, (8192,) * 3), quick=((512,) * 3,),
+                      order=10)))

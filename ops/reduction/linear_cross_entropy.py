@@ -73,8 +73,9 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from ops import _op
 from ops._checks import check_array, check_matmul_operands
-from ops._implementation import check_implementation, run_implementation
+from ops._implementation import KERNEL_BACKENDS, check_implementation, run_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops._tiles import mosaic_tpu_matmul_blocks
 from ops.matmul import tiled
@@ -560,10 +561,8 @@ def _tiles_per_split(num_v_tiles: int, backend: str) -> int:
 def _dims(x2, w, config: _Config) -> _Dims:
     rows, d = x2.shape
     vocab = w.shape[1]
-    if config.block_sizes is not None:
-        bm, bv, bd = config.block_sizes
-    else:
-        bm, bv, bd = default_block_sizes(rows, d, vocab, x2.dtype, config.backend)
+    explicit = None if config.block_sizes is None else LinearCrossEntropyConfig(*config.block_sizes)
+    bm, bv, bd = OP.select(OP.problem((rows, d, vocab), x2.dtype), config.backend, explicit).blocks
     strategy = config.strategy or tiled.strategy(config.backend)
     num_v_tiles = pl.cdiv(vocab, bv)
     # The grid path walks the whole vocabulary in one program per row block: one split.
@@ -594,3 +593,29 @@ def _loop_params(dims: _Dims, backend: str):
         return pl.triton.CompilerParams(num_warps=warps, num_stages=3,
                                         dimension_semantics=(pl.PARALLEL, pl.PARALLEL))
     return pl.CompilerParams((pl.PARALLEL, pl.PARALLEL))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyConfig(_op.KernelConfig):
+    """The logits tiles (:mod:`ops._op`; ``block_sizes=(block_rows, block_vocab,
+    block_d)`` becomes one): rows, vocabulary columns and hidden-dim step of a
+    ``[rows, d] @ [d, vocab]`` tile. The heuristic is :func:`default_block_sizes`
+    on every backend (no interpreter tiles); no tuning problems are registered."""
+
+    block_rows: int = _op.tunable()
+    block_vocab: int = _op.tunable()
+    block_d: int = _op.tunable()
+
+    @property
+    def blocks(self) -> tuple[int, int, int]:
+        return (self.block_rows, self.block_vocab, self.block_d)
+
+    @classmethod
+    def heuristic(cls, problem: _op.Problem, device: _op.Device) -> "LinearCrossEntropyConfig":
+        rows, d, vocab = problem.shape
+        return cls(*default_block_sizes(rows, d, vocab, problem.dtype, device.backend))
+
+
+OP = _op.register(_op.Op(name=_OP, dims=("rows", "d", "vocab"),
+                         configs=dict.fromkeys(KERNEL_BACKENDS, LinearCrossEntropyConfig),
+                         reference=reference))

@@ -1,0 +1,78 @@
+"""The fused matmul's config on the op layer (:mod:`ops._op`): tiles, launch parameters
+and how the contraction is walked."""
+from __future__ import annotations
+
+import dataclasses
+
+from ops import _op
+from ops.matmul import tiled
+
+# (block_m, block_n, block_k, num_warps, num_stages, group_size): the shapes
+# tensor-core matmuls run well (Triton's matmul tutorial searches the same
+# region), with the default grouped ordering (bands of 8 row blocks), then two
+# other bands on the default tile.
+_SPACE = ((128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8),
+          (128, 128, 64, 4, 4, 8), (128, 128, 32, 4, 4, 8), (128, 64, 64, 4, 4, 8),
+          (64, 128, 64, 4, 4, 8), (64, 64, 64, 4, 4, 8), (128, 128, 128, 8, 3, 8),
+          (128, 256, 64, 8, 4, 8), (64, 256, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8),
+          (128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig(_op.KernelConfig):
+    """The forward kernel's launch configuration of an ``[m, k] @ [k, n]`` product
+    (``block_sizes=(block_m, block_n, block_k)`` of :func:`ops.fused_matmul` becomes one).
+
+    Attributes:
+      block_m, block_n, block_k: the output tile and the contraction step.
+      num_warps, num_stages: Triton launch parameters; None: the heuristic's
+        (8 warps from a 128 x 128 tile, 3 stages).
+      group_size: grouped program ordering on ``triton``
+        (:class:`pallas_core.triton.CompilerParams`); None: 8.
+      walk: how the contraction is walked (:func:`ops.matmul.tiled.strategy`:
+        ``"loop"`` on pallas_triton, ``"grid"`` elsewhere); not tuned.
+    """
+
+    block_m: int = _op.tunable()
+    block_n: int = _op.tunable()
+    block_k: int = _op.tunable()
+    num_warps: int | None = _op.tunable(None)
+    num_stages: int | None = _op.tunable(None)
+    group_size: int | None = _op.tunable(None)
+    walk: str = tiled.GRID
+
+    @property
+    def blocks(self) -> tuple[int, int, int]:
+        return (self.block_m, self.block_n, self.block_k)
+
+    @classmethod
+    def from_blocks(cls, blocks, backend: str) -> "MatmulConfig":
+        """``(block_m, block_n, block_k)`` on ``backend``, launch parameters the heuristic's."""
+        return cls(*blocks, walk=tiled.strategy(backend))
+
+    @classmethod
+    def heuristic(cls, problem: _op.Problem, device: _op.Device) -> "MatmulConfig":
+        """:func:`ops.matmul.tiled.default_block_sizes`, or in Triton's CPU interpreter
+        :func:`ops.matmul.tiled.interpreter_block_sizes`."""
+        m, n, k = problem.shape
+        if device.interpreter:
+            return cls.from_blocks(tiled.interpreter_block_sizes(m, n, k), device.backend)
+        return cls.from_blocks(tiled.default_block_sizes(m, n, k, problem.dtype, device.backend),
+                               device.backend)
+
+    @classmethod
+    def from_tuned(cls, tuned, problem: _op.Problem, device: _op.Device) -> "MatmulConfig":
+        """A cache entry over the device's own (not the interpreter's) heuristic."""
+        base = cls.heuristic(problem, dataclasses.replace(device, interpreter=False))
+        return dataclasses.replace(base, **tuned)
+
+    @classmethod
+    def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["MatmulConfig", ...]:
+        """Tensor-core tiles clamped to the problem (block_k at most 32 for float32,
+        128 otherwise), with Triton's warps, stages and group sizes."""
+        m, n, k = problem.shape
+        cap_k = 32 if problem.dtype == "float32" else 128
+        walk = tiled.strategy(device.backend)
+        return tuple(dict.fromkeys(
+            cls(_op.fit(bm, m), _op.fit(bn, n), _op.fit(min(bk, cap_k), k), w, s, g, walk=walk)
+            for bm, bn, bk, w, s, g in _SPACE))

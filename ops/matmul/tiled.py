@@ -86,20 +86,24 @@ def pad_axis(x, axis: int, size: int):
 # The product of one K step, and the two walks
 # --------------------------------------------------------------------------
 
-def product(a, b, ca: int, cb: int, k0=None, k_size: int | None = None):
+def product(a, b, ca: int, cb: int, k0=None, k_size=None, k_lo=None):
     """``A @ B`` of one K step in float32 (:func:`ops._tiles.dot`). With
-    ``k_size``, the elements of a (along ``ca``) and b (along ``cb``) at
-    contraction positions ``k0 + index >= k_size`` (block padding, whose
-    values are unspecified) are zeroed first."""
+    ``k_size`` (an int, or traced), the elements of a (along ``ca``) and b
+    (along ``cb``) at contraction positions ``k0 + index >= k_size`` (block
+    padding, whose values are unspecified, or rows past a group's end) are
+    zeroed first; with ``k_lo`` too, those below ``k_lo``."""
     if k_size is not None:
-        a = _zero_past(a, ca, k0, k_size)
-        b = _zero_past(b, cb, k0, k_size)
+        a = _zero_outside(a, ca, k0, k_lo, k_size)
+        b = _zero_outside(b, cb, k0, k_lo, k_size)
     return dot(a, b, ca, cb)
 
 
-def _zero_past(x, axis, start, size):
+def _zero_outside(x, axis, start, lo, hi):
     pos = start + lax.broadcasted_iota(jnp.int32, x.shape, axis)
-    return jnp.where(pos < size, x, jnp.zeros((), x.dtype))
+    keep = pos < hi
+    if lo is not None:
+        keep = keep & (pos >= lo)
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
 
 
 def _k_slice(ref, contract_dim: int, k, block_k: int, other=None):
@@ -113,17 +117,19 @@ def _k_slice(ref, contract_dim: int, k, block_k: int, other=None):
 
 
 def loop_accumulate(a_ref, b_ref, *, ca: int, cb: int, block_k: int, num_k, out_shape,
-                    k_size: int | None = None, b_cols=None):
+                    k_size=None, b_cols=None, first_k=0, k_lo=None):
     """The loop walk: ``sum_k A[k] @ B[k]`` over ``num_k`` steps of ``block_k``
     (a static int, or a traced trip count) from full-K Refs, float32
-    ``out_shape``. ``k_size``: mask the contraction past it (:func:`product`);
-    ``b_cols``: a ``pl.ds`` of b's free dim (a tile of a wider block). One
-    static step runs without a loop."""
+    ``out_shape``. ``k_size`` / ``k_lo``: mask the contraction outside
+    ``[k_lo, k_size)`` (:func:`product`); ``b_cols``: a ``pl.ds`` of b's free
+    dim (a tile of a wider block); ``first_k``: the first step (traced or
+    not: a group's first row tile). One static step runs without a loop."""
     def step(k, acc):
+        k = k + first_k if not (isinstance(first_k, int) and first_k == 0) else k
         a = _k_slice(a_ref, ca, k, block_k)
         b = _k_slice(b_ref, cb, k, block_k, b_cols)
         k0 = k * block_k if k_size is not None else None
-        return acc + product(a, b, ca, cb, k0, k_size)
+        return acc + product(a, b, ca, cb, k0, k_size, k_lo)
 
     init = jnp.zeros(out_shape, jnp.float32)
     if isinstance(num_k, int) and num_k == 1:
@@ -132,28 +138,32 @@ def loop_accumulate(a_ref, b_ref, *, ca: int, cb: int, block_k: int, num_k, out_
 
 
 def grid_accumulate(a_ref, b_ref, acc_ref, finish: Callable[[Any], None], *, ca: int, cb: int,
-                    k_axis: int, block_k: int, k_size: int | None = None, active=None):
+                    k_axis: int, block_k: int, k_size=None, active=None, first=None, last=None,
+                    k0=None, k_lo=None):
     """The grid walk, one step of it: grid axis ``k_axis`` is the contraction.
     Zeroes ``acc_ref`` on the first step, adds this step's product, and calls
     ``finish(acc)`` with the float32 accumulator on the last. ``active``: a
     traced predicate; where false the product is skipped (``finish`` sees
-    zeros)."""
+    zeros). ``first`` / ``last``: traced predicates replacing "the axis's
+    first / last step" (a reduction that restarts along the axis, as over
+    groups); ``k0``: the contraction offset of this step's block (default
+    ``k * block_k``) and ``k_lo``, for masking (:func:`product`)."""
     k = pl.program_id(k_axis)
 
-    @pl.when(k == 0)
+    @pl.when(k == 0 if first is None else first)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def accumulate():
-        k0 = k * block_k if k_size is not None else None
-        acc_ref[...] += product(a_ref[...], b_ref[...], ca, cb, k0, k_size)
+        start = k0 if k0 is not None else (k * block_k if k_size is not None else None)
+        acc_ref[...] += product(a_ref[...], b_ref[...], ca, cb, start, k_size, k_lo)
 
     if active is None:
         accumulate()
     else:
         pl.when(active)(accumulate)
 
-    @pl.when(k == pl.num_programs(k_axis) - 1)
+    @pl.when(k == pl.num_programs(k_axis) - 1 if last is None else last)
     def _finish():
         finish(acc_ref[...])
 
@@ -195,33 +205,34 @@ class TileRefs:
     scalars: tuple
     extras: tuple
     outs: tuple
+    row_axis: int = 0  # the grid axis of the row tiles (visits): pl.program_id(row_axis)
 
 
 def _grid_kernel(*refs, ca, cb, block_k, k_size, num_scalars, num_extras, num_outs, epilogue,
-                 active):
+                 active, row_axis):
     scalars = refs[:num_scalars]
     a_ref, b_ref = refs[num_scalars:num_scalars + 2]
     rest = refs[num_scalars + 2:]
     extras, outs, (acc_ref,) = (rest[:num_extras], rest[num_extras:num_extras + num_outs],
                                 rest[num_extras + num_outs:])
-    tile = TileRefs(tuple(scalars), tuple(extras), tuple(outs))
-    is_active = None if active is None else active(pl.program_id(0), *scalars)
+    tile = TileRefs(tuple(scalars), tuple(extras), tuple(outs), row_axis)
+    is_active = None if active is None else active(pl.program_id(row_axis), *scalars)
     grid_accumulate(a_ref, b_ref, acc_ref, lambda acc: epilogue(acc, tile), ca=ca, cb=cb,
                     k_axis=2, block_k=block_k, k_size=k_size, active=is_active)
 
 
 def _loop_kernel(*refs, ca, cb, block_k, num_k, k_size, num_scalars, num_extras, num_outs,
-                 epilogue, active, tile_shape):
+                 epilogue, active, tile_shape, row_axis):
     scalars = refs[:num_scalars]
     a_ref, b_ref = refs[num_scalars:num_scalars + 2]
     rest = refs[num_scalars + 2:]
     extras, outs = rest[:num_extras], rest[num_extras:num_extras + num_outs]
     trips = num_k
     if active is not None:
-        trips = jnp.where(active(pl.program_id(0), *scalars), num_k, 0)
+        trips = jnp.where(active(pl.program_id(row_axis), *scalars), num_k, 0)
     acc = loop_accumulate(a_ref, b_ref, ca=ca, cb=cb, block_k=block_k, num_k=trips,
                           out_shape=tile_shape, k_size=k_size)
-    epilogue(acc, TileRefs(tuple(scalars), tuple(extras), tuple(outs)))
+    epilogue(acc, TileRefs(tuple(scalars), tuple(extras), tuple(outs), row_axis))
 
 
 def launch_params(walk: str, backend: str, blocks: tuple[int, int, int], *,
@@ -259,7 +270,7 @@ def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend
                 epilogue: Callable[[Any, TileRefs], None],
                 extras: Sequence[tuple[Any, str]] = (), walk: str | None = None,
                 k_edge: str = "pad", compiler_params=None, rows: RowTable | None = None,
-                name: str = "matmul"):
+                cols_outer: bool = False, name: str = "matmul"):
     """``A @ B`` tiled into ``block_m x block_n`` outputs, each handed to ``epilogue``.
 
     Args:
@@ -284,6 +295,10 @@ def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend
         heuristic's warps and stages.
       rows: a :class:`RowTable`, or None for row blocks ``0 .. cdiv(M,
         block_m) - 1``.
+      cols_outer: the grid is (column tiles, row tiles[, K]) instead of (row
+        tiles, column tiles[, K]): consecutive row visits of one column then
+        revisit an output block back to back (a sequential grid keeps it,
+        so visits of one tile can each store their own rows into it).
       name: the kernel's name.
 
     Returns:
@@ -306,9 +321,19 @@ def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend
     elif k % bk:
         k_size = k
     num_rows = rows.num_visits if rows is not None else pl.cdiv(m, bm)
-    grid_mn = (num_rows, pl.cdiv(n, bn))
+    grid_mn = (pl.cdiv(n, bn), num_rows) if cols_outer else (num_rows, pl.cdiv(n, bn))
+    row_axis = 1 if cols_outer else 0
     scalars = tuple(rows.tables) if rows is not None else ()
     row_of = rows.row_block if rows is not None else (lambda i, *s: i)
+
+    def indexed(fn):
+        """An index map over (i, j, [k], *scalar Refs) in the grid's order."""
+        def index_map(*args):
+            (i, j) = (args[1], args[0]) if cols_outer else (args[0], args[1])
+            rest = args[2:]
+            ks, ss = rest[:len(rest) - len(scalars)], rest[len(rest) - len(scalars):]
+            return fn(i, j, ks, ss)
+        return index_map
 
     def operand_block(free, contract_dim, free_idx, k_idx, k_block):
         shape, index = [0, 0], [0, 0]
@@ -317,33 +342,29 @@ def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend
         return tuple(shape), tuple(index)
 
     def a_spec(k_block, k_index):
-        return pl.BlockSpec(operand_block(bm, ca, 0, 0, k_block)[0],
-                            lambda i, j, *rest: operand_block(
-                                bm, ca, row_of(i, *rest[len(rest) - len(scalars):]),
-                                k_index(rest[:len(rest) - len(scalars)]), k_block)[1])
+        return pl.BlockSpec(operand_block(bm, ca, 0, 0, k_block)[0], indexed(
+            lambda i, j, ks, ss: operand_block(bm, ca, row_of(i, *ss), k_index(ks), k_block)[1]))
 
     def b_spec(k_block, k_index):
         shape = operand_block(bn, cb, 0, 0, k_block)[0]
 
-        def index_map(i, j, *rest):
-            ks, ss = rest[:len(rest) - len(scalars)], rest[len(rest) - len(scalars):]
+        def index_map(i, j, ks, ss):
             index = operand_block(bn, cb, j, k_index(ks), k_block)[1]
             return (rows.b_index(i, *ss), *index) if b_batched else index
-        return pl.BlockSpec((None, *shape) if b_batched else shape, index_map)
+        return pl.BlockSpec((None, *shape) if b_batched else shape, indexed(index_map))
 
     def extra_spec(array, role):
         if role == ROWS:
-            return pl.BlockSpec((bm, array.shape[1]), lambda i, j, *rest: (
-                row_of(i, *rest[len(rest) - len(scalars):]), 0))
+            return pl.BlockSpec((bm, array.shape[1]),
+                                indexed(lambda i, j, ks, ss: (row_of(i, *ss), 0)))
         if role == COLS:
-            return pl.BlockSpec((array.shape[0], bn), lambda i, j, *rest: (0, j))
+            return pl.BlockSpec((array.shape[0], bn), indexed(lambda i, j, ks, ss: (0, j)))
         raise ValueError(f"extras: role must be {ROWS!r} or {COLS!r}, got {role!r}.")
 
-    out_spec = pl.BlockSpec((bm, bn), lambda i, j, *rest: (
-        row_of(i, *rest[len(rest) - len(scalars):]), j))
+    out_spec = pl.BlockSpec((bm, bn), indexed(lambda i, j, ks, ss: (row_of(i, *ss), j)))
     kw = dict(ca=ca, cb=cb, block_k=bk, k_size=k_size, num_scalars=len(scalars),
               num_extras=len(extras), num_outs=len(out_shape), epilogue=epilogue,
-              active=rows.active if rows is not None else None)
+              active=rows.active if rows is not None else None, row_axis=row_axis)
     if walk == GRID:
         kernel = functools.partial(_grid_kernel, **kw)
         grid = (*grid_mn, num_k)

@@ -23,6 +23,8 @@ the tiled-matmul core, :mod:`ops.matmul.tiled`):
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import numbers
 
 import jax
@@ -32,6 +34,7 @@ from jax import lax
 
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._op import Op, Problem, Tuning, register
+from ops.moe import gmm, group_table, tgmm
 from ops.moe.config import RaggedDotConfig
 from ops.moe.reference import ragged_dot_reference
 
@@ -185,8 +188,61 @@ def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offs
                               out_dtype)
 
 
-def _kernel_ragged_dot(lhs, rhs, group_sizes, offset, backend, config, out_dtype):
-    raise NotImplementedError(f"{_OP}: the {backend} kernels are not in yet.")
+def _kernel_ragged_dot(lhs, rhs, group_sizes, offset, backend, config, out_dtype,
+                       walk: str | None = None):
+    """The kernels' ``ragged_dot`` (``walk``: force the grid or loop walk; tests run
+    both on the interpreter)."""
+    kernel = _Kernel(backend, config, np.dtype(out_dtype), walk or gmm.walk(backend))
+    return _ragged_dot(lhs, rhs, group_sizes, offset, kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """Everything static about one call's kernels (a custom_vjp nondiff argument)."""
+
+    backend: str
+    config: RaggedDotConfig
+    out_dtype: np.dtype
+    walk: str
+
+
+def _forward(lhs, rhs, group_sizes, offset, kernel: _Kernel):
+    m, g_local = lhs.shape[0], rhs.shape[0]
+    visits = group_table.row_visits(group_sizes, g_local, offset, m, kernel.config.block_m)
+    return gmm.gmm(lhs, rhs, visits, transpose_rhs=False, config=kernel.config,
+                   backend=kernel.backend, out_dtype=kernel.out_dtype,
+                   walk_override=kernel.walk, name="ragged_dot")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged_dot(lhs, rhs, group_sizes, offset, kernel: _Kernel):
+    return _forward(lhs, rhs, group_sizes, offset, kernel)
+
+
+def _ragged_dot_fwd(lhs, rhs, group_sizes, offset, kernel):
+    return _forward(lhs, rhs, group_sizes, offset, kernel), (lhs, rhs, group_sizes, offset)
+
+
+def _ragged_dot_bwd(kernel: _Kernel, residuals, g):
+    """``dlhs = gmm(dout, rhs^T)`` (rows of groups not owned get 0), ``drhs = tgmm(lhs,
+    dout)``; the tiles by role (``dlhs``: (block_m, block_k) tiles contracting N by
+    block_n; ``drhs``: (block_k, block_n) tiles contracting rows by block_m). The
+    cotangent is cast to the operands' dtype (the products' input dtype)."""
+    lhs, rhs, group_sizes, offset = residuals
+    dout = g.astype(lhs.dtype)
+    m, g_local = lhs.shape[0], rhs.shape[0]
+    c = kernel.config
+    visits = group_table.row_visits(group_sizes, g_local, offset, m, c.block_m)
+    dlhs = gmm.gmm(dout, rhs, visits, transpose_rhs=True,
+                   config=dataclasses.replace(c, block_n=c.block_k, block_k=c.block_n),
+                   backend=kernel.backend, out_dtype=lhs.dtype, walk_override=kernel.walk,
+                   name="ragged_dot_dlhs")
+    drhs = tgmm.tgmm(lhs, dout, group_sizes, offset, g_local, config=c, backend=kernel.backend,
+                     out_dtype=rhs.dtype, walk=kernel.walk)
+    return dlhs, drhs, None, None
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
 # --------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 layout and meaning of JAX's TPU ``ragged_paged_attention``, on every backend."""
 from __future__ import annotations
 
+import functools
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -119,11 +121,15 @@ def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale, windo
 def token_rows(args):
     """``(seq, start, end)`` int32 ``[T]``: each query token's sequence and keys ``[start, end)``
     (``end = 0`` for tokens past ``cu_q_lens[num_seqs]``)."""
-    T = args["q"].shape[0]
-    S, pps = args["tables"].shape
-    capacity = pps * args["kv"].shape[1]
-    cu, kv_lens = args["cu"], args["kv_lens"]
-    n = jnp.clip(args["num_seqs"][0], 0, S)
+    capacity = args["tables"].shape[1] * args["kv"].shape[1]
+    return _token_rows(args["q"].shape[0], capacity, args["window"], args["cu"], args["kv_lens"],
+                       args["num_seqs"])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _token_rows(T: int, capacity: int, window, cu, kv_lens, num_seqs):
+    S = kv_lens.shape[0]
+    n = jnp.clip(num_seqs[0], 0, S)
     t = jnp.arange(T, dtype=jnp.int32)
     ends = jnp.where(jnp.arange(S) < n, cu[1:], jnp.iinfo(jnp.int32).max)
     seq = jnp.minimum(jnp.searchsorted(ends, t, side="right").astype(jnp.int32), S - 1)
@@ -131,7 +137,7 @@ def token_rows(args):
     q_len = cu[seq + 1] - q_start
     valid = (t < cu[n]) & (t >= q_start)
     end = jnp.where(valid, jnp.clip(kv_lens[seq] - q_len + (t - q_start) + 1, 0, capacity), 0)
-    start = jnp.zeros_like(end) if args["window"] is None else jnp.maximum(end - args["window"], 0)
+    start = jnp.zeros_like(end) if window is None else jnp.maximum(end - window, 0)
     return seq, start, end
 
 

@@ -17,10 +17,14 @@ Conventions shared with the kernels (:mod:`ops.serving.kernels`):
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 
+@functools.partial(jax.jit, static_argnames="heads_axis")
 def gather_pages(pages, tables, *, heads_axis: int = 0):
     """A dense ``[R, pages_per_row * page_size, K, H]`` cache from pages and tables.
 
@@ -37,6 +41,7 @@ def gather_pages(pages, tables, *, heads_axis: int = 0):
     return dense.reshape(r, n * ps, k, h)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
 def rows_attention(q, k, v, start, end, *, scale: float, soft_cap: float | None = None,
                    sinks=None):
     """float32 ``[R, N, H]``: each row's attention over its keys ``[start, end)``.

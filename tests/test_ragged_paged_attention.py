@@ -1,0 +1,143 @@
+"""ops.ragged_paged_attention against JAX's own ``ref_ragged_paged_attention``: mixed prefill,
+decode and empty sequences over random pages and tables, GQA, sliding windows, soft caps,
+int8 caches with scales, sinks; every kernel backend; bad input named."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import (
+    ref_ragged_paged_attention)
+
+import ops
+from tests.test_lowering import lower_text
+from tests.tolerances import FORWARD, assert_close
+
+F32 = jnp.float32
+
+
+def make_case(seed, *, q_lens=(3, 1, 0, 5, 1), kv_lens=(20, 33, 0, 64, 16), T=12, N=4, K=2,
+              H=32, page_size=16, pages_per_seq=4, total_pages=24, dtype=F32, int8=False,
+              slots=None):
+    """Random queries and a combined cache; sequence ``i`` has ``q_lens[i]`` new tokens at
+    the end of its ``kv_lens[i]``; ``slots`` sequence slots (>= len(q_lens)), the unused
+    ones holding garbage metadata."""
+    rng = np.random.default_rng(seed)
+    S = slots or len(q_lens)
+    cu = np.zeros(S + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = 10_000
+    lens = np.full(S, 999, np.int32)
+    lens[:len(kv_lens)] = kv_lens
+    q = jnp.asarray(rng.standard_normal((T, N, H)), dtype)
+    shape = (total_pages, page_size, 2 * K, H)
+    kv = (jnp.asarray(rng.integers(-127, 128, shape), jnp.int8) if int8
+          else jnp.asarray(rng.standard_normal(shape), dtype))
+    tables = rng.permutation(total_pages)[:S * pages_per_seq].reshape(S, pages_per_seq)
+    return (q, kv, jnp.asarray(lens), jnp.asarray(tables, jnp.int32), jnp.asarray(cu),
+            jnp.asarray([len(q_lens)], jnp.int32))
+
+
+def jax_reference(args, **kw):
+    """JAX's reference, its rows past cu_q_lens[num_seqs] padded with 0 as ours."""
+    scale = kw.pop("scale", 1.0)
+    q = args[0]
+    ref = ref_ragged_paged_attention(q.astype(F32), *args[1:], sm_scale=scale, **kw)
+    return jnp.zeros(q.shape, F32).at[:ref.shape[0]].set(ref)
+
+
+KERNELS = ["interpret", "triton"]
+MIXED = dict(scale=0.3)  # prefill, decode and empty sequences, GQA 2:1
+WINDOWED = dict(scale=0.5, sliding_window=9, soft_cap=2.5, k_scale=0.01, v_scale=0.02)  # int8
+
+
+def cases():
+    return {"mixed": (make_case(0), MIXED),
+            "windowed": (make_case(1, N=8, K=2, int8=True, slots=6, total_pages=24), WINDOWED)}
+
+
+@pytest.mark.parametrize("case", ["mixed", "windowed"])
+def test_xla_matches_jax_reference(case):
+    args, kw = cases()[case]
+    out = ops.ragged_paged_attention(*args, implementation="xla", **kw)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    assert_close(out, jax_reference(args, **dict(kw)), FORWARD[F32], case)
+    assert np.all(np.asarray(out[10:]) == 0)  # past cu_q_lens[num_seqs]
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("case", ["mixed", "windowed"])
+def test_kernels_match_xla(impl, case):
+    # Two splits of two pages per step (the merge runs) / three splits of one page.
+    args, kw = cases()[case]
+    bs = (2, 2) if case == "mixed" else (1, 3)
+    out = ops.ragged_paged_attention(*args, implementation=impl, block_sizes=bs, **kw)
+    assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw),
+                 FORWARD[F32], f"{impl} {case}")
+
+
+def test_sinks_equal_an_extra_key_of_value_zero():
+    # A sink is a key of logit s and value 0: the same as a cache with one extra zero
+    # value whose key makes the logit s for every query (here: q . k = s via a
+    # one-hot head dim holding the sink and a query component of 1).
+    args = make_case(2, H=16, q_lens=(2, 1), kv_lens=(5, 9), T=4, pages_per_seq=1,
+                     total_pages=4)
+    q, kv = args[0], args[1]
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], F32)
+    out = ops.ragged_paged_attention(*args, sinks=sinks, implementation="interpret",
+                                     block_sizes=(1, 1))
+    ref = ops.ragged_paged_attention(*args, sinks=sinks, implementation="xla")
+    assert_close(out, ref, FORWARD[F32])
+    # The xla path against the direct float64 computation.
+    q64, kv64 = np.asarray(q, np.float64), np.asarray(kv, np.float64)
+    tables = np.asarray(args[3])
+    for t, (seq, pos) in enumerate([(0, 3), (0, 4), (1, 8)]):
+        k = kv64[tables[seq]].reshape(-1, 4, 16)[:pos + 1, 0::2]
+        v = kv64[tables[seq]].reshape(-1, 4, 16)[:pos + 1, 1::2]
+        for n in range(4):
+            s = np.append(k[:, n // 2] @ q64[t, n], float(sinks[n]))
+            p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+            np.testing.assert_allclose(np.asarray(ref[t, n]), p[:-1] @ v[:, n // 2],
+                                       rtol=2e-5, atol=2e-6)
+
+
+def test_bfloat16_under_jit():
+    args = make_case(3, dtype=jnp.bfloat16)
+    out = jax.jit(lambda *a: ops.ragged_paged_attention(*a, scale=0.3, implementation="interpret"))(
+        *args)
+    assert out.dtype == jnp.bfloat16
+    expected = ops.ragged_paged_attention(*(args[0].astype(F32), args[1].astype(F32)) + args[2:],
+                                          scale=0.3, implementation="xla")
+    assert_close(out, expected, FORWARD[jnp.bfloat16])
+
+
+def test_mosaic_tpu_lowering():
+    text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="mosaic_tpu"),
+                      "mosaic_tpu", ((16, 16, 128), jnp.bfloat16), ((32, 16, 4, 128), jnp.bfloat16),
+                      ((4,), jnp.int32), ((4, 8), jnp.int32), ((5,), jnp.int32), ((1,), jnp.int32))
+    assert "tpu_custom_call" in text
+
+
+def _bad_inputs():
+    q, kv, lens, tables, cu, n = make_case(4)
+    good = dict(q=q, kv_pages=kv, kv_lens=lens, page_indices=tables, cu_q_lens=cu, num_seqs=n)
+    return [
+        (dict(good, q=q[0]), ValueError, "q must have rank 3"),
+        (dict(good, kv_pages=kv[..., :3, :]), ValueError, "2 \\* K combined heads"),
+        (dict(good, kv_pages=kv.astype(jnp.float16)), TypeError, "kv_pages has dtype float16"),
+        (dict(good, q=q[:, :3]), ValueError, "multiple of the number of key/value heads"),
+        (dict(good, kv_lens=lens[:2]), ValueError, "kv_lens must have shape"),
+        (dict(good, cu_q_lens=cu[:-1]), ValueError, "cu_q_lens must have shape"),
+        (dict(good, num_seqs=jnp.asarray(2, jnp.int32)), ValueError, "num_seqs must have shape"),
+        (dict(good, page_indices=tables.astype(jnp.uint32)), TypeError, "page_indices must be int32"),
+        (dict(good, sliding_window=0), ValueError, "sliding_window must be"),
+        (dict(good, soft_cap=-1.0), ValueError, "soft_cap must be"),
+        (dict(good, k_scale="x"), ValueError, "k_scale must be"),
+        (dict(good, sinks=jnp.zeros((4, 1))), ValueError, "sinks must have shape"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_bad_input_named(case):
+    kwargs, error, match = _bad_inputs()[case]
+    with pytest.raises(error, match=match):
+        ops.ragged_paged_attention(**kwargs)

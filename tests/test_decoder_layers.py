@@ -260,3 +260,25 @@ def test_linen_gated_mlp_rejects_at_construction():
     with pytest.raises(ValueError, match="hidden_features"):
         layers.linen.GatedMLP(0)
     assert isinstance(layers.linen.GatedMLP(8), nn.Module)
+
+
+def test_linen_attention_decoder_options_equal_nnx():
+    kw = dict(use_bias=False, qk_norm="rms_norm", qk_norm_epsilon=1e-5, scale=0.3,
+              local_window_size=(3, 0), logits_soft_cap=2.0)
+    twin = layers.linen.MultiHeadDotProductAttention(
+        num_heads=N, num_kv_heads=K, rotary=layers.linen.RotaryEmbedding(H, theta=1000.0), **kw)
+    x = jnp.asarray(_x(11, (B, T, D)))
+    variables = twin.init(jax.random.key(0), x, is_causal=True)
+    attn = layers.MultiHeadAttention(N, D, num_kv_heads=K, decode=False,
+                                     rotary=layers.RotaryEmbedding(H, theta=1000.0),
+                                     rngs=nnx.Rngs(0), **kw)
+    state = nnx.state(attn, nnx.Param)
+    nnx.replace_by_pure_dict(state, variables["params"])  # the same tree, Linen's names
+    nnx.update(attn, state)
+    np.testing.assert_array_equal(np.asarray(twin.apply(variables, x, is_causal=True)),
+                                  np.asarray(attn(x, is_causal=True)))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        layers.linen.MultiHeadDotProductAttention(num_heads=N, num_kv_heads=3)
+    with pytest.raises(ValueError, match="positions"):
+        plain = layers.linen.MultiHeadDotProductAttention(num_heads=N)
+        plain.init(jax.random.key(0), x, positions=jnp.arange(T))

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
 from layers.dense import _check_implementation
-from layers.norms import _compute_dtype, _kernel_supports, _run
+from layers.norms import (_call_with_residual, _check_scale_offset, _compute_dtype, _kernel_supports,
+                          _refuse_offset_fallback, _run)
 from ops.reduction.norms import layer_norm, rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -47,6 +48,10 @@ _COMMON_DOC = """
 
     implementation: None (best for the platform, resolved at call time) or a
     name from ``ops.IMPLEMENTATIONS``; validated at construction.
+
+    scale_offset and the fused residual (``__call__(x, residual=r)`` returns
+    ``(self(x + r), x + r)``): as in :class:`layers.RMSNorm` (Gemma's norms:
+    ``scale_offset=1.0, scale_init=nn.initializers.zeros``).
 """
 
 
@@ -60,22 +65,35 @@ class LayerNorm(nn.LayerNorm):
     """
 
     implementation: str | None = None
+    scale_offset: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "implementation",  # a sequence as a tuple: hashable
                            _check_implementation(self.implementation, "layers.linen.LayerNorm"))
+        object.__setattr__(self, "scale_offset", _check_scale_offset(
+            self.scale_offset, self.use_scale, "layers.linen.LayerNorm"))
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x, *, mask=None):
-        """Normalizes ``x [..., features]``; same shape, Flax's output dtype."""
+    def __call__(self, x, *, mask=None, residual=None):
+        """Normalizes ``x [..., features]``; same shape, Flax's output dtype. With
+        ``residual``: ``(self(x + residual), x + residual)``."""
+        if residual is not None:
+            return _linen_residual(self, x, residual, mask, (self.use_scale, self.use_bias),
+                                   lambda h: self._normalize(h, mask))
+        return self._normalize(x, mask)
+
+    def _normalize(self, x, mask):
         plan = _linen_plan(self, x, mask, self.use_scale, self.use_bias)
         if plan is None:
+            _refuse_offset_fallback(self, "layers.linen.LayerNorm")
             return super().__call__(x, mask=mask)
         scale, bias = _declare_params(self, x, self.use_scale, self.use_bias)
-        return _run(layer_norm, x, (scale, bias), *plan, epsilon=float(self.epsilon),
-                    use_fast_variance=bool(self.use_fast_variance),
-                    implementation=self.implementation)
+        return _run(layer_norm, x, (scale, bias), *plan, **self._kernel_kwargs())
+
+    def _kernel_kwargs(self):
+        return dict(epsilon=float(self.epsilon), use_fast_variance=bool(self.use_fast_variance),
+                    scale_offset=self.scale_offset, implementation=self.implementation)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -88,20 +106,34 @@ class RMSNorm(nn.RMSNorm):
     """
 
     implementation: str | None = None
+    scale_offset: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "implementation",  # a sequence as a tuple: hashable
                            _check_implementation(self.implementation, "layers.linen.RMSNorm"))
+        object.__setattr__(self, "scale_offset", _check_scale_offset(
+            self.scale_offset, self.use_scale, "layers.linen.RMSNorm"))
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x, *, mask=None):
-        """Normalizes ``x [..., features]``; same shape, Flax's output dtype."""
+    def __call__(self, x, *, mask=None, residual=None):
+        """Normalizes ``x [..., features]``; same shape, Flax's output dtype. With
+        ``residual``: ``(self(x + residual), x + residual)``."""
+        if residual is not None:
+            return _linen_residual(self, x, residual, mask, (self.use_scale, False),
+                                   lambda h: self._normalize(h, mask))
+        return self._normalize(x, mask)
+
+    def _normalize(self, x, mask):
         plan = _linen_plan(self, x, mask, self.use_scale, False)
         if plan is None:
+            _refuse_offset_fallback(self, "layers.linen.RMSNorm")
             return super().__call__(x, mask=mask)
         scale, _ = _declare_params(self, x, self.use_scale, False)
-        return _run(rms_norm, x, (scale,), *plan, epsilon=float(self.epsilon),
+        return _run(rms_norm, x, (scale,), *plan, **self._kernel_kwargs())
+
+    def _kernel_kwargs(self):
+        return dict(epsilon=float(self.epsilon), scale_offset=self.scale_offset,
                     implementation=self.implementation)
 
 
@@ -129,6 +161,18 @@ def _linen_plan(module, x, mask, use_scale, use_bias):
     out_dtype = linen_dtypes.canonicalize_dtype(x, *params, dtype=module.dtype)
     compute = _compute_dtype(x, params, out_dtype)
     return None if compute is None else (compute, out_dtype)
+
+
+def _linen_residual(module, x, residual, mask, uses, call):
+    """:func:`layers.norms._call_with_residual` with the Linen plan: params are
+    declared only on the path taken (the fused one declares them here)."""
+    def plan(xh):
+        p = _linen_plan(module, xh, mask, *uses)
+        if p is None or p[0] != xh.dtype:  # not fusable: declare nothing here
+            return None
+        params = _declare_params(module, xh, *uses)
+        return (xh, params[:1] if not uses[1] else params, *p)
+    return _call_with_residual(module, x, residual, mask, call, plan=plan)
 
 
 def _declare_params(module, x, use_scale, use_bias):

@@ -18,6 +18,7 @@ import inspect
 import numbers
 from collections.abc import Iterable
 
+import flax.linen as nn
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
@@ -70,6 +71,22 @@ _COMMON_DOC = """
     "pallas_triton" on GPU, "mosaic_tpu" on TPU, resolved at call time) or a
     name from ``ops.IMPLEMENTATIONS``; validated at construction (ValueError
     naming the argument).
+
+    scale_offset: keyword-only, a real number (default 0.0, the stock
+    module's behaviour): the multiplier is ``scale + scale_offset``. Gemma's
+    norms are ``scale_offset=1.0`` with ``scale_init=nnx.initializers.zeros``
+    (so a Gemma checkpoint's weights load unchanged). Needs ``use_scale=True``
+    (ValueError at construction otherwise); a non-zero offset runs on the
+    kernel path only (NotImplementedError naming the configuration otherwise).
+
+    Fused residual: ``__call__(x, ..., residual=r)`` returns ``(self(x + r),
+    x + r)``, the pre-norm decoder's "add the sublayer's output to the
+    residual stream, then normalize it". The sum has the dtype
+    ``result_type(x, r)``; when the kernel runs in that dtype (e.g. bfloat16
+    activations with ``dtype=bfloat16``, or float32 throughout) the add is
+    fused into the norm's kernel, forward and backward
+    (``ops.rms_norm(..., residual=r)``); otherwise the add runs first and the
+    module is called on the sum, with the same results.
 """
 
 
@@ -85,25 +102,28 @@ class LayerNorm(nnx.LayerNorm):
     loads into the other. ``__call__(x, *, mask=None)`` as nnx.LayerNorm.
     """
 
-    def __init__(self, num_features: int, *, implementation: str | None = None, **kwargs):
+    def __init__(self, num_features: int, *, implementation: str | None = None,
+                 scale_offset: float = 0.0, **kwargs):
         implementation = _check_implementation(implementation, "layers.LayerNorm")
         super().__init__(num_features, **kwargs)
         self.implementation = implementation
+        self.scale_offset = _check_scale_offset(scale_offset, self.use_scale, "layers.LayerNorm")
 
-    def __call__(self, x, *, mask=None):
-        """Normalizes ``x [..., num_features]``; same shape, Flax's output dtype."""
-        if not _kernel_supports(self, x, mask):
+    def __call__(self, x, *, mask=None, residual=None):
+        """Normalizes ``x [..., num_features]``; same shape, Flax's output dtype. With
+        ``residual``: ``(self(x + residual), x + residual)``."""
+        if residual is not None:
+            return _call_with_residual(self, x, residual, mask,
+                                       lambda h: self(h, mask=mask))
+        plan = _nnx_plan(self, x, mask, (self.scale, self.bias))
+        if plan is None:
+            _refuse_offset_fallback(self, "layers.LayerNorm")
             return super().__call__(x, mask=mask)
-        scale = self.scale[...] if self.scale is not None else None
-        bias = self.bias[...] if self.bias is not None else None
-        xp, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        out_dtype = nnx_dtypes.canonicalize_dtype(xp, scale, bias, dtype=self.dtype)
-        compute = _compute_dtype(xp, (scale, bias), out_dtype)
-        if compute is None:
-            return super().__call__(x, mask=mask)
-        return _run(layer_norm, xp, (scale, bias), compute, out_dtype,
-                    epsilon=float(self.epsilon), use_fast_variance=bool(self.use_fast_variance),
-                    implementation=self.implementation)
+        return _run(layer_norm, *plan, **self._kernel_kwargs())
+
+    def _kernel_kwargs(self):
+        return dict(epsilon=float(self.epsilon), use_fast_variance=bool(self.use_fast_variance),
+                    scale_offset=self.scale_offset, implementation=self.implementation)
 
 
 class RMSNorm(nnx.RMSNorm):
@@ -117,22 +137,26 @@ class RMSNorm(nnx.RMSNorm):
     unchanged either way. ``__call__(x, mask=None)`` as nnx.RMSNorm.
     """
 
-    def __init__(self, num_features: int, *, implementation: str | None = None, **kwargs):
+    def __init__(self, num_features: int, *, implementation: str | None = None,
+                 scale_offset: float = 0.0, **kwargs):
         implementation = _check_implementation(implementation, "layers.RMSNorm")
         super().__init__(num_features, **kwargs)
         self.implementation = implementation
+        self.scale_offset = _check_scale_offset(scale_offset, self.use_scale, "layers.RMSNorm")
 
-    def __call__(self, x, mask=None):
-        """Normalizes ``x [..., num_features]``; same shape, Flax's output dtype."""
-        if not _kernel_supports(self, x, mask):
+    def __call__(self, x, mask=None, *, residual=None):
+        """Normalizes ``x [..., num_features]``; same shape, Flax's output dtype. With
+        ``residual``: ``(self(x + residual), x + residual)``."""
+        if residual is not None:
+            return _call_with_residual(self, x, residual, mask, lambda h: self(h, mask))
+        plan = _nnx_plan(self, x, mask, (self.scale,))
+        if plan is None:
+            _refuse_offset_fallback(self, "layers.RMSNorm")
             return super().__call__(x, mask)
-        scale = self.scale[...] if self.scale is not None else None
-        xp, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-        out_dtype = nnx_dtypes.canonicalize_dtype(xp, scale, dtype=self.dtype)
-        compute = _compute_dtype(xp, (scale,), out_dtype)
-        if compute is None:
-            return super().__call__(x, mask)
-        return _run(rms_norm, xp, (scale,), compute, out_dtype, epsilon=float(self.epsilon),
+        return _run(rms_norm, *plan, **self._kernel_kwargs())
+
+    def _kernel_kwargs(self):
+        return dict(epsilon=float(self.epsilon), scale_offset=self.scale_offset,
                     implementation=self.implementation)
 
 
@@ -181,18 +205,85 @@ def _compute_dtype(x, params, out_dtype):
     return compute if all(d in _FUSED_DTYPES for d in fusable) else None
 
 
-def _run(op, x, params, compute, out_dtype, **kwargs):
-    """``op(x as compute, *params, **kwargs)`` cast to ``out_dtype`` (:func:`_compute_dtype`)."""
-    y = op(jnp.asarray(x).astype(compute), *params, **kwargs)
-    return y.astype(out_dtype)
+def _run(op, x, params, compute, out_dtype, *, residual=None, **kwargs):
+    """``op(x as compute, *params, **kwargs)`` cast to ``out_dtype`` (:func:`_compute_dtype`).
+
+    With ``residual`` (only when ``compute`` is the sum's dtype, see
+    :func:`_call_with_residual`): ``(y cast to out_dtype, x + residual)``.
+    """
+    if residual is None:
+        y = op(jnp.asarray(x).astype(compute), *params, **kwargs)
+        return y.astype(out_dtype)
+    y, h = op(jnp.asarray(x).astype(compute), *params,
+              residual=jnp.asarray(residual).astype(compute), **kwargs)
+    return y.astype(out_dtype), h
 
 
-def _add_keyword_only(cls, parent, name: str) -> None:
-    """Shows ``parent.__init__``'s signature plus ``name=None`` (keyword-only) in help()."""
+def _nnx_plan(module, x, mask, variables):
+    """``(promoted x, promoted params, compute dtype, output dtype)`` for the kernel
+    path of an NNX norm, or None for Flax's own (:func:`_kernel_supports`,
+    :func:`_compute_dtype`)."""
+    if not _kernel_supports(module, x, mask):
+        return None
+    params = tuple(v[...] if v is not None else None for v in variables)
+    xp, *params = module.promote_dtype((x, *params), dtype=module.dtype)
+    out_dtype = nnx_dtypes.canonicalize_dtype(xp, *params, dtype=module.dtype)
+    compute = _compute_dtype(xp, params, out_dtype)
+    return None if compute is None else (xp, tuple(params), compute, out_dtype)
+
+
+def _call_with_residual(module, x, residual, mask, call, plan=None):
+    """``(module(x + residual), x + residual)``: one fused kernel when the norm's plan
+    for the sum (``plan(h-typed x)``, NNX's by default) runs in the sum's own dtype,
+    else the add then ``call(h)``."""
+    h_dtype = jnp.result_type(x, residual)
+    if jnp.shape(x) == jnp.shape(residual):
+        xh = jnp.asarray(x).astype(h_dtype)
+        plan = (plan or (lambda xh: _nnx_plan(module, xh, mask, _variables(module))))(xh)
+        if plan is not None and plan[2] == h_dtype and jnp.result_type(plan[0]) == h_dtype:
+            op = layer_norm if isinstance(module, (nnx.LayerNorm, nn.LayerNorm)) else rms_norm
+            return _run(op, *plan, residual=jnp.asarray(residual).astype(h_dtype),
+                        **module._kernel_kwargs())
+    h = jnp.asarray(x) + jnp.asarray(residual)
+    return call(h), h
+
+
+def _variables(module):
+    """The parameter variables an NNX norm promotes, in Flax's order."""
+    if isinstance(module, nnx.LayerNorm):
+        return (module.scale, module.bias)
+    return (module.scale,)
+
+
+def _check_scale_offset(scale_offset, use_scale: bool, where: str) -> float:
+    """A real number, non-zero only with a scale (ValueError / TypeError naming it)."""
+    if isinstance(scale_offset, bool) or not isinstance(scale_offset, numbers.Real):
+        raise TypeError(f"{where}: scale_offset must be a real number, got "
+                        f"{type(scale_offset).__name__} {scale_offset!r}.")
+    scale_offset = float(scale_offset)
+    if scale_offset != 0.0 and not use_scale:
+        raise ValueError(f"{where}: scale_offset={scale_offset} needs use_scale=True (it is "
+                         "added to the scale).")
+    return scale_offset
+
+
+def _refuse_offset_fallback(module, where: str) -> None:
+    """Flax's own path has no offset: a non-zero one there is an error, not a silent 0."""
+    if module.scale_offset != 0.0:
+        raise NotImplementedError(
+            f"{where}: scale_offset={module.scale_offset} runs on the kernel path only (the "
+            "last axis as reduction and feature axis, no mask, axis_name and "
+            "axis_index_groups None, float32 / bfloat16 / float16 dtypes); this call needs "
+            "Flax's own path.")
+
+
+def _add_keyword_only(cls, parent, name: str, default=None) -> None:
+    """Shows ``parent.__init__``'s signature plus ``name=default`` (keyword-only) in help()
+    (``cls``'s signature so far, when one was set already)."""
     try:
-        base = inspect.signature(parent.__init__)
+        base = getattr(cls.__init__, "__signature__", None) or inspect.signature(parent.__init__)
         params = list(base.parameters.values())
-        extra = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+        extra = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
         first_kw = next((i for i, p in enumerate(params) if p.kind == p.KEYWORD_ONLY), len(params))
         cls.__init__.__signature__ = base.replace(
             parameters=params[:first_kw] + [extra] + params[first_kw:])
@@ -202,5 +293,6 @@ def _add_keyword_only(cls, parent, name: str) -> None:
 
 LayerNorm.__doc__ += _COMMON_DOC
 RMSNorm.__doc__ += _COMMON_DOC
-_add_keyword_only(LayerNorm, nnx.LayerNorm, "implementation")
-_add_keyword_only(RMSNorm, nnx.RMSNorm, "implementation")
+for _cls, _parent in ((LayerNorm, nnx.LayerNorm), (RMSNorm, nnx.RMSNorm)):
+    _add_keyword_only(_cls, _parent, "scale_offset", default=0.0)
+    _add_keyword_only(_cls, _parent, "implementation")

@@ -30,7 +30,8 @@ from layers.linen_norms import LayerNorm as LinenLayerNorm, RMSNorm as LinenRMSN
 from layers.norms import LayerNorm, RMSNorm
 from ops.reduction import norms
 from ops.reduction.norms import layer_norm, reference, rms_norm
-from tests.tolerances import BACKWARD, FORWARD, assert_close, assert_row_ulps
+from tests.op_battery import BadInput, Case, OpBattery, OpSpec
+from tests.tolerances import BACKWARD, FORWARD, assert_close, assert_row_ulps, for_dtype
 
 OPS = {"layer_norm": True, "rms_norm": False}  # name -> center
 
@@ -49,46 +50,118 @@ def ref32(op, x, scale, bias, fast=False):
                      use_fast_variance=fast and OPS[op])
 
 
-def make_inputs(seed, shape, dtype=jnp.float32, with_params=True):
+def draw(rng, shape, dtype=jnp.float32, with_params=True):
     """x with a non-zero mean (so centering matters), scale around 1, bias around 0."""
-    kx, ks, kb = jax.random.split(jax.random.key(seed), 3)
     f = shape[-1]
-    x = 2.0 * jax.random.normal(kx, shape, jnp.float32) + 0.5
-    scale = 1.0 + 0.5 * jax.random.normal(ks, (f,), jnp.float32) if with_params else None
-    bias = 0.5 * jax.random.normal(kb, (f,), jnp.float32) if with_params else None
-    cast = lambda a: None if a is None else a.astype(dtype)
-    return cast(x), cast(scale), cast(bias)
+    x = 2.0 * rng.standard_normal(shape, np.float32) + 0.5
+    scale = 1.0 + 0.5 * rng.standard_normal((f,), np.float32) if with_params else None
+    bias = 0.5 * rng.standard_normal((f,), np.float32) if with_params else None
+    return tuple(None if a is None else jnp.asarray(a, dtype) for a in (x, scale, bias))
 
 
-# (leading shape, features, max_chunk, with scale/bias)
-# (leading shape, features, max_chunk, with scale/bias, use_fast_variance for layer_norm)
-F32_CASES = [
-    ((13,), 1000, None, True, False),   # one chunk of 1024, last columns masked
-    ((13,), 1000, 256, True, False),    # four chunks, the last masked
-    ((2, 7), 384, 128, False, True),    # three exact chunks, no params; E[x**2] - E[x]**2
+def make_inputs(seed, shape, dtype=jnp.float32, with_params=True):
+    return draw(np.random.default_rng(seed), shape, dtype, with_params)
+
+
+# --------------------------------------------------------------------------
+# The op battery (tests/op_battery.py): forward and gradients against the float32
+# reference on 13 rows (a partial row block) of 1000 features (one chunk of 1024 with
+# its last columns masked; four chunks of 256, the last masked) and 14 rows of 384
+# (three exact chunks, no params); every dtype; bad input
+# --------------------------------------------------------------------------
+
+ALL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def norm_cases(fast: bool):
+    return [
+        Case("four_chunks_masked", dict(lead=(13,), features=1000), tiles=dict(max_chunk=256),
+             dtypes=ALL_DTYPES),
+        Case("one_chunk_masked", dict(lead=(13,), features=1000), tiles=dict(max_chunk=None),
+             grads=False),
+        Case("three_chunks_no_params" + ("_fast_variance" if fast else ""),
+             dict(lead=(2, 7), features=384, params=False), tiles=dict(max_chunk=128),
+             options=dict(use_fast_variance=True) if fast else {}),
+        Case("default_chunk_bf16", dict(lead=(13,), features=1000), tiles=dict(max_chunk=None),
+             dtypes=(jnp.bfloat16,)),
+        Case("no_rows", dict(lead=(0,), features=24)),
+    ]
+
+
+def _layer_norm_inputs(rng, dtype, lead, features, params=True):
+    return draw(rng, (*lead, features), dtype, params)
+
+
+def _rms_norm_inputs(rng, dtype, lead, features, params=True):
+    return draw(rng, (*lead, features), dtype, params)[:2]
+
+
+X = jnp.ones((4, 8), jnp.float32)
+P = jnp.ones((8,), jnp.float32)
+
+
+def _bad(name, args, kwargs, error, argument, match):
+    return BadInput(name, args, kwargs, error, argument, match)
+
+
+COMMON_BAD = [  # (name, args after x, kwargs, error, argument, match) for both norms
+    ("list_x", ([[1.0]],), {}, TypeError, "x", r"x must be a JAX or NumPy array"),
+    ("int_x", (X.astype(jnp.int32),), {}, TypeError, "x", r"x has dtype int32"),
+    ("scalar_x", (jnp.float32(1.0),), {}, ValueError, "x", r"x must have rank >= 1"),
+    ("no_features", (jnp.ones((3, 0)),), {}, ValueError, "features", r"features\) must be >= 1"),
+    ("negative_epsilon", (X,), {"epsilon": -1e-5}, ValueError, "epsilon", r"epsilon must be >= 0"),
+    ("nan_epsilon", (X,), {"epsilon": float("nan")}, ValueError, "epsilon", r"epsilon must be >= 0"),
+    ("string_epsilon", (X,), {"epsilon": "1e-6"}, TypeError, "epsilon",
+     r"epsilon must be a static real number"),
+    ("max_chunk", (X,), {"max_chunk": 100}, ValueError, "max_chunk",
+     r"max_chunk must be None or a power of two"),
+    ("mosaic_gpu", (X,), {"implementation": "mosaic_gpu"}, NotImplementedError, "implementation",
+     r"has no kernel yet"),
 ]
 
+LAYER_NORM_BAD = [_bad(*case) for case in COMMON_BAD] + [
+    _bad("scale_shape", (X, jnp.ones((9,))), {}, ValueError, "scale",
+         r"layer_norm: scale must have shape \[features\] = \(8,\)"),
+    _bad("bias_shape", (X, P, jnp.ones((1, 8))), {}, ValueError, "bias",
+         r"bias must have shape \[features\]"),
+    _bad("int_scale", (X, P.astype(jnp.int32)), {}, TypeError, "scale",
+         r"layer_norm: scale has dtype int32"),
+    _bad("float64_bias", (X, P, np.ones(8, np.float64)), {}, TypeError, "bias",
+         r"bias has dtype float64"),
+    _bad("list_scale", (X, [1.0] * 8), {}, TypeError, "scale", r"scale must be a JAX or NumPy array"),
+    _bad("int_fast_variance", (X,), {"use_fast_variance": 1}, TypeError, "use_fast_variance",
+         r"use_fast_variance must be a bool"),
+    _bad("none_fast_variance", (X,), {"use_fast_variance": None}, TypeError, "use_fast_variance",
+         r"use_fast_variance must be a bool"),
+]
 
-# --------------------------------------------------------------------------
-# Forward
-# --------------------------------------------------------------------------
+RMS_NORM_BAD = [_bad(*case) for case in COMMON_BAD] + [
+    _bad("scale_shape", (X, jnp.ones((8, 1))), {}, ValueError, "scale",
+         r"rms_norm: scale must have shape"),
+    _bad("complex_scale", (X, P.astype(jnp.complex64)), {}, TypeError, "scale",
+         r"rms_norm: scale has dtype complex64"),
+    _bad("fast_variance", (X,), {"use_fast_variance": True}, TypeError, "use_fast_variance",
+         r"unexpected keyword argument 'use_fast_variance'"),
+]
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("lead, features, max_chunk, with_params, fast", F32_CASES)
-def test_forward_float32(op, lead, features, max_chunk, with_params, fast):
-    x, s, b = make_inputs(0, (*lead, features), with_params=with_params)
-    y = run(op, x, s, b, fast, implementation="interpret", max_chunk=max_chunk)
-    assert y.shape == x.shape and y.dtype == jnp.float32
-    assert_close(y, ref32(op, x, s, b, fast), FORWARD[jnp.float32], "forward")
+LAYER_NORM = OpSpec(
+    name="layer_norm", op=layer_norm, make_inputs=_layer_norm_inputs, cases=norm_cases(True),
+    reference=lambda x, s, b, use_fast_variance=False: reference(
+        x, s, b, center=True, use_fast_variance=use_fast_variance),
+    grad_argnums=(0, 1, 2), bad_inputs=LAYER_NORM_BAD)
+
+RMS_NORM = OpSpec(
+    name="rms_norm", op=rms_norm, make_inputs=_rms_norm_inputs, cases=norm_cases(False),
+    reference=lambda x, s: reference(x, s, center=False), grad_argnums=(0, 1),
+    bad_inputs=RMS_NORM_BAD)
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_forward_16bit(op, dtype):
-    x, s, b = make_inputs(1, (13, 1000), dtype)
-    y = run(op, x, s, b, implementation="interpret", max_chunk=256)
-    assert y.dtype == dtype
-    assert_close(y, ref32(op, x, s, b), FORWARD[dtype], "forward")
+class TestLayerNorm(OpBattery):
+    spec = LAYER_NORM
+
+
+class TestRmsNorm(OpBattery):
+    spec = RMS_NORM
 
 
 def test_forward_is_stable_for_a_large_mean():
@@ -102,14 +175,10 @@ def test_forward_is_stable_for_a_large_mean():
     np.testing.assert_allclose(np.asarray(y), exact, atol=3e-3)
 
 
-def test_xla_implementation_is_the_reference_and_default_on_cpu():
+def test_default_on_cpu_is_the_reference():
     x, s, b = make_inputs(3, (4, 6, 40))
-    np.testing.assert_array_equal(layer_norm(x, s, b, implementation="xla"),
-                                  reference(x, s, b, center=True))
     np.testing.assert_array_equal(layer_norm(x, s, b, use_fast_variance=True),
                                   reference(x, s, b, center=True, use_fast_variance=True))
-    np.testing.assert_array_equal(rms_norm(x, s, implementation="xla"),
-                                  reference(x, s, center=False))
     np.testing.assert_array_equal(layer_norm(x, s, b, epsilon=1e-3),
                                   reference(x, s, b, epsilon=1e-3, center=True))
 
@@ -125,19 +194,6 @@ def test_jit_vmap_and_constant_rows():
                                              max_chunk=128), jnp.broadcast_to(b[:200], (3, 200)))
 
 
-def test_empty_rows():
-    x = jnp.zeros((0, 24), jnp.float32)
-    assert layer_norm(x, implementation="interpret").shape == (0, 24)
-    g = jax.grad(lambda x, s: rms_norm(x, s, implementation="interpret").sum(), (0, 1))(
-        x, jnp.ones((24,)))
-    assert g[0].shape == (0, 24)
-    np.testing.assert_array_equal(g[1], jnp.zeros((24,)))
-
-
-# --------------------------------------------------------------------------
-# Gradients
-# --------------------------------------------------------------------------
-
 def grads_vs_reference(op, x, s, b, fast=False, **kw):
     cot = jax.random.normal(jax.random.key(9), x.shape, jnp.float32)
     loss = lambda fn: (lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot))
@@ -150,33 +206,9 @@ def grads_vs_reference(op, x, s, b, fast=False, **kw):
     return [("xsb"[i], (x, s, b)[i]) for i in argnums], ours, expected
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("lead, features, max_chunk, with_params, fast",
-                         [F32_CASES[1], ((2, 7), 384, None, False, True)])
-def test_gradients_float32(op, lead, features, max_chunk, with_params, fast):
-    x, s, b = make_inputs(5, (*lead, features), with_params=with_params)
-    names, ours, expected = grads_vs_reference(op, x, s, b, fast, max_chunk=max_chunk)
-    for (name, arg), g, e in zip(names, ours, expected):
-        assert g.dtype == arg.dtype and g.shape == arg.shape, name
-        assert_close(g, e, BACKWARD[jnp.float32], f"d{name}")
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_gradients_bfloat16(op):
-    x, s, b = make_inputs(6, (13, 1000), jnp.bfloat16)
-    names, ours, expected = grads_vs_reference(op, x, s, b)
-    for (name, arg), g, e in zip(names, ours, expected):
-        assert g.dtype == jnp.bfloat16, name
-        assert_close(g, e, BACKWARD[jnp.bfloat16], f"d{name}")
-
-
 # --------------------------------------------------------------------------
 # use_fast_variance: Flax's max(0, E[x**2] - E[x]**2)
 # --------------------------------------------------------------------------
-
-def _tol(table, dtype):
-    return next(v for d, v in table.items() if jnp.dtype(d) == jnp.dtype(dtype))
-
 
 def test_fast_variance_forward_and_gradients_with_mixed_dtypes():
     """Running sums over four chunks (the last masked), and params whose dtypes differ
@@ -187,11 +219,11 @@ def test_fast_variance_forward_and_gradients_with_mixed_dtypes():
     y = layer_norm(x, s, b, use_fast_variance=True, implementation="interpret",
                    max_chunk=max_chunk)
     assert y.dtype == x_dtype
-    assert_close(y, ref32("layer_norm", x, s, b, fast=True), _tol(FORWARD, x_dtype), "forward")
+    assert_close(y, ref32("layer_norm", x, s, b, fast=True), for_dtype(FORWARD, x_dtype), "forward")
     names, ours, expected = grads_vs_reference("layer_norm", x, s, b, True, max_chunk=max_chunk)
     for (name, arg), g, e in zip(names, ours, expected):
         assert g.dtype == arg.dtype and g.shape == arg.shape, name
-        assert_close(g, e, _tol(BACKWARD, x_dtype), f"d{name}")
+        assert_close(g, e, for_dtype(BACKWARD, x_dtype), f"d{name}")
 
 
 def test_fast_variance_clip_and_its_gradient():
@@ -240,7 +272,7 @@ def test_fast_variance_on_triton():
     assert_close(y, y_ref, FORWARD[jnp.float32], "forward")
     for name, g, e in zip("xsb", vjp(jnp.sin(y_ref)), vjp_ref(jnp.sin(y_ref))):
         assert g.dtype == e.dtype, name
-        assert_close(g, e, _tol(BACKWARD, g.dtype), f"d{name}")
+        assert_close(g, e, for_dtype(BACKWARD, g.dtype), f"d{name}")
 
 
 @settings(max_examples=3, deadline=None)
@@ -269,39 +301,6 @@ def test_property_forward_and_gradients(rows, features, lead, op, max_chunk, wit
 # --------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------
-
-X = jnp.ones((4, 8), jnp.float32)
-P = jnp.ones((8,), jnp.float32)
-
-
-@pytest.mark.parametrize("fn, args, kwargs, error, pattern", [
-    (layer_norm, (X, jnp.ones((9,))), {}, ValueError, r"layer_norm: scale must have shape \[features\] = \(8,\)"),
-    (layer_norm, (X, P, jnp.ones((1, 8))), {}, ValueError, r"bias must have shape \[features\]"),
-    (rms_norm, (X, jnp.ones((8, 1))), {}, ValueError, r"rms_norm: scale must have shape"),
-    (layer_norm, (X.astype(jnp.int32),), {}, TypeError, r"x has dtype int32"),
-    (layer_norm, (X, P.astype(jnp.int32)), {}, TypeError, r"layer_norm: scale has dtype int32"),
-    (layer_norm, (X, P, np.ones(8, np.float64)), {}, TypeError, r"bias has dtype float64"),
-    (rms_norm, (X, P.astype(jnp.complex64)), {}, TypeError, r"rms_norm: scale has dtype complex64"),
-    (layer_norm, (X,), {"use_fast_variance": 1}, TypeError, r"use_fast_variance must be a bool"),
-    (layer_norm, (X,), {"use_fast_variance": None}, TypeError, r"use_fast_variance must be a bool"),
-    (rms_norm, (X,), {"use_fast_variance": True}, TypeError,
-     r"unexpected keyword argument 'use_fast_variance'"),
-    (rms_norm, ([[1.0]],), {}, TypeError, r"x must be a JAX or NumPy array"),
-    (layer_norm, (X, [1.0] * 8), {}, TypeError, r"scale must be a JAX or NumPy array"),
-    (layer_norm, (jnp.float32(1.0),), {}, ValueError, r"x must have rank >= 1"),
-    (layer_norm, (jnp.ones((3, 0)),), {}, ValueError, r"features\) must be >= 1"),
-    (layer_norm, (X,), {"epsilon": -1e-5}, ValueError, r"epsilon must be >= 0"),
-    (rms_norm, (X,), {"epsilon": float("nan")}, ValueError, r"epsilon must be >= 0"),
-    (layer_norm, (X,), {"epsilon": "1e-6"}, TypeError, r"epsilon must be a static real number"),
-    (layer_norm, (X,), {"max_chunk": 100}, ValueError, r"max_chunk must be None or a power of two"),
-    (layer_norm, (X,), {"implementation": "cuda"}, ValueError, r"implementation must be None or one of"),
-    (rms_norm, (X,), {"implementation": "mosaic_gpu"}, NotImplementedError, r"no kernel yet"),
-    (layer_norm, (X,), {"implementation": "mosaic_gpu"}, NotImplementedError, r"has no kernel yet"),
-])
-def test_bad_input(fn, args, kwargs, error, pattern):
-    with pytest.raises(error, match=pattern):
-        fn(*args, **kwargs)
-
 
 def test_traced_epsilon_is_refused():
     with pytest.raises(TypeError, match="epsilon must be a static real number"):

@@ -26,6 +26,11 @@ FLAX_NORM_ULPS_TWO_PASS_F32 = 4
 _MANTISSA_BITS = {jnp.float32: 23, jnp.bfloat16: 7, jnp.float16: 10}
 
 
+def for_dtype(table, dtype):
+    """``table``'s entry for ``dtype`` (keys are jnp scalar types; any spelling of the dtype)."""
+    return next(v for d, v in table.items() if jnp.dtype(d) == jnp.dtype(dtype))
+
+
 def assert_close(actual, expected, tol, what=""):
     assert np.shape(actual) == np.shape(expected), (what, np.shape(actual), np.shape(expected))
     assert np.all(np.isfinite(np.asarray(actual, np.float64))), f"{what}: non-finite values"

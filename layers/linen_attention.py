@@ -180,7 +180,41 @@ def _bind_default_attention_fn(module, owner: str) -> None:
         object.__setattr__(module, "attention_fn", _BoundAttention(module.implementation))
 
 
-class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+def _with_decoder_options(parent, owner: str):
+    """``parent`` with ``implementation`` and the decoder options as fields (the base of a twin)."""
+
+    class Twin(parent):
+        attention_fn: Callable[..., Any] = dot_product_attention
+        implementation: str | None = None
+        num_kv_heads: int | None = None
+        rotary: Any = None
+        qk_norm: str | None = None
+        qk_norm_epsilon: float = 1e-6
+        qk_norm_scale_offset: float = 0.0
+        scale: float | None = None
+        local_window_size: Any = None
+        logits_soft_cap: float | None = None
+
+        def __post_init__(self):
+            _bind_default_attention_fn(self, owner)
+            _check_linen_decoder_options(self, owner)
+            super().__post_init__()
+
+        @nn.compact
+        def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
+                     deterministic=None, dropout_rng=None, sow_weights=False, positions=None,
+                     is_causal=False):
+            return _call(self, super().__call__, inputs_q, inputs_k, inputs_v,
+                         inputs_kv=inputs_kv, mask=mask, deterministic=deterministic,
+                         dropout_rng=dropout_rng, sow_weights=sow_weights, positions=positions,
+                         is_causal=is_causal)
+
+    Twin.__name__ = Twin.__qualname__ = f"_{parent.__name__}Fields"
+    return Twin
+
+
+class MultiHeadDotProductAttention(_with_decoder_options(
+        nn.MultiHeadDotProductAttention, "layers.linen.MultiHeadDotProductAttention")):
     """Multi-head dot-product attention by flash-attention kernels.
 
     A drop-in for :class:`flax.linen.MultiHeadDotProductAttention`; the same
@@ -188,60 +222,13 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     mask=None, deterministic=None, dropout_rng=None, sow_weights=False)``.
     """
 
-    attention_fn: Callable[..., Any] = dot_product_attention
-    implementation: str | None = None
-    num_kv_heads: int | None = None
-    rotary: Any = None
-    qk_norm: str | None = None
-    qk_norm_epsilon: float = 1e-6
-    qk_norm_scale_offset: float = 0.0
-    scale: float | None = None
-    local_window_size: Any = None
-    logits_soft_cap: float | None = None
 
-    def __post_init__(self):
-        _bind_default_attention_fn(self, "layers.linen.MultiHeadDotProductAttention")
-        _check_linen_decoder_options(self, "layers.linen.MultiHeadDotProductAttention")
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
-                 deterministic=None, dropout_rng=None, sow_weights=False, positions=None,
-                 is_causal=False):
-        return _call(self, super().__call__, inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv,
-                     mask=mask, deterministic=deterministic, dropout_rng=dropout_rng,
-                     sow_weights=sow_weights, positions=positions, is_causal=is_causal)
-
-
-class MultiHeadAttention(nn.MultiHeadAttention):
+class MultiHeadAttention(_with_decoder_options(nn.MultiHeadAttention,
+                                               "layers.linen.MultiHeadAttention")):
     """Linen's alias of MultiHeadDotProductAttention (auto-named ``MultiHeadAttention_{i}``), by flash kernels.
 
     A drop-in for :class:`flax.linen.MultiHeadAttention`.
     """
-
-    attention_fn: Callable[..., Any] = dot_product_attention
-    implementation: str | None = None
-    num_kv_heads: int | None = None
-    rotary: Any = None
-    qk_norm: str | None = None
-    qk_norm_epsilon: float = 1e-6
-    qk_norm_scale_offset: float = 0.0
-    scale: float | None = None
-    local_window_size: Any = None
-    logits_soft_cap: float | None = None
-
-    def __post_init__(self):
-        _bind_default_attention_fn(self, "layers.linen.MultiHeadAttention")
-        _check_linen_decoder_options(self, "layers.linen.MultiHeadAttention")
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
-                 deterministic=None, dropout_rng=None, sow_weights=False, positions=None,
-                 is_causal=False):
-        return _call(self, super().__call__, inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv,
-                     mask=mask, deterministic=deterministic, dropout_rng=dropout_rng,
-                     sow_weights=sow_weights, positions=positions, is_causal=is_causal)
 
 
 class SelfAttention(nn.SelfAttention):

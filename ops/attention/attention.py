@@ -23,7 +23,7 @@ from ops._implementation import run_implementation
 from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
 from ops.attention import calls, range_table
-from ops.attention.block_sizes import BlockSizes, select_block_sizes, tuning_variant
+from ops.attention.block_sizes import BlockSizes, register_op, select_block_sizes, tuning_variant
 from ops.attention.config import Config
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
                                    fold_lengths, masked_sides)
@@ -481,3 +481,6 @@ def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks=No
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
+
+
+OP = register_op(dot_product_attention)  # the op layer's registry (ops/_op.py)

@@ -1,20 +1,31 @@
-"""Tile sizes of the attention kernels: :class:`BlockSizes` and the per-backend heuristic."""
+"""Attention on the op layer (:mod:`ops._op`): the config :class:`BlockSizes` with its
+per-backend heuristic and candidates, the variant :class:`AttentionVariant`, and the op's
+registration (:func:`register_op`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
 
+import jax
 import numpy as np
 
 import pallas_core as pl
-from ops import tuning
+from ops import _op, tuning
+from ops._implementation import KERNEL_BACKENDS
+from ops.attention.reference import attention_reference
 from pallas_core.triton import backend as triton_backend
 
 _OP = "dot_product_attention"
 
+# (block_q, block_k, num_warps, num_stages): the tuner's space for the forward kernel.
+_SPACE = tuple(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tiles of the attention kernels (``block_sizes=`` of :func:`ops.dot_product_attention`).
+class BlockSizes(_op.KernelConfig):
+    """Tiles of the attention kernels (``block_sizes=`` of :func:`ops.dot_product_attention`),
+    the op's config on every backend (:mod:`ops._op`; every field is tunable).
 
     Attributes:
       block_q, block_k: query / key-value rows per tile of the forward and dQ
@@ -32,17 +43,66 @@ class BlockSizes:
     >= 16 (``tl.dot``'s minimum).
     """
 
-    block_q: int
-    block_k: int
-    block_q_dkv: int | None = None
-    block_k_dkv: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    k_splits: int | None = None
+    block_q: int = _op.tunable()
+    block_k: int = _op.tunable()
+    block_q_dkv: int | None = _op.tunable(None)
+    block_k_dkv: int | None = _op.tunable(None)
+    num_warps: int | None = _op.tunable(None)
+    num_stages: int | None = _op.tunable(None)
+    k_splits: int | None = _op.tunable(None)
 
     def resolved(self) -> "BlockSizes":
         return dataclasses.replace(self, block_q_dkv=self.block_q_dkv or self.block_q,
                                    block_k_dkv=self.block_k_dkv or self.block_k)
+
+    @classmethod
+    def heuristic(cls, problem: _op.Problem, device: _op.Device) -> "BlockSizes":
+        """:func:`default_block_sizes` of ``problem`` ``(T, S, head_dim)``, or in Triton's
+        CPU interpreter :func:`interpreter_block_sizes`."""
+        T, S, head_dim = problem.shape
+        if device.interpreter:
+            return interpreter_block_sizes(T, S)
+        return default_block_sizes(T, S, head_dim, problem.dtype, device.backend)
+
+    @classmethod
+    def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["BlockSizes", ...]:
+        """Forward and dQ tiles of 64 or 128 query and 32..128 key rows (clamped to the
+        sequences), 4 or 8 warps, 2 or 3 stages; the dK/dV tiles stay the heuristic's."""
+        T, S, _ = problem.shape
+        return tuple(dict.fromkeys(cls(_op.fit(bq, T), _op.fit(bk, S), num_warps=w, num_stages=st)
+                                   for bq, bk, w, st in _SPACE))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVariant(_op.Variant):
+    """What changes the attention kernels beyond the shape bucket and dtype (the tuning
+    key's variant; defaults: a plain call). Scalar constants that leave the kernels'
+    structure alone (the scale, the cap's and the dropout rate's values), the batch
+    size and the head count are not part of it.
+
+    Attributes:
+      causal: causal masking.
+      window_left, window_right: each side of the local window, bucketed
+        (:func:`ops.tuning.shape_bucket`); None: unbounded.
+      segments, q_lengths, kv_lengths: segment ids, query / key-value lengths given.
+      bias, mask: the full (not broadcast) dims of the bias / mask among "BNTS"
+        ("" all broadcast); None: absent. bias_dtype: the bias's dtype name.
+      dropout, soft_cap: dropout / a logit soft cap on.
+      group: query heads per key/value head (GQA / MQA).
+    """
+
+    causal: bool = False
+    window_left: int | None = None
+    window_right: int | None = None
+    segments: bool = False
+    q_lengths: bool = False
+    kv_lengths: bool = False
+    bias: str | None = None
+    bias_dtype: str | None = None
+    mask: str | None = None
+    dropout: bool = False
+    soft_cap: bool = False
+    group: int = 1
 
 
 def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> BlockSizes:
@@ -102,8 +162,8 @@ def tuning_variant(*, causal: bool = False, window: tuple[int | None, int | None
                    segments: bool = False, q_lengths: bool = False, kv_lengths: bool = False,
                    bias=None, mask=None, dropout: bool = False, soft_cap: bool = False,
                    group: int = 1) -> dict:
-    """The tuning cache's variant of an attention call: everything besides the shape
-    bucket and dtype that changes its kernels (:data:`ops.tuning.VARIANT_FIELDS`).
+    """The tuning cache's variant of an attention call as a dict (:class:`AttentionVariant`):
+    everything besides the shape bucket and dtype that changes its kernels.
 
     Args:
       window: ``(left, right)`` of the local window, None for an unbounded side;
@@ -116,32 +176,28 @@ def tuning_variant(*, causal: bool = False, window: tuple[int | None, int | None
         return None if x is None else "".join(l for l, d in zip("BNTS", x.shape) if d != 1)
 
     left, right = (None if w is None else tuning.shape_bucket((w,))[0] for w in window)
-    return dict(causal=bool(causal), window_left=left, window_right=right,
-                segments=bool(segments), q_lengths=bool(q_lengths), kv_lengths=bool(kv_lengths),
-                bias=full_dims(bias), bias_dtype=None if bias is None else np.dtype(bias.dtype).name,
-                mask=full_dims(mask), dropout=bool(dropout), soft_cap=bool(soft_cap),
-                group=int(group))
+    return AttentionVariant(
+        causal=bool(causal), window_left=left, window_right=right, segments=bool(segments),
+        q_lengths=bool(q_lengths), kv_lengths=bool(kv_lengths), bias=full_dims(bias),
+        bias_dtype=None if bias is None else np.dtype(bias.dtype).name, mask=full_dims(mask),
+        dropout=bool(dropout), soft_cap=bool(soft_cap), group=int(group)).as_dict()
 
 
 def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str,
                        variant: dict | None = None) -> BlockSizes:
-    """The tiles when the caller gives none: the tuning cache's entry
-    (:func:`ops.tuning.lookup`, key ``(T, S, head_dim)`` and ``variant``, from
+    """The tiles when the caller gives none (:meth:`ops._op.Op.select`): the tuning
+    cache's entry (key ``(T, S, head_dim)`` and ``variant``, from
     :func:`tuning_variant`, None for a plain call; fields the entry leaves out
-    come from the heuristic), else :func:`default_block_sizes`, whose GPU tiles
-    give way to :func:`interpreter_block_sizes` on ``triton`` in Triton's CPU
-    interpreter (:func:`pallas_core.triton.backend.wants_interpreter_tiles`).
+    come from the heuristic), else :meth:`BlockSizes.heuristic`:
+    :func:`default_block_sizes`, whose GPU tiles give way to
+    :func:`interpreter_block_sizes` on ``triton`` in Triton's CPU interpreter
+    (:func:`pallas_core.triton.backend.wants_interpreter_tiles`).
 
     Raises:
       ops.tuning.TuningCacheError: a malformed user or packaged cache file.
     """
-    heuristic = default_block_sizes(T, S, head_dim, dtype, backend)
-    if triton_backend.wants_interpreter_tiles(backend):
-        heuristic = interpreter_block_sizes(T, S)
-    tuned = tuning.lookup(_OP, backend, dtype, (T, S, head_dim), variant)
-    if tuned is None:
-        return heuristic
-    return dataclasses.replace(heuristic, **tuned)
+    op = _op.get(_OP)
+    return op.select(op.problem((T, S, head_dim), dtype, variant), backend)
 
 
 def interpreter_block_sizes(T: int, S: int) -> BlockSizes:
@@ -151,3 +207,32 @@ def interpreter_block_sizes(T: int, S: int) -> BlockSizes:
     key/value step (a program per batch entry and head), and a longer one a few."""
     bq, bk = triton_backend.interpreter_tiles((T, S), cap=128)
     return BlockSizes(bq, bk, block_q_dkv=bq, block_k_dkv=bk)
+
+
+def _example(fn: Callable) -> Callable:
+    """The tuner's call of ``fn`` (:func:`ops.dot_product_attention`) for a problem
+    ``(T, S, head_dim)``: batch 1, 16 query heads over 16 key/value heads, causal as the
+    problem's variant says."""
+    def example(problem: _op.Problem, implementation: str):
+        t, s, h = problem.shape
+        causal = problem.variant_dict()["causal"]
+        q, kv = (jax.ShapeDtypeStruct((1, n, 16, h), problem.dtype) for n in (t, s))
+        return (lambda q, k, v: fn(q, k, v, is_causal=causal, implementation=implementation),
+                [q, kv, kv])
+
+    return example
+
+
+def register_op(fn: Callable) -> _op.Op:
+    """Registers attention (``fn``: :func:`ops.dot_product_attention`) with the op layer.
+
+    The tuner fills the cache for 2048 and 4096 tokens at head dims 64 and 128 (the
+    static gate's sizes), self-attention being causal (an example with ``T == S`` is
+    causal, otherwise full); ``--quick`` tunes 512 tokens at head dim 64."""
+    return _op.register(_op.Op(
+        name=_OP, dims=("T", "S", "head_dim"), configs=dict.fromkeys(KERNEL_BACKENDS, BlockSizes),
+        reference=attention_reference, variant=AttentionVariant,
+        tuning=_op.Tuning(example=_example(fn),
+                          shapes=tuple((t, t, h) for t in (2048, 4096) for h in (64, 128)),
+                          quick=((512, 512, 64),), variant=lambda shape: {"causal": shape[0] == shape[1]},
+                          order=20)))

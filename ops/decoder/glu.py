@@ -42,7 +42,7 @@ from ops._op import Device, KernelConfig, Op, Problem, Tuning, register, tunable
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops._tiles import dot
 from ops.activations import resolve_activation
-from ops.decoder.reference import gated_linear_unit_reference
+from ops.decoder.reference import gated_linear_unit_reference, glu_backward_reference
 from ops.matmul import tiled
 
 _OP = "gated_linear_unit"
@@ -124,6 +124,45 @@ def _glu_on(impl, x, weights, act, explicit):
     config = OP.select(OP.problem((x2.shape[0], n, k), x.dtype), impl, explicit)
     out = _glu(x2, weights, _Kernel(impl, config, act))
     return reshape(out, (*x.shape[:-1], n))
+
+
+def glu_backward(x, weights, preactivations, g, *, activation=None, implementation=None,
+                 block_sizes=None) -> tuple[jax.Array, jax.Array]:
+    """The backward pass alone: ``(dx, dweights)`` from the forward's residuals.
+
+    What ``jax.vjp`` of :func:`gated_linear_unit` runs after the forward (the
+    benchmarks time it as the "bwd" pass; the "xla" implementation is
+    :func:`ops.decoder.reference.glu_backward_reference`).
+
+    Args:
+      x, weights, activation, implementation, block_sizes: as :func:`gated_linear_unit`.
+      preactivations: ``[..., 2, N]`` in x's dtype: ``x @ weights[:, 0]`` and
+        ``x @ weights[:, 1]`` stacked on axis -2 (the forward's residual).
+      g: ``[..., N]``, the output's cotangent.
+
+    Raises:
+      as :func:`gated_linear_unit`; ValueError when preactivations or g do not
+      have the shapes above.
+    """
+    act, explicit = _check(x, weights, activation, block_sizes)
+    k, _, n = weights.shape
+    lead = tuple(x.shape[:-1])
+    for name, a, shape in (("preactivations", preactivations, (*lead, 2, n)), ("g", g, (*lead, n))):
+        check_array(a, name, _OP)
+        if tuple(a.shape) != shape:
+            raise ValueError(f"{_OP}: {name} must have shape {shape}, got {tuple(a.shape)}.")
+
+    def body(impl):
+        if impl == "xla" or x.size == 0 or weights.size == 0:
+            return glu_backward_reference(x, weights, preactivations, g.astype(x.dtype), act)
+        x2 = reshape(x, (-1, k))
+        config = OP.select(OP.problem((x2.shape[0], n, k), x.dtype), impl, explicit)
+        dx, dw = _glu_bwd(_Kernel(impl, config, act),
+                          (x2, weights, reshape(preactivations.astype(x.dtype), (-1, 2, n))),
+                          reshape(g.astype(x.dtype), (-1, n)))
+        return reshape(dx, x.shape), dw
+
+    return OP.run(implementation, body)
 
 
 # --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -82,5 +83,28 @@ def glu_preactivations(x, weights):
     return y[..., :n], y[..., n:]
 
 
-__all__ = ["gated_linear_unit_reference", "glu_preactivations", "merge_pairs", "rotary_angles",
+__all__ = ["gated_linear_unit_reference", "glu_backward_reference", "glu_preactivations", "merge_pairs", "rotary_angles",
            "rotary_embedding_reference", "rotary_pairs"]
+
+
+def glu_backward_reference(x, weights, preactivations, g, activation: Callable | None = None):
+    """``(dx, dweights)`` of :func:`gated_linear_unit_reference` from the forward's
+    pre-activations ``[..., 2, N]`` (gate, up), as XLA's autodiff computes them:
+    ``dgate = g * up * act'(gate)``, ``dup = g * act(gate)`` in float32, then
+    ``dx = [dgate, dup] @ weights^T`` and ``dweights = x^T [dgate, dup]``."""
+    k, _, n = weights.shape
+    compute = jnp.promote_types(x.dtype, jnp.float32)
+    gate = preactivations[..., 0, :].astype(compute)
+    up = preactivations[..., 1, :].astype(compute)
+    g = g.astype(compute)
+    if activation is None:
+        act, dgate = gate, g * up
+    else:
+        act, pullback = jax.vjp(activation, gate)
+        (dgate,) = pullback(g * up)
+    dz = jnp.stack([dgate, g * act], axis=-2).astype(x.dtype).reshape(-1, 2 * n)
+    x2 = x.reshape(-1, k)
+    w2 = weights.reshape(k, 2 * n)
+    dx = jnp.dot(dz, w2.T, preferred_element_type=compute, precision=lax.Precision.HIGHEST)
+    dw = jnp.dot(x2.T, dz, preferred_element_type=compute, precision=lax.Precision.HIGHEST)
+    return dx.astype(x.dtype).reshape(x.shape), dw.astype(weights.dtype).reshape(weights.shape)

@@ -1,7 +1,8 @@
 """``python -m benchmarks.tune``: fill the autotuning cache (docs/design.md §5.4).
 
-For each problem (:func:`ops.tuning.search.main_problems`, or ``--quick``'s
-small ones) the tuner lists the op's candidate configs, drops those that do
+For each problem of every op registered with a tuning spec (:mod:`ops._op`;
+:func:`ops.tuning.search.main_problems`, or ``--quick``'s small ones) the
+tuner lists the op's candidate configs (its config class's ``candidates``), drops those that do
 not fit the GPU (compiled for its ``sm_XY``: shared memory over the limit,
 register spills; :func:`ops.tuning.search.compile_filter`), times the rest on
 the device (forward pass, fresh random inputs, median of several samples,
@@ -36,7 +37,7 @@ from benchmarks import harness
 from benchmarks.__main__ import git_commit
 from ops.tuning import search
 
-_OPS_HELP = ", ".join(sorted(tuning.CONFIG_FIELDS))
+_OPS_HELP = ", ".join(sorted(op.name for op in search.tuned_ops()))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
         search.main_problems(args.dtype, args.implementation)
     if args.ops:
         wanted = set(args.ops.split(","))
-        unknown = wanted - set(tuning.CONFIG_FIELDS)
+        unknown = wanted - {op.name for op in search.tuned_ops()}
         if unknown:
             print(f"--ops: unknown op(s) {sorted(unknown)}; expected some of {_OPS_HELP}.")
             return 2

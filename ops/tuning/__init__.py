@@ -12,12 +12,12 @@ Point the library at your own cache::
     import ops.tuning
     ops.tuning.set_cache_file("my_tuned.json")   # or PALLAS_KERNELS_TUNING_CACHE=my_tuned.json
 """
-from ops.tuning.cache import (CACHE_VERSION, CONFIG_FIELDS, VARIANT_FIELDS, ENV_VAR, PACKAGED_CACHE, TuningCacheError, config_fields,
+from ops.tuning.cache import (CACHE_VERSION, ENV_VAR, PACKAGED_CACHE, TuningCacheError, config_fields,
                               current_device_kind, device_kind, full_variant, load, lookup,
                               make_entry, override, set_cache_file, shape_bucket, user_cache_file,
                               variant_fields, write)
 
-__all__ = ["CACHE_VERSION", "CONFIG_FIELDS", "VARIANT_FIELDS", "ENV_VAR", "PACKAGED_CACHE", "TuningCacheError", "config_fields",
+__all__ = ["CACHE_VERSION", "ENV_VAR", "PACKAGED_CACHE", "TuningCacheError", "config_fields",
            "current_device_kind", "device_kind", "full_variant", "load", "lookup", "make_entry",
            "override", "set_cache_file", "shape_bucket", "user_cache_file", "variant_fields",
            "write"]

@@ -70,28 +70,8 @@ PACKAGED_CACHE = Path(__file__).resolve().parent / "configs.json"
 # fields (every one a positive int) and its variant fields with the value a plain
 # call has (an entry's "variant" names those that differ). Values are JSON scalars:
 # bool, int, str or null.
-# Until every existing op registers, they are seeded here (removed as each is ported).
-_ROW_FIELDS = ("block_rows", "chunk", "num_warps", "num_stages")
-_CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
-    "fused_matmul": ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_size"),
-    "dot_product_attention": ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "num_warps",
-                              "num_stages"),
-    **{op: _ROW_FIELDS for op in ("layer_norm", "rms_norm", "softmax", "log_softmax", "logsumexp",
-                                  "sum", "mean", "max", "cross_entropy")},
-}
-_VARIANT_FIELDS: dict[str, dict[str, bool | int | str | None]] = {
-    "dot_product_attention": {
-        "causal": False,
-        "window_left": None, "window_right": None,  # shape_bucket of each side, None: unbounded
-        "segments": False, "q_lengths": False, "kv_lengths": False,
-        "bias": None, "bias_dtype": None,  # bias: its full dims among "BNTS" ("" all broadcast)
-        "mask": None,                      # the same for the mask
-        "dropout": False, "soft_cap": False,
-        "group": 1,                        # query heads per key/value head (GQA / MQA)
-    },
-}
-CONFIG_FIELDS = _CONFIG_FIELDS    # read-only views for the tuner until it iterates the registry
-VARIANT_FIELDS = _VARIANT_FIELDS
+_CONFIG_FIELDS: dict[str, tuple[str, ...]] = {}
+_VARIANT_FIELDS: dict[str, dict[str, bool | int | str | None]] = {}
 _ENTRY_KEYS = ("op", "implementation", "device_kind", "dtype", "bucket", "config")
 
 

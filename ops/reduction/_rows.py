@@ -209,15 +209,19 @@ class RowConfig(_op.KernelConfig):
 
     @classmethod
     def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["RowConfig", ...]:
-        """1, 2 or 4 rows per program, chunks of 1024, 4096 or 8192 columns, 4 or 8
+        """1, 2 or 4 rows per program (on mosaic_tpu 8, 16 or 32, or all rows when
+        fewer: whole sublane tiles), chunks of 1024, 4096 or 8192 columns, 4 or 8
         warps; two pipeline stages when a row takes several chunks (clamped to the
         problem, distinct)."""
         rows, features = problem.shape
+        tpu = device.backend == "mosaic_tpu"
         configs = []
-        for block_rows, chunk, warps in itertools.product((1, 2, 4), (1024, 4096, 8192), (4, 8)):
+        for block_rows, chunk, warps in itertools.product((8, 16, 32) if tpu else (1, 2, 4),
+                                                          (1024, 4096, 8192), (4, 8)):
             chunk = _op.fit(chunk, features, floor=128)
-            configs.append(cls(block_rows=min(block_rows, pl.next_power_of_2(rows)), chunk=chunk,
-                               num_warps=warps,
+            block_rows = (rows if rows < block_rows else block_rows) if tpu else min(
+                block_rows, pl.next_power_of_2(rows))
+            configs.append(cls(block_rows=block_rows, chunk=chunk, num_warps=warps,
                                num_stages=2 if pl.cdiv(features, chunk) > 1 else 1))
         return tuple(dict.fromkeys(configs))
 

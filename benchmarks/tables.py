@@ -36,6 +36,8 @@ SHAPE_LEGEND = {
     "linear_cross_entropy": "N x D x V (N=tokens D=hidden V=classes)",
     "dot_product_attention": "B x T x S x N x K x H (B=batch T=queries S=keys "
                              "N=query heads K=key/value heads H=head dim)",
+    "apply_rotary_embedding": "B x T x N x H (B=batch T=tokens N=heads H=head dim)",
+    "gated_linear_unit": "M x K x N (x is M x K, weights K x 2 x N)",
 }
 _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float64": "f64"}
 DTYPE_LEGEND = "dtype: bf16=bfloat16 f32=float32 f16=float16"

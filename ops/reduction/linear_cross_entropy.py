@@ -61,6 +61,19 @@ Semantics (as ``cross_entropy``): per-example losses in x's dtype; labels
 outside ``[0, V)`` give NaN loss and gradients without the label term.
 The ``"xla"`` implementation is the naive ``x @ w`` then cross-entropy,
 which does materialise the float32 logits.
+
+LM-loss options (:mod:`ops.reduction.lm_loss`, as on ``cross_entropy``):
+``logits_soft_cap`` caps every logits tile in the forward kernels before
+the online logsumexp, and the dz epilogue recomputes the cap and multiplies
+by its derivative ``1 - tanh**2``. The z-loss and label smoothing need only
+``lse`` with its cotangent, which the dz epilogue takes as one more per-row
+operand (``dz += g_lse * softmax``): smoothing is ``(1 - a) * loss + a *
+(lse - mean(z))`` with ``mean(z) = x @ sum(w, axis=1) / V``, a matrix-vector
+product XLA computes (and differentiates) without the logits. Ignoring rows
+and the reduction act on the ``[rows]`` losses outside the kernels. The soft
+cap together with label smoothing (whose mean of capped logits has no such
+shortcut) runs only on ``"xla"``: the kernel implementations raise
+NotImplementedError for it, so ``implementation=("triton", "xla")`` falls back.
 """
 from __future__ import annotations
 
@@ -79,23 +92,30 @@ from ops._implementation import KERNEL_BACKENDS, check_implementation, run_imple
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops._tiles import mosaic_tpu_matmul_blocks
 from ops.matmul import tiled
-from ops.reduction import _rows
-# Named imports: the package re-exports the function cross_entropy, which shadows the module.
+from ops.reduction import _rows, lm_loss
+# Named import: the package re-exports the function cross_entropy, which shadows the module.
 from ops.reduction.cross_entropy import check_labels
-from ops.reduction.cross_entropy import reference as cross_entropy_reference
 
 _OP = "linear_cross_entropy"
 
 
-def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
-                         block_sizes=None, vocab_chunk: int | None = None) -> jax.Array:
+def linear_cross_entropy(x, w, labels, *, ignore_index: int | None = None,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         logits_soft_cap: float | None = None, reduction: str = "none",
+                         return_z_loss: bool = False, implementation: str | None = None,
+                         block_sizes=None, vocab_chunk: int | None = None):
     """Per-example ``cross_entropy(x @ w, labels)`` without materialising ``x @ w``.
 
     Args:
       x: ``[..., D]`` float32 / bfloat16 / float16 (the final hidden states).
       w: ``[D, V]``, same dtype as x (the output projection / unembedding).
       labels: integer array of shape ``x.shape[:-1]``, classes in ``[0, V)``;
-        labels outside that range give a NaN loss.
+        labels outside that range that are not ``ignore_index`` give a NaN loss.
+      ignore_index, label_smoothing, z_loss, logits_soft_cap, reduction,
+        return_z_loss: the LM-loss options of :func:`ops.cross_entropy`, with
+        the same defaults (none active; pass ``ignore_index=-100`` for
+        transformers' padding labels) and meaning
+        (:mod:`ops.reduction.lm_loss`), on the logits ``x @ w``.
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla" (naive, materialises the logits), "interpret",
         "triton" (ours), "pallas_triton", "mosaic_tpu"; or a sequence of these
@@ -108,14 +128,17 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
 
     Returns:
       ``[...]`` losses in x's dtype (the dtype of the naive ``x @ w`` + optax),
-      computed in float32.
+      computed in float32; a float32 scalar for ``"sum"`` / ``"mean"``;
+      ``(loss, z_loss)`` with ``return_z_loss``.
 
     Raises:
       TypeError: non-array inputs, x not floating point, w's dtype not x's,
-        labels not integer.
+        labels not integer, an option of the wrong type.
       ValueError: w not rank 2, D mismatch, empty vocabulary, labels' shape not
-        ``x.shape[:-1]``, an unknown implementation, bad block_sizes or
-        vocab_chunk.
+        ``x.shape[:-1]``, an option out of range, an unknown implementation,
+        bad block_sizes or vocab_chunk.
+      NotImplementedError: ``logits_soft_cap`` with ``label_smoothing`` on a
+        kernel implementation (module docstring).
 
     Pallas kernels: the forward (fused logits + online logsumexp + label pick),
     the backward's dz kernel (logits recomputed with the softmax gradient as
@@ -128,6 +151,9 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
     if w.shape[1] == 0:
         raise ValueError(f"{_OP}: w has no columns (an empty vocabulary).")
     check_labels(x.shape[:-1], labels, "x", _OP)
+    options = lm_loss.check_options(
+        _OP, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+        logits_soft_cap=logits_soft_cap, reduction=reduction, return_z_loss=return_z_loss)
     check_implementation(implementation, _OP)
     blocks = _check_block_sizes(block_sizes)
     if vocab_chunk is not None and (not isinstance(vocab_chunk, (int, np.integer))
@@ -135,20 +161,36 @@ def linear_cross_entropy(x, w, labels, *, implementation: str | None = None,
         raise ValueError(f"{_OP}: vocab_chunk must be a positive int, got {vocab_chunk!r}.")
     return run_implementation(implementation, _OP,
                               lambda impl: _linear_cross_entropy_on(impl, x, w, labels, blocks,
-                                                                    vocab_chunk))
+                                                                    vocab_chunk, options))
 
 
-def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk):
+def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk,
+                             options=lm_loss.LossOptions()):
     """The checked call on one implementation (see :func:`linear_cross_entropy`)."""
     if impl == "xla" or x.size == 0:
         # No rows, or a hidden dim of 0 (all logits 0: the loss is log V): XLA's answer.
-        return reference(x, w, labels)
+        return _reference(x, w, labels, options)
+    smoothing = options.label_smoothing
+    if smoothing and options.logits_soft_cap is not None:
+        raise NotImplementedError(f"{_OP}: logits_soft_cap with label_smoothing runs on "
+                                  "implementation='xla' only (the mean of the capped logits "
+                                  "is not a matrix-vector product).")
     lead = x.shape[:-1]
     x2 = reshape(x, (-1, x.shape[-1]))
     labels2 = reshape(labels, (-1, 1)).astype(jnp.int32)
     config = _Config(backend=impl, block_sizes=blocks,
-                     vocab_chunk=None if vocab_chunk is None else int(vocab_chunk))
-    return reshape(_linear_cross_entropy(x2, w, labels2, config), lead)
+                     vocab_chunk=None if vocab_chunk is None else int(vocab_chunk),
+                     soft_cap=options.logits_soft_cap,
+                     lse_grad=options.needs_lse_grad or bool(smoothing))
+    out = _linear_cross_entropy(x2, w, labels2, config)
+    loss, lse = out if config.lse_grad else (out, None)
+    if smoothing:  # (1 - a) (lse - z[label]) + a (lse - mean(z)), mean(z) = x . sum(w) / V
+        mean_z = jnp.dot(x2, jnp.sum(w, axis=1, dtype=jnp.float32) / w.shape[1],
+                         preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - mean_z)
+    loss = reshape(loss, lead)
+    lse = None if lse is None else reshape(lse, lead)
+    return lm_loss.finish(loss, lse, labels, w.shape[1], options, x.dtype)
 
 
 def _check_block_sizes(block_sizes):
@@ -166,10 +208,16 @@ def _check_block_sizes(block_sizes):
 # XLA reference (also the "xla" implementation): the naive x @ w, then CE
 # --------------------------------------------------------------------------
 
-def reference(x, w, labels):
-    """``cross_entropy(x @ w, labels)`` with XLA: float32 logits (materialised), x's dtype out."""
+def reference(x, w, labels, **options):
+    """``cross_entropy(x @ w, labels, **options)`` with XLA: float32 logits
+    (materialised), x's dtype out (for ``reduction="none"``)."""
+    return _reference(x, w, labels, lm_loss.check_options(_OP, **options))
+
+
+def _reference(x, w, labels, options: lm_loss.LossOptions):
     logits = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-    return cross_entropy_reference(logits, labels).astype(x.dtype)
+    loss, lse = lm_loss.row_losses(logits, labels, options)
+    return lm_loss.finish(loss, lse, labels, w.shape[1], options, x.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -182,6 +230,8 @@ class _Config:
     block_sizes: tuple[int, int, int] | None = None
     vocab_chunk: int | None = None
     strategy: str | None = None  # None: by backend; tests force "loop" on the interpreter
+    soft_cap: float | None = None  # logits -> cap * tanh(logits / cap) in the kernels
+    lse_grad: bool = False         # lse is an output whose cotangent the dz kernel takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +291,10 @@ def _logits_tile_loop(x_ref, w_ref, col0, dims: _Dims):
                                  b_cols=pl.ds(col0, dims.block_v))
 
 
-def _mask_vocab(z, tile, dims: _Dims):
-    """Columns of vocabulary tile ``tile`` past V set to -inf (they hold garbage)."""
+def _mask_vocab(z, tile, dims: _Dims, soft_cap=None):
+    """The tile soft-capped (``soft_cap``), then columns of vocabulary tile ``tile``
+    past V set to -inf (they hold garbage)."""
+    z = lm_loss.soft_cap(z, soft_cap)
     col = tile * dims.block_v + lax.broadcasted_iota(jnp.int32, z.shape, 1)
     if dims.vocab % dims.block_v:
         z = jnp.where(col < dims.vocab, z, -jnp.inf)
@@ -261,7 +313,7 @@ def _fold_tile(z, col, labels, m, s, picked):
 # --------------------------------------------------------------------------
 
 def _forward_grid_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, acc_ref, *,
-                         dims: _Dims):
+                         dims: _Dims, soft_cap=None):
     j = pl.program_id(1)
 
     @pl.when((j == 0) & (pl.program_id(2) == 0))
@@ -271,7 +323,7 @@ def _forward_grid_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, acc_ref,
         p_ref[...] = jnp.zeros(p_ref.shape, jnp.float32)
 
     def fold(acc):
-        z, col = _mask_vocab(acc, j, dims)
+        z, col = _mask_vocab(acc, j, dims, soft_cap)
         m, s, p = _fold_tile(z, col, labels_ref[...], m_ref[...], s_ref[...], p_ref[...])
         m_ref[...], s_ref[...], p_ref[...] = m, s, p
 
@@ -279,7 +331,8 @@ def _forward_grid_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, acc_ref,
                           block_k=dims.block_d, k_size=_k_size(dims))
 
 
-def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *, dims: _Dims):
+def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *, dims: _Dims,
+                         soft_cap=None):
     split = pl.program_id(1)
     labels = labels_ref[...]
     t_per = dims.tiles_per_split
@@ -287,7 +340,7 @@ def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *, dims:
 
     def tile(t, carry):
         z = _logits_tile_loop(x_ref, w_ref, t * dims.block_v, dims)
-        z, col = _mask_vocab(z, first_tile + t, dims)
+        z, col = _mask_vocab(z, first_tile + t, dims, soft_cap)
         return _fold_tile(z, col, labels, *carry)
 
     shape = (labels.shape[0], 1)
@@ -312,7 +365,7 @@ def _forward_call(x2, w, labels2, config: _Config):
         grid = (dims.num_row_blocks, dims.num_v_tiles, dims.num_d)
         stat_spec = pl.BlockSpec((None, bm, 1), lambda i, j, k: (0, i, 0))
         call = pl.pallas_call(
-            functools.partial(_forward_grid_kernel, dims=dims),
+            functools.partial(_forward_grid_kernel, dims=dims, soft_cap=config.soft_cap),
             out_shape=[stat_shape] * 3, grid=grid,
             in_specs=[pl.BlockSpec((bm, bd), lambda i, j, k: (i, k)),
                       pl.BlockSpec((bd, bv), lambda i, j, k: (k, j)),
@@ -326,7 +379,7 @@ def _forward_call(x2, w, labels2, config: _Config):
         split_cols = dims.tiles_per_split * bv
         stat_spec = pl.BlockSpec((None, bm, 1), lambda i, j: (j, i, 0))
         call = pl.pallas_call(
-            functools.partial(_forward_loop_kernel, dims=dims),
+            functools.partial(_forward_loop_kernel, dims=dims, soft_cap=config.soft_cap),
             out_shape=[stat_shape] * 3, grid=grid,
             in_specs=[pl.BlockSpec((bm, dims.padded_d), lambda i, j: (i, 0)),
                       pl.BlockSpec((dims.padded_d, split_cols), lambda i, j: (0, j)),
@@ -353,23 +406,33 @@ def _merge_stats(m, s, p):
 # logits recomputed by a tiled matmul whose epilogue applies the softmax grad
 # --------------------------------------------------------------------------
 
-def _dz_epilogue(z, refs: tiled.TileRefs, *, dims: _Dims):
-    labels_ref, m_ref, log_s_ref, g_ref = refs.extras
+def _dz_epilogue(z, refs: tiled.TileRefs, *, dims: _Dims, soft_cap=None):
+    labels_ref, m_ref, log_s_ref, g_ref, *g_lse_ref = refs.extras
     dz_ref = refs.outs[0]
     col = pl.program_id(1) * dims.block_v + lax.broadcasted_iota(jnp.int32, z.shape, 1)
     onehot = (col == labels_ref[...]).astype(jnp.float32)
+    if soft_cap is not None:
+        t = jnp.tanh(z / soft_cap)
+        z = soft_cap * t
     # Columns past the chunk and rows past N hold garbage; their stores are discarded.
-    dz_ref[...] = (g_ref[...] * (jnp.exp((z - m_ref[...]) - log_s_ref[...]) - onehot)
-                   ).astype(dz_ref.dtype)
+    g = g_ref[...]
+    p = jnp.exp((z - m_ref[...]) - log_s_ref[...])
+    dz = g * (p - onehot)
+    if g_lse_ref:  # d lse / d z = softmax
+        dz = dz + g_lse_ref[0][...] * p
+    if soft_cap is not None:  # the cap's derivative
+        dz = dz * (1.0 - t * t)
+    dz_ref[...] = dz.astype(dz_ref.dtype)
 
 
-def _dz_call(x2, w_chunk, local_labels, m, log_s, g2, config: _Config):
+def _dz_call(x2, w_chunk, local_labels, m, log_s, g2, config: _Config, g_lse2=None):
     """``g * (softmax - onehot)`` for the columns of ``w_chunk``: ``[rows, chunk]``, x's dtype,
     by the tiled-matmul core (:func:`ops.matmul.tiled.matmul_call`) with the softmax
     gradient as epilogue.
 
     ``local_labels`` are the labels relative to the chunk's first column (-1
-    for invalid labels), so the kernel needs no column offset.
+    for invalid labels), so the kernel needs no column offset. ``g_lse2``: the
+    cotangent of lse, ``[rows, 1]`` float32, with ``config.lse_grad``.
     """
     dims = _dims(x2, w_chunk, config)
     n, v = x2.shape[0], w_chunk.shape[1]
@@ -380,18 +443,19 @@ def _dz_call(x2, w_chunk, local_labels, m, log_s, g2, config: _Config):
     return tiled.matmul_call(
         x2, w_chunk, ca=1, cb=0, blocks=(dims.block_rows, dims.block_v, dims.block_d),
         backend=config.backend, out_shape=[jax.ShapeDtypeStruct((n, v), x2.dtype)],
-        epilogue=functools.partial(_dz_epilogue, dims=dims),
-        extras=[(a, tiled.ROWS) for a in (local_labels, m, log_s, g2)], walk=dims.strategy,
+        epilogue=functools.partial(_dz_epilogue, dims=dims, soft_cap=config.soft_cap),
+        extras=[(a, tiled.ROWS) for a in (local_labels, m, log_s, g2)
+                + ((g_lse2,) if g_lse2 is not None else ())], walk=dims.strategy,
         k_edge="mask", compiler_params=params, name="linear_cross_entropy_dz")[0]
 
 
-def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config):
+def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config, g_lse2=None):
     """``(dx contribution float32 [N, D], dw[:, start:start+size])`` of one vocabulary chunk."""
     n, d = x2.shape
     w_chunk = lax.dynamic_slice_in_dim(w, start, size, axis=1)
     valid = (labels2 >= 0) & (labels2 < w.shape[1])
     local = jnp.where(valid, labels2 - start, -1)
-    dz = _dz_call(x2, w_chunk, local, m, log_s, g2, config)
+    dz = _dz_call(x2, w_chunk, local, m, log_s, g2, config, g_lse2)
     backend = config.backend
     # dx[N, D] = dz[N, chunk] @ w_chunk[D, chunk]^T
     dx = tiled.matmul(dz, w_chunk, ca=1, cb=1, backend=backend, out_dtype=jnp.float32,
@@ -410,24 +474,28 @@ def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _linear_cross_entropy(x2, w, labels2, config: _Config):
-    return _partitioned_forward(x2, w, labels2, config)[0]
+    """Float32 per-row losses ``[rows]``; with ``config.lse_grad``, ``(loss, lse)``."""
+    return _linear_cross_entropy_fwd(x2, w, labels2, config)[0]
 
 
 def _linear_cross_entropy_fwd(x2, w, labels2, config):
     loss, m, log_s = _partitioned_forward(x2, w, labels2, config)
-    return loss, (x2, w, labels2, m, log_s)
+    out = (loss, (m + log_s)[:, 0]) if config.lse_grad else loss
+    return out, (x2, w, labels2, m, log_s)
 
 
 def _linear_cross_entropy_bwd(config, residuals, g):
     x2, w, labels2, m, log_s = residuals
+    gs = g if config.lse_grad else (g,)
 
-    def local(x2, w, labels2, m, log_s, g, *, reduced):
+    def local(x2, w, labels2, m, log_s, *gs, reduced):
         local_labels = _shard_labels(labels2, w.shape[1], reduced)
-        dx, dw = _backward(x2, w, local_labels, m, log_s, g, config)
+        dx, dw = _backward(x2, w, local_labels, m, log_s, gs, config)
         # dx sums over the vocabulary, dw over rows: partial sums where those are split.
         return psum(dx, reduced, "v"), psum(dw, reduced, "m")
 
-    dx, dw = run(_OP, local, (x2, w, labels2, m, log_s, g), _OPERANDS + ("m one", "m one", "m"),
+    dx, dw = run(_OP, local, (x2, w, labels2, m, log_s, *gs),
+                 _OPERANDS + ("m one", "m one") + ("m",) * len(gs),
                  ("m d", "d v"), gather=("d",), reduce=("m", "v"), out_like=(0, 1))
     return dx, dw, None  # labels are integers: no cotangent
 
@@ -442,7 +510,7 @@ _OPERANDS = ("m d", "d v", "m one")
 
 
 def _partitioned_forward(x2, w, labels2, config: _Config):
-    """``(loss [rows] in x's dtype, m, log_s float32 [rows, 1])`` on a mesh."""
+    """``(loss float32 [rows], m, log_s float32 [rows, 1])`` on a mesh."""
     def local(x2, w, labels2, *, reduced):
         global_vocab = w.shape[1] * _vocab_shards(reduced)
         local_labels = _shard_labels(labels2, w.shape[1], reduced)
@@ -450,7 +518,7 @@ def _partitioned_forward(x2, w, labels2, config: _Config):
             *_merge_stats(*_forward_call(x2, w, local_labels, config)), reduced)
         valid = (labels2 >= 0) & (labels2 < global_vocab)
         loss = jnp.where(valid, (m - picked) + log_s, jnp.nan)
-        return loss[:, 0].astype(x2.dtype), m, log_s
+        return loss[:, 0], m, log_s
 
     return run(_OP, local, (x2, w, labels2), _OPERANDS, ("m", "m one", "m one"),
                gather=("d",), reduce=("v",))
@@ -487,14 +555,16 @@ def _combine_vocab_shards(m, log_s, picked, reduced):
     return shift, jnp.log(total), lax.psum(picked, axes)
 
 
-def _backward(x2, w, labels2, m, log_s, g, config: _Config):
-    """One device: ``(dx, dw)`` for the columns of ``w`` (``labels2`` relative to them)."""
+def _backward(x2, w, labels2, m, log_s, gs, config: _Config):
+    """One device: ``(dx, dw)`` for the columns of ``w`` (``labels2`` relative to them);
+    ``gs``: the loss's cotangent, and lse's with ``config.lse_grad``."""
     n, d = x2.shape
     v = w.shape[1]
-    g2 = g.astype(jnp.float32).reshape(-1, 1)
+    g2, *g_lse2 = (g.astype(jnp.float32).reshape(-1, 1) for g in gs)
     chunk = _vocab_chunk(n, v, _dims(x2, w, config).block_v, config)
     num_full, tail = divmod(v, chunk)
-    grads = functools.partial(_chunk_grads, x2, w, labels2, m, log_s, g2, config=config)
+    grads = functools.partial(_chunk_grads, x2, w, labels2, m, log_s, g2, config=config,
+                              g_lse2=g_lse2[0] if g_lse2 else None)
     dx = jnp.zeros((n, d), jnp.float32)
     dw = jnp.zeros((d, v), w.dtype)
 

@@ -49,8 +49,10 @@ What it does, per family:
 
    * logits: ``max |ours - theirs| / max |theirs| <= 1e-4`` in float32;
      in bfloat16 (our weights and activations in bfloat16 against
-     transformers in float32) within :data:`BF16_LOGITS_TOL` of the scale,
-     and reported beside transformers' own bfloat16 run against its float32;
+     transformers in float32) at most twice the error of transformers' own
+     bfloat16 run against its float32 run (or 1e-2, if larger): bfloat16's
+     8-bit mantissa makes both about 1e-2 to 1e-1 of the scale here, so the
+     bound is relative to what the same weights cost transformers;
    * the loss with ignored positions: ``|ours - theirs| <= 1e-5 * theirs``;
    * the gradient of every parameter against torch autograd of the same
      loss: per parameter ``max |ours - theirs| / max |theirs| <=``
@@ -112,7 +114,9 @@ FAMILIES = ("llama3", "mistral", "qwen3", "gemma2")
 IGNORE_INDEX = -100  # transformers' ignored label
 VOCAB = 256  # byte tokens
 LOGITS_TOL = 1e-4  # float32: max |ours - theirs| / max |theirs|
-BF16_LOGITS_TOL = 5e-2  # bfloat16 weights and activations against the float32 reference
+# bfloat16 (our weights and activations) against transformers in float32: at most
+# BF16_FACTOR times the error of transformers' own bfloat16 run, or BF16_FLOOR.
+BF16_FACTOR, BF16_FLOOR = 2.0, 1e-2
 LOSS_RTOL = 1e-5
 GRAD_TOL = 1e-3  # float32: per parameter, max |ours - theirs| / max |theirs|
 BF16_LOSS_RTOL = 2e-2
@@ -348,7 +352,10 @@ class Decoder(nnx.Module):
         ``labels [B, T]`` are aligned with ``tokens`` (position ``t`` predicts
         ``labels[t + 1]``); computed by ``ops.linear_cross_entropy`` in float32.
         """
-        h = self.hidden_states(tokens)
+        return self.loss_of_hidden(self.hidden_states(tokens), labels)
+
+    def loss_of_hidden(self, h, labels):
+        """:meth:`loss` from the hidden states ``[B, T, width]`` of :meth:`hidden_states`."""
         targets = jnp.concatenate(
             [labels[:, 1:], jnp.full((labels.shape[0], 1), IGNORE_INDEX, labels.dtype)], axis=1)
         w = self.head()
@@ -535,14 +542,13 @@ def ours(model: Decoder, tokens: np.ndarray, labels: np.ndarray):
     """Our logits (float32 numpy), loss and gradients (pure dict of float32 numpy)."""
     graphdef, params = nnx.split(model, nnx.Param)
 
-    @jax.jit
-    def run(params, tokens, labels):
+    def loss_and_logits(params, tokens, labels):
         m = nnx.merge(graphdef, params)
-        loss, grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(tokens, labels))(
-            params)
-        return m(tokens), loss, grads
+        h = m.hidden_states(tokens)  # one trace of the model serves both
+        return m.loss_of_hidden(h, labels), m.logits(h)
 
-    logits, loss, grads = run(params, jnp.asarray(tokens), jnp.asarray(labels))
+    run = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))
+    (loss, logits), grads = run(params, jnp.asarray(tokens), jnp.asarray(labels))
     grads = jax.tree.map(lambda g: np.asarray(g, np.float32), grads.to_pure_dict())
     return np.asarray(logits, np.float32), float(loss), grads
 
@@ -608,8 +614,7 @@ def check_family(name: str, family: str, hf_config, data: np.ndarray, args) -> d
                    "loss": loss, "ref_loss": ref_loss,
                    "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss), "seconds": seconds}
             if dtype == "float32":
-                errs = grad_errors(grads, {k: v for k, v in
-                                           _only_params(ref_tree, grads).items()})
+                errs = grad_errors(grads, ref_tree)
                 worst = max(errs, key=errs.get)
                 row.update(grad_rel_err=errs[worst], grad_worst=worst, grads_checked=len(errs))
                 _expect(failures, row, "logits_rel_err", LOGITS_TOL)
@@ -619,18 +624,12 @@ def check_family(name: str, family: str, hf_config, data: np.ndarray, args) -> d
                 ref_bf16, ref_bf16_loss, _ = hf_reference(model, tokens, labels, dtype=dtype)
                 row["ref_bf16_logits_rel_err"] = relative_error(ref_bf16, ref_logits)
                 row["ref_bf16_loss_rel_err"] = abs(ref_bf16_loss - ref_loss) / abs(ref_loss)
-                _expect(failures, row, "logits_rel_err", BF16_LOGITS_TOL)
+                _expect(failures, row, "logits_rel_err",
+                        max(BF16_FACTOR * row["ref_bf16_logits_rel_err"], BF16_FLOOR))
                 _expect(failures, row, "loss_rel_err", BF16_LOSS_RTOL)
             rows.append(row)
             print(_row_line(row), flush=True)
     return {"rows": rows, "failures": failures, "config": dataclasses.asdict(cfg)}
-
-
-def _only_params(ref_tree: dict, grads: dict) -> dict:
-    """The reference tree restricted to our parameters (same keys; a tied head has no lm_head)."""
-    if isinstance(grads, dict):
-        return {k: _only_params(ref_tree[k], v) for k, v in grads.items()}
-    return ref_tree
 
 
 def _expect(failures: list, row: dict, key: str, tol: float) -> None:
@@ -728,8 +727,8 @@ def markdown(result: dict) -> str:
                      f"{r['ref_loss']:.5f} | {r['loss_rel_err']:.1e} | {grad} | {bf16} | "
                      f"{r['seconds']:.1f} |")
     lines += ["", f"Tolerances: float32 logits {LOGITS_TOL:g}, loss {LOSS_RTOL:g} (relative), "
-              f"gradients {GRAD_TOL:g}; bfloat16 logits {BF16_LOGITS_TOL:g}, loss "
-              f"{BF16_LOSS_RTOL:g}.", ""]
+              f"gradients {GRAD_TOL:g}; bfloat16 logits {BF16_FACTOR:g} x transformers' own "
+              f"bfloat16 error (at least {BF16_FLOOR:g}), loss {BF16_LOSS_RTOL:g}.", ""]
     for t in result["training"]:
         lines.append(f"Training {t['model']} ({t['steps']} AdamW steps of "
                      f"{t['batch'][0]}x{t['batch'][1]} bytes): xla {t['xla'][0]:.4f} -> "

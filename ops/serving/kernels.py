@@ -14,8 +14,8 @@ split's page blocks along the last (``"arbitrary"``) axis; each step reads
 ``pages_per_block`` pages, each through its own BlockSpec whose index map looks
 the page up in the table (scalar prefetch, ``PrefetchScalarGridSpec``), so the
 cache is never gathered. All ``G`` query heads of the group share each page
-tile: the query tile is ``[G, H]`` (padded to 16 rows on the Triton backends,
-``tl.dot``'s minimum). Blocks outside ``[start, end)`` are skipped, and their
+tile: the query tile is ``[G, H]`` (padded to 64 rows on the Triton backends, see
+:func:`group_rows`). Blocks outside ``[start, end)`` are skipped, and their
 index maps repeat the row's last visible page (a TPU skips a copy of the same
 block). Keys of a visible page outside the range are masked, and their values
 zeroed (an unwritten slot may hold anything, NaN included). int8 pages are
@@ -119,10 +119,12 @@ class DecodeConfig:
 
 
 def group_rows(backend: str, group: int) -> int:
-    """The query tile's rows for a GQA group of ``group`` heads: on the Triton backends
-    a power of two >= 16 (``tl.dot``'s minimum), elsewhere the group itself."""
+    """The query tile's rows for a GQA group of ``group`` heads: on the Triton backends a
+    power of two >= 64, so both products run on Hopper's ``wgmma`` (64 rows per warpgroup;
+    a 16-row tile, ``tl.dot``'s minimum, lowers to ``mma.sync``); elsewhere the group
+    itself. The padding rows cost tensor-core work only: decode stays memory-bound."""
     if backend in pl.TRITON_BACKENDS:
-        return max(16, pl.next_power_of_2(group))
+        return max(64, pl.next_power_of_2(group))
     return group
 
 
@@ -264,19 +266,26 @@ def attention_kernel(tables, table_rows, start_ref, end_ref, q_ref, *refs, cfg: 
 
 
 def merge_kernel(o_ref, lse_ref, sink_ref, out_ref):
-    """Combines the splits' partial outputs ``[S, G, H]`` by their logsumexps ``[S, G, 1]``."""
-    lse = lse_ref[...]
-    m = jnp.max(lse, axis=0)
+    """Combines the splits' partial outputs ``[S, G, H]`` by their logsumexps ``[S, G, 1]``,
+    one split at a time (two passes: the max, then the weighted sum), so a program holds
+    one ``[G, H]`` tile, whatever the number of splits."""
+    splits = lse_ref.shape[0]
+    m = lax.fori_loop(1, splits, lambda s, m: jnp.maximum(m, lse_ref[s]), lse_ref[0])
     sink = None if sink_ref is None else sink_ref[...].astype(jnp.float32)
     if sink is not None:
         m = jnp.maximum(m, sink)
     shift = logsumexp_shift(m)
-    w = jnp.exp(lse - shift[None])
-    total = jnp.sum(w, axis=0)
+
+    def add(s, carry):
+        total, acc = carry
+        w = jnp.exp(lse_ref[s] - shift)
+        return total + w, acc + w * o_ref[s]
+
+    zeros = jnp.zeros(out_ref.shape, jnp.float32)
+    total, acc = lax.fori_loop(0, splits, add, (jnp.zeros(m.shape, jnp.float32), zeros))
     if sink is not None:
         total = total + jnp.exp(sink - shift)
-    out = jnp.sum(w * o_ref[...], axis=0)
-    out_ref[...] = (out / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+    out_ref[...] = (acc / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -284,28 +293,32 @@ def merge_kernel(o_ref, lse_ref, sink_ref, out_ref):
 # --------------------------------------------------------------------------
 
 def decode(cfg: DecodeConfig, q, pages, scales, tables, table_rows, start, end, sinks):
-    """Paged decode attention of ``q`` ``[rows, K, group_rows, H]`` -> same shape, q's dtype.
+    """Paged decode attention of ``q`` ``[rows, K, group, H]`` -> same shape, q's dtype.
+
+    The query, partial and output blocks are ``group_rows`` tall: past ``group`` they
+    overhang the arrays (their rows are independent: what a padding row reads is
+    never mixed into a real one, and its writes are dropped).
 
     Args:
       pages: ``(k_pages, v_pages)`` (HEADS_FIRST) or ``(kv_pages,)`` (COMBINED).
       scales: ``(k_scales_pages, v_scales_pages)`` with ``cfg.per_token_scales``, else ().
       tables: int32 ``[table rows, pages_per_row]``; table_rows: int32 ``[rows]`` or None.
       start, end: int32 ``[rows]``: each row's keys.
-      sinks: float32 ``[K, group_rows, 1]`` or None.
+      sinks: float32 ``[K, group, 1]`` or None.
     """
-    R, K, Gp, H = cfg.rows, cfg.kv_heads, cfg.group_rows, cfg.head_dim
+    R, K, G, Gp, H = cfg.rows, cfg.kv_heads, cfg.group, cfg.group_rows, cfg.head_dim
     kb = cfg.heads_block
     grid = (R, K // cfg.heads_per_program, cfg.k_splits, cfg.blocks_per_split)
     n = cfg.pages_per_block
     operands = [x for x in pages for _ in range(n)] + [x for x in scales for _ in range(n)]
     q_spec = pl.BlockSpec((None, kb, Gp, H), lambda b, h, s, j, *_: (b, h, 0, 0))
     if cfg.merged:
-        out_shape = [jax.ShapeDtypeStruct((cfg.k_splits, R, K, Gp, H), jnp.float32),
-                     jax.ShapeDtypeStruct((cfg.k_splits, R, K, Gp, 1), jnp.float32)]
+        out_shape = [jax.ShapeDtypeStruct((cfg.k_splits, R, K, G, H), jnp.float32),
+                     jax.ShapeDtypeStruct((cfg.k_splits, R, K, G, 1), jnp.float32)]
         out_specs = [pl.BlockSpec((None, None, kb, Gp, H), lambda b, h, s, j, *_: (s, b, h, 0, 0)),
                      pl.BlockSpec((None, None, kb, Gp, 1), lambda b, h, s, j, *_: (s, b, h, 0, 0))]
     else:
-        out_shape = [jax.ShapeDtypeStruct((R, K, Gp, H), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((R, K, G, H), q.dtype)]
         out_specs = [q_spec]
     lead = () if kb is None else (kb,)
     scratch = [pl.tpu.VMEM(lead + (Gp, 1), jnp.float32), pl.tpu.VMEM(lead + (Gp, 1), jnp.float32),
@@ -326,7 +339,7 @@ def decode(cfg: DecodeConfig, q, pages, scales, tables, table_rows, start, end, 
                 pl.BlockSpec((S, None, None, Gp, 1), lambda b, h: (0, b, h, 0, 0)),
                 None if sinks is None else pl.BlockSpec((None, Gp, 1), lambda b, h: (h, 0, 0))]
     return pl.pallas_call(
-        merge_kernel, out_shape=jax.ShapeDtypeStruct((R, K, Gp, H), q.dtype), grid=(R, K),
+        merge_kernel, out_shape=jax.ShapeDtypeStruct((R, K, G, H), q.dtype), grid=(R, K),
         in_specs=in_specs, out_specs=pl.BlockSpec((None, None, Gp, H), lambda b, h: (b, h, 0, 0)),
         compiler_params=_params(cfg, ("parallel", "parallel")), backend=cfg.backend,
         name="paged_decode_merge",

@@ -168,26 +168,16 @@ def _run(args, impl: str, bs):
         pages_per_block=min(bs.pages_per_block, pps), k_splits=bs.k_splits,
         scale=args["scale"], soft_cap=args["soft_cap"], dtype=np.dtype(q.dtype).name,
         per_token_scales=args["k_scales"] is not None, sinks=args["sinks"] is not None)
-    qg = pad_group(q.reshape(B, K, G, H), Gp)
+    qg = q.reshape(B, K, G, H)
     scales = () if args["k_scales"] is None else (args["k_scales"], args["v_scales"])
     out = kernels.decode(cfg, qg, (args["k"], args["v"]), scales, args["tables"], None, start, end,
-                         sink_tile(args["sinks"], K, Gp))
-    return out[:, :, :G].reshape(B, N, H)
+                         sink_tile(args["sinks"], K))
+    return out.reshape(B, N, H)
 
 
-def pad_group(qg, group_rows: int):
-    """``[R, K, G, H]`` queries with the group padded to ``group_rows`` (zeros)."""
-    G = qg.shape[2]
-    return qg if G == group_rows else jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - G), (0, 0)))
-
-
-def sink_tile(sinks, K: int, group_rows: int):
-    """Sink logits ``[N]`` as the merge kernel's float32 ``[K, group_rows, 1]`` (padding rows -inf)."""
-    if sinks is None:
-        return None
-    s = sinks.astype(jnp.float32).reshape(K, -1)
-    s = jnp.pad(s, ((0, 0), (0, group_rows - s.shape[1])), constant_values=-jnp.inf)
-    return s[:, :, None]
+def sink_tile(sinks, K: int):
+    """Sink logits ``[N]`` as the merge kernel's float32 ``[K, G, 1]``."""
+    return None if sinks is None else sinks.astype(jnp.float32).reshape(K, -1, 1)
 
 
 def _dequantized(pages, page_scales, dtype):

@@ -14,7 +14,7 @@ from ops._checks import check_float_dtype
 from ops._implementation import run_implementation
 from ops.serving import checks, kernels
 from ops.serving.block_sizes import check_block_sizes, heuristic
-from ops.serving.paged_attention import pad_group, sink_tile
+from ops.serving.paged_attention import sink_tile
 from ops.serving.reference import gather_pages, rows_attention
 
 _OP = "ragged_paged_attention"
@@ -174,7 +174,7 @@ def _run(args, impl: str, bs):
         scale=args["scale"], soft_cap=args["soft_cap"], dtype=np.dtype(q.dtype).name,
         k_scale=args["k_scale"], v_scale=args["v_scale"], indirect=True,
         sinks=args["sinks"] is not None, heads_per_program=1 if impl in pl.TRITON_BACKENDS else K)
-    qg = pad_group(q.reshape(T, K, G, H), Gp)
+    qg = q.reshape(T, K, G, H)
     out = kernels.decode(cfg, qg, (kv,), (), args["tables"], seq, start, end,
-                         sink_tile(args["sinks"], K, Gp))
-    return out[:, :, :G].reshape(T, N, H)
+                         sink_tile(args["sinks"], K))
+    return out.reshape(T, N, H)

@@ -204,6 +204,22 @@ def attention_cases(seq=4096, head_dims=(64, 128), dtype=jnp.bfloat16,
     return cases
 
 
+def decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128, page_size=16,
+                 dtype=jnp.bfloat16) -> list[GateCase]:
+    """Paged decode attention (split-KV and its merge): one query token per sequence over
+    ``context`` cached tokens in pages of ``page_size``, GQA ``heads / kv_heads``."""
+    pages = context // page_size
+
+    def fn(q, k, v, tables, lengths):
+        return ops.paged_attention(q, k, v, tables, lengths, scale=h ** -0.5,
+                                   implementation="triton")
+    cache = _sds((kv_heads, batch * pages, page_size, h), dtype)
+    return [GateCase(
+        f"paged_attention/decode/{batch}x{context}x{heads}x{kv_heads}x{h}/{jnp.dtype(dtype).name}/fwd",
+        fn, (_sds((batch, heads, h), dtype), cache, cache, _sds((batch, pages), jnp.int32),
+             _sds((batch,), jnp.int32)))]
+
+
 def tuned_cases(target: str) -> list[GateCase]:
     """One case per entry of the packaged cache for ``target``'s GPUs (the shipped tuned
     configs), compiled with the entry in force."""
@@ -223,7 +239,7 @@ def tuned_cases(target: str) -> list[GateCase]:
 
 def all_cases(target: str = "sm_90") -> list[GateCase]:
     """The full gate: every op at model sizes and every shipped tuned config."""
-    return matmul_cases() + row_cases() + attention_cases() + tuned_cases(target)
+    return matmul_cases() + row_cases() + attention_cases() + decode_cases() + tuned_cases(target)
 
 
 def quick_cases() -> list[GateCase]:

@@ -22,11 +22,11 @@ from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import run_implementation
 from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
-from ops.attention import calls, range_table
+from ops.attention import calls, decode, range_table
 from ops.attention.block_sizes import BlockSizes, register_op, select_block_sizes, tuning_variant
 from ops.attention.config import Config
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
-                                   fold_lengths, masked_sides)
+                                   fold_key_mask, fold_lengths, masked_sides)
 from ops.attention.reference import attention_reference
 
 _OP = "dot_product_attention"
@@ -166,6 +166,14 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
             group=q.shape[2] // k.shape[2])
         blocks = _check_block_sizes(block_sizes, T, S, max(q.shape[-1], v.shape[-1]), q.dtype,
                                     impl, variant)
+        key_mask = mask is not None and mask.shape[1:3] == (1, 1)
+        k_splits = _k_splits(blocks, q.shape, k.shape, impl, bias=bias is not None,
+                             mask=mask is not None and not key_mask, dropout=rate > 0)
+        if k_splits > 1 and key_mask:
+            # A mask over keys only (a decode cache's filled positions) becomes key padding
+            # ids, which split-KV decode compares and whose empty blocks it skips.
+            q_seg, kv_seg = fold_key_mask(mask, q_seg, kv_seg, q.shape[0], T)
+            spec, mask = dataclasses.replace(spec, segments=True), None
         cfg = Config(
             backend=impl, layout="BNTH" if impl == "mosaic_tpu" else "BTNH", spec=spec,
             batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
@@ -174,7 +182,7 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
             mask_full=None if mask is None else tuple(d != 1 for d in mask.shape),
             block_q=blocks.block_q, block_k=blocks.block_k, block_q_dkv=blocks.block_q_dkv,
             block_k_dkv=blocks.block_k_dkv, num_warps=blocks.num_warps,
-            num_stages=blocks.num_stages, sinks=args["sinks"] is not None,
+            num_stages=blocks.num_stages, sinks=args["sinks"] is not None, k_splits=k_splits,
             value_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1])
         if mask is not None and impl in ("pallas_triton", "mosaic_tpu"):
             mask = mask.astype(jnp.int32)  # neither lowering loads booleans from memory
@@ -314,6 +322,21 @@ def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
                 segments=segments, unbatched=unbatched)
 
 
+def _k_splits(blocks: BlockSizes, q_shape, k_shape, backend, *, bias, mask, dropout) -> int:
+    """The split-KV decode splits (:mod:`ops.attention.decode`): the block sizes' own, else
+    the heuristic's; 1 where decode does not apply."""
+    (B, T, N, _), (_, S, K, _) = q_shape, k_shape
+    why_not = decode.applies(T, N // K, bias=bias, mask=mask, dropout=dropout)
+    if blocks.k_splits is None:
+        if why_not is not None:
+            return 1
+        return decode.default_k_splits(B, K, T, S, N // K, blocks.block_k, backend)
+    if blocks.k_splits > 1 and why_not is not None:
+        raise ValueError(f"{_OP}: block_sizes.k_splits={blocks.k_splits} (split-KV decode) does "
+                         f"not support {why_not}.")
+    return blocks.k_splits
+
+
 def _check_block_sizes(block_sizes, T, S, H, dtype, backend, variant=None) -> BlockSizes:
     if block_sizes is None:
         blocks = select_block_sizes(T, S, H, dtype, backend, variant).resolved()
@@ -342,9 +365,14 @@ def _check_block_sizes(block_sizes, T, S, H, dtype, backend, variant=None) -> Bl
             if bk % 128 and bk != S:
                 raise ValueError(f"{_OP}: on mosaic_tpu key blocks must be multiples of 128 or S, "
                                  f"got {block_sizes!r}.")
-    for name, value in (("num_warps", blocks.num_warps), ("num_stages", blocks.num_stages)):
-        if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
+    for name, value in (("num_warps", blocks.num_warps), ("num_stages", blocks.num_stages),
+                        ("k_splits", blocks.k_splits)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                                  or value <= 0):
             raise ValueError(f"{_OP}: {name} must be None or a positive int, got {value!r}.")
+    splits = blocks.k_splits
+    if backend == "pallas_triton" and splits is not None and splits & (splits - 1):
+        raise ValueError(f"{_OP}: k_splits must be a power of two on pallas_triton, got {splits}.")
     return blocks
 
 
@@ -472,6 +500,8 @@ def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks=No
     """``(out, lse)`` of :func:`calls.forward_call`, partitioned over batch and heads."""
     def local(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, *, reduced):
         c = _local_config(cfg, q, k)
+        if c.k_splits > 1:
+            return decode.forward(c, q, k, v, q_seg, kv_seg, sinks)
         table, _ = _tables(c, q_seg, kv_seg, seed)
         return calls.forward_call(c, q, k, v, bias, mask, q_seg, kv_seg, table, sinks)
 

@@ -93,3 +93,15 @@ def dkdv_kernel(*refs, cfg: Config):
     gi, i = div(t, nq), rem(t, nq)
     _walk(body, body.rest, t, lambda: (i >= body.lo) & (i < body.hi),
           lambda carry: body.step(gi, i, carry))
+
+
+def decode_kernel(*refs, cfg: Config, per_split: int):
+    """Split-KV decode: program ``(b, kh, s)`` walks key/value blocks ``s * per_split +
+    t`` (grid axis 3, ``t < per_split``) that fall in its visible range ``[lo, hi)``
+    (the BlockSpecs' static shares: a grid axis's blocks are fixed before the table
+    is read)."""
+    body = programs.decode_body(cfg, refs, _whole_block, stats=(refs[0].shape[0], 1))
+    t = pl.program_id(3)
+    j = pl.program_id(2) * per_split + t
+    _walk(body, body.rest, t, lambda: (j >= body.lo) & (j < body.hi),
+          lambda carry: body.step(j, carry))

@@ -13,6 +13,7 @@ kernel's :class:`~ops.attention.programs.Body`.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 import pallas_core as pl
@@ -126,3 +127,16 @@ def dkdv_kernel(*refs, cfg: Config):
 
     sides = masked_sides(cfg.spec, cfg.block_q_dkv, cfg.block_k_dkv, transpose=True, bound_q=True)
     _walk(body, blocks, sides)
+
+
+def decode_kernel(*refs, cfg: Config):
+    """Split-KV decode: program ``(b, kh, s)`` walks share ``s`` of ``cfg.k_splits``
+    equal shares of its visible blocks ``[lo, hi)`` (split at run time, so a cache
+    filled to a short length still spreads over every program)."""
+    body = programs.decode_body(cfg, refs, _block_slice, stats=(refs[0].shape[0],))
+    splits, s = cfg.k_splits, pl.program_id(2)
+    lo, hi = body.lo, body.hi
+    per = div(hi - lo + (splits - 1), splits)
+    first = jnp.minimum(lo + s * per, hi)
+    last = jnp.minimum(first + per, hi)
+    body.finish(*_each_block(body.step)(first, last, body.init, True))

@@ -112,6 +112,16 @@ def fold_lengths(q_seg, kv_seg, q_len, kv_len, T: int, S: int):
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
+def fold_key_mask(mask, q_seg, kv_seg, batch: int, T: int):
+    """Segment ids ``([B, T], [B, S])`` with a key-only boolean mask ``[B or 1, 1, 1, S]``
+    folded in: a masked-out key gets ``KEY_PAD``, which no query's id equals."""
+    keys = jnp.broadcast_to(mask[:, 0, 0, :], (batch, mask.shape[-1]))
+    if q_seg is None:
+        q_seg = jnp.zeros((batch, T), jnp.int32)
+        kv_seg = jnp.zeros(keys.shape, jnp.int32)
+    return q_seg, jnp.where(keys, kv_seg, KEY_PAD).astype(jnp.int32)
+
+
 def _block_id_range(seg, block: int):
     """Per-block (min, max) of ids ``[B, L]`` -> two ``[B, cdiv(L, block)]``."""
     length = seg.shape[1]

@@ -27,8 +27,8 @@ import pallas_core as pl
 from ops.attention.config import Config
 from ops.attention.range_table import BlockRange, RangeTable
 from ops._tiles import dot
-from ops.attention.tile_math import (LOG2E, Tile, backward_tile, forward_finish, forward_update,
-                                     zero_rows_past)
+from ops.attention.tile_math import (LOG2E, Tile, backward_tile, div, forward_finish,
+                                     forward_update, zero_rows_past)
 
 
 class AuxRefs(NamedTuple):
@@ -233,3 +233,39 @@ def dkdv_body(cfg: Config, refs, read_q, transposed: bool) -> Body:
     zeros = jnp.zeros((bk, cfg.head_dim), jnp.float32)
     init = (zeros, zeros if cfg.value_head_dim is None else jnp.zeros((bk, cfg.v_dim), jnp.float32))
     return Body(lo, hi, lambda: (row.full_lo, row.full_hi), step, init, finish, rest)
+
+
+def decode_body(cfg: Config, refs, read, stats) -> Body:
+    """Split-KV decode (:mod:`ops.attention.decode`): a program owns every query row of
+    one (batch, key/value head), its ``rows = T * G`` queries packed as a tile with
+    row ``t * G + g`` for query ``t`` of head ``kh * G + g``, and walks a share of
+    the key/value blocks in ``[lo, hi)`` (the walk picks the share). Carry and
+    step are the forward's; the finish writes the share's normalized output and
+    logsumexp (0 and -inf for a row that saw no key), which the merge kernel
+    combines."""
+    bk, g = cfg.block_k, cfg.group
+    (q_ref, k_ref, v_ref), aux, (table_ref, out_ref, lse_ref, *rest) = split_refs(cfg, refs, 3)
+    rows = q_ref.shape[0]
+    row = RangeTable(table_ref, 1).row(pl.program_id(0), 0)
+    lo, hi = row.lo, row.hi
+    q = q_ref[...]
+    q_seg = None if aux.q_seg is None else aux.q_seg[...]
+
+    def step(j, carry, masked=True):
+        k = read(k_ref, j, bk, 0)
+        v = read(v_ref, j, bk, 0)
+        k_seg = None if aux.k_seg is None else read(aux.k_seg, j, bk, 1)
+        q_pos = div(jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0), g)
+        tile = Tile(q=q, k=zero_rows_past(k, j, bk, cfg.spec.S), i=0, j=j, head=0, q_seg=q_seg,
+                    k_seg=k_seg, q_pos=q_pos)
+        return forward_update(cfg, carry, tile, zero_rows_past(v, j, bk, cfg.spec.S), None, rows,
+                              bk, masked)
+
+    def finish(m, l, acc):
+        out, lse = forward_finish(m, l, acc)
+        out_ref[...] = out.astype(out_ref.dtype)
+        lse_ref[...] = lse.reshape(lse_ref.shape)
+
+    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros((rows, cfg.v_dim), jnp.float32))
+    return Body(lo, hi, lambda: (lo, lo), step, init, finish, rest)

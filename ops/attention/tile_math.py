@@ -68,6 +68,8 @@ class Tile:
     q_seg: jax.Array | None = None  # [bq, 1] ([1, bq] when transposed)
     k_seg: jax.Array | None = None  # [1, bk] ([bk, 1] when transposed)
     transposed: bool = False  # the tile's products are k q^T, [bk, bq] (see backward_tile)
+    q_pos: jax.Array | None = None  # int32 query positions of the tile's rows when they are not
+    # block i's (split-KV decode packs the query heads of a GQA group as rows)
 
 
 def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False,
@@ -101,7 +103,7 @@ def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = Fa
     vis = None
     if masked:
         shape, q_axis = ((bk, bq), 1) if t else ((bq, bk), 0)
-        q_pos = positions(tile.i, bq, shape, q_axis)
+        q_pos = positions(tile.i, bq, shape, q_axis) if tile.q_pos is None else tile.q_pos
         k_pos = positions(tile.j, bk, shape, 1 - q_axis)
         vis = visible(cfg.spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=cfg.spec.S % bk != 0)
         if bound_q and cfg.spec.T % bq:

@@ -163,7 +163,7 @@ def _rope_on(impl, x, positions, inv_freq, interleaved, scaling, explicit):
     config = OP.select(problem, impl, explicit)
     x3 = reshape(x, (-1, heads, head_dim))
     kernel = _Kernel(backend=impl, config=config, interleaved=interleaved, scaling=scaling)
-    out = _rope(x3, positions.reshape(-1, 1), inv_freq.reshape(1, -1), kernel)
+    out = _rope(x3, reshape(positions, (-1, 1)), inv_freq.reshape(1, -1), kernel)
     return reshape(out, x.shape)
 
 

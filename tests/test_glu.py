@@ -165,17 +165,20 @@ def test_mosaic_tpu_refuses_a_column_block_that_does_not_divide_n():
         jax.jit(lambda x, w: ops.gated_linear_unit(x, w, implementation="mosaic_tpu")).trace(x, w)
 
 
-@pytest.mark.parametrize("spec_x, spec_w, collective", [
-    pytest.param(("data", None), (None, None, "model"), None,  # rows x column-parallel: local
+@pytest.mark.parametrize("mode, spec_x, spec_w, collective", [
+    pytest.param("auto", ("data", None), (None, None, "model"), None,  # rows x column-parallel
                  marks=pytest.mark.slow, id="column_parallel"),
-    pytest.param((None, "model"), ("model", None, None), "all-reduce",  # split contraction: one psum
+    pytest.param("explicit", ("data", None), (None, None, "model"), None,
+                 marks=pytest.mark.slow, id="column_parallel_explicit"),
+    pytest.param("auto", (None, "model"), ("model", None, None), "all-reduce",  # one psum
                  id="split_contraction"),
 ])
-def test_partitions_over_a_mesh(spec_x, spec_w, collective):
+def test_partitions_over_a_mesh(mode, spec_x, spec_w, collective):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
     x, w = _inputs((16,), 24, 20, jnp.float32, seed=7)
     f = lambda impl: _with_grads(lambda x, w: ops.gated_linear_unit(
         x, w, activation="silu", implementation=impl))

@@ -372,11 +372,13 @@ def test_forward_and_backward_lower_for_other_platforms(impl, interleaved, head_
     assert text.count(marker) >= 2  # the forward and the backward kernel
 
 
-def test_tokens_and_heads_sharded_run_locally():
+@pytest.mark.parametrize("mode", [pytest.param("explicit", marks=pytest.mark.slow), "auto"])
+def test_tokens_and_heads_sharded_run_locally(mode):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
     x, positions, inv_freq, _ = _inputs((4, 6, 2, 16), 16, jnp.float32)
     w = weights_like(x)
 

@@ -767,15 +767,17 @@ def parse_args(argv=None):
         prog="python -m benchmarks.decoder",
         description=__doc__.split("\n\n")[0] + " Exits 1 if a check fails.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--models", type=_models, default=_models("llama3,llama3-tied,mistral,qwen3,gemma2"),
+    p.add_argument("--models", default="llama3,llama3-tied,mistral,qwen3,gemma2",
                    help="Comma-separated families (llama3, mistral, qwen3, gemma2), each optionally "
-                        "-tied / -untied (the head; default: the family's own).")
+                        "with -tied / -untied (the head; without: the transformers config default, "
+                        "tied for Gemma 2 only).")
     p.add_argument("--implementations", default="xla,interpret,triton",
                    help="Comma-separated implementations of our model to check.")
     p.add_argument("--dtypes", default="float32,bfloat16", help="Comma-separated dtypes.")
     p.add_argument("--tokens", type=int, default=128, help="Tokens per check (batch x seq-len).")
-    p.add_argument("--tokens-for", action="append", default=[], metavar="IMPL=N",
-                   help="Fewer tokens for a slow implementation (default triton=32).")
+    p.add_argument("--tokens-for", action="append", default=None, metavar="IMPL=N",
+                   help="Tokens for one implementation, repeatable (triton=32 unless given: "
+                        "Triton's CPU interpreter costs about 0.1 ms of Python per operation).")
     p.add_argument("--seq-len", type=int, default=64, help="Sequence length.")
     p.add_argument("--seed", type=int, default=0, help="Weights, text windows and ignored labels.")
     p.add_argument("--data-bytes", type=int, default=1_000_000,
@@ -802,8 +804,12 @@ def parse_args(argv=None):
     args.dtypes = [s.strip() for s in args.dtypes.split(",") if s.strip()]
     if not set(args.dtypes) <= {"float32", "bfloat16"}:
         p.error("--dtypes takes float32 and/or bfloat16")
-    args.tokens_for = {"triton": 32, **_per_impl(args.tokens_for)}
-    args.train_models = _models(args.train_models)
+    try:
+        args.tokens_for = {"triton": 32, **_per_impl(args.tokens_for or [])}
+        args.models = _models(args.models)
+        args.train_models = _models(args.train_models)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
     if args.tokens < 2 or args.seq_len < 2:
         p.error("--tokens and --seq-len must be >= 2")
     return args

@@ -220,6 +220,37 @@ def decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128, page_size=1
              _sds((batch,), jnp.int32)))]
 
 
+def decoder_op_cases(dtype=jnp.bfloat16) -> list[GateCase]:
+    """Llama 3 8B's decoder ops: the rotary embedding of its queries (4 x 4096 tokens, 32
+    heads of 128; one read of x, the design), and the SwiGLU MLP's gated linear unit
+    (8192 tokens, 4096 -> 14336) forward and forward+backward."""
+    dt = jnp.dtype(dtype).name
+    b, t, heads, h = 4, 4096, 32, 128
+    inv_freq = _sds((h // 2,), jnp.float32)
+
+    def rope(x, positions, inv_freq):
+        return ops.apply_rotary_embedding(x, positions, inv_freq, implementation="triton")
+
+    tokens = 2  # one program of the heuristic's blocks: 2 tokens x 32 heads x 128
+    one_program = lambda: (_random((tokens, heads, h), dtype, 0), jnp.arange(tokens, dtype=jnp.int32),
+                           ops.rope_frequencies(h)[0])
+    m, k, n = 8192, 4096, 14336
+    glu_args = (_sds((m, k), dtype), _sds((k, 2, n), dtype))
+
+    def glu(x, w):
+        return ops.gated_linear_unit(x, w, activation="silu", implementation="triton")
+
+    return [
+        GateCase(f"apply_rotary_embedding/rotate_half/{b}x{t}x{heads}x{h}/{dt}/fwd", rope,
+                 (_sds((b, t, heads, h), dtype), _sds((b, t), jnp.int32), inv_freq), one_program,
+                 {"rotary_embedding": 1}, step_elements=tokens * heads * h,
+                 itemsize=jnp.dtype(dtype).itemsize),
+        GateCase(f"gated_linear_unit/swiglu/{m}x{k}x{n}/{dt}/fwd", glu, glu_args),
+        GateCase(f"gated_linear_unit/swiglu/{m}x{k}x{n}/{dt}/fwd+bwd",
+                 jax.grad(lambda x, w: _loss(glu(x, w)), (0, 1)), glu_args),
+    ]
+
+
 def tuned_cases(target: str) -> list[GateCase]:
     """One case per entry of the packaged cache for ``target``'s GPUs (the shipped tuned
     configs), compiled with the entry in force."""
@@ -239,7 +270,8 @@ def tuned_cases(target: str) -> list[GateCase]:
 
 def all_cases(target: str = "sm_90") -> list[GateCase]:
     """The full gate: every op at model sizes and every shipped tuned config."""
-    return matmul_cases() + row_cases() + attention_cases() + decode_cases() + tuned_cases(target)
+    return (matmul_cases() + row_cases() + attention_cases() + decode_cases() + decoder_op_cases()
+            + tuned_cases(target))
 
 
 def quick_cases() -> list[GateCase]:

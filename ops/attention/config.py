@@ -4,12 +4,17 @@ from __future__ import annotations
 import dataclasses
 
 import pallas_core as pl
+from ops.attention.block_sizes import BlockSizes
 from ops.attention.masking import MaskSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything static about one attention call (hashable: a custom_vjp nondiff argument).
+    """Everything static about one attention call (hashable: a custom_vjp nondiff argument),
+    in three parts: the backend's (``backend``, ``layout`` and :attr:`strategy`), the
+    call's problem (``spec`` to ``mask_full``, ``sinks``, ``value_head_dim``) and the
+    tiles chosen for it (``block_q`` to ``num_stages``, ``k_splits``; :attr:`blocks` is
+    that part as the op's config, :class:`~ops.attention.block_sizes.BlockSizes`).
 
     Attributes:
       layout: "BTNH" (operands as given) or "BNTH" (heads before the
@@ -59,3 +64,9 @@ class Config:
         """How the kernels walk the other sequence: ``"loop"`` on the Triton backends
         (:mod:`ops.attention.loop_walk`), ``"grid"`` elsewhere (:mod:`ops.attention.grid_walk`)."""
         return "loop" if self.backend in pl.TRITON_BACKENDS else "grid"
+
+    @property
+    def blocks(self) -> BlockSizes:
+        """The tiles of this call, as the op's config."""
+        return BlockSizes(self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv,
+                          self.num_warps, self.num_stages, self.k_splits)

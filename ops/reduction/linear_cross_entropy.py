@@ -631,9 +631,11 @@ def _tiles_per_split(num_v_tiles: int, backend: str) -> int:
 def _dims(x2, w, config: _Config) -> _Dims:
     rows, d = x2.shape
     vocab = w.shape[1]
-    explicit = None if config.block_sizes is None else LinearCrossEntropyConfig(*config.block_sizes)
-    bm, bv, bd = OP.select(OP.problem((rows, d, vocab), x2.dtype), config.backend, explicit).blocks
-    strategy = config.strategy or tiled.strategy(config.backend)
+    explicit = None if config.block_sizes is None else LinearCrossEntropyConfig(
+        *config.block_sizes, walk=tiled.strategy(config.backend))
+    tiles = OP.select(OP.problem((rows, d, vocab), x2.dtype), config.backend, explicit)
+    bm, bv, bd = tiles.blocks
+    strategy = config.strategy or tiles.walk
     num_v_tiles = pl.cdiv(vocab, bv)
     # The grid path walks the whole vocabulary in one program per row block: one split.
     tiles = _tiles_per_split(num_v_tiles, config.backend) if strategy == "loop" else num_v_tiles
@@ -669,12 +671,15 @@ def _loop_params(dims: _Dims, backend: str):
 class LinearCrossEntropyConfig(_op.KernelConfig):
     """The logits tiles (:mod:`ops._op`; ``block_sizes=(block_rows, block_vocab,
     block_d)`` becomes one): rows, vocabulary columns and hidden-dim step of a
-    ``[rows, d] @ [d, vocab]`` tile. The heuristic is :func:`default_block_sizes`
-    on every backend (no interpreter tiles); no tuning problems are registered."""
+    ``[rows, d] @ [d, vocab]`` tile, and ``walk``, how the vocabulary is walked
+    (:func:`ops.matmul.tiled.strategy` of the backend; not tuned). The heuristic is
+    :func:`default_block_sizes` on every backend (no interpreter tiles); no tuning
+    problems are registered."""
 
     block_rows: int = _op.tunable()
     block_vocab: int = _op.tunable()
     block_d: int = _op.tunable()
+    walk: str = tiled.GRID
 
     @property
     def blocks(self) -> tuple[int, int, int]:
@@ -683,7 +688,8 @@ class LinearCrossEntropyConfig(_op.KernelConfig):
     @classmethod
     def heuristic(cls, problem: _op.Problem, device: _op.Device) -> "LinearCrossEntropyConfig":
         rows, d, vocab = problem.shape
-        return cls(*default_block_sizes(rows, d, vocab, problem.dtype, device.backend))
+        return cls(*default_block_sizes(rows, d, vocab, problem.dtype, device.backend),
+                   walk=tiled.strategy(device.backend))
 
 
 OP = _op.register(_op.Op(name=_OP, dims=("rows", "d", "vocab"),

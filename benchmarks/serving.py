@@ -1,0 +1,130 @@
+"""Benchmark cases for ``ops.paged_attention``: decode over a paged KV cache.
+
+Each case pits our kernels (:func:`benchmarks.harness.kernel_implementations`
+without ``pallas_triton``, which has no scalar prefetch: ``triton`` on GPUs,
+``interpret`` and ``triton`` in Triton's CPU interpreter on CPUs) against:
+
+* ``xla`` (the baseline a user writes without us): the pages gathered into a
+  dense ``[B, S, K, H]`` cache with ``jnp.take``, then
+  ``jax.nn.dot_product_attention(implementation="xla")`` with the sequence
+  lengths, jitted, in the inputs' dtype;
+* ``jax_pallas``: JAX's own GPU kernel, ``jax.experimental.pallas.ops.gpu.
+  paged_attention`` (its defaults: ``k_splits=16``, 8 pages per step,
+  ``block_h=16``), on JAX's Pallas Triton lowering on GPUs and on JAX's
+  interpreter (``interpret=True``) on CPUs.
+
+Decode is memory-bound (``ceiling="copy"``): one call reads each sequence's
+keys and values once, ``2 B S K H s`` bytes at ``s`` bytes per element, plus
+the queries and outputs (``2 B N H s``); GB/s is of those bytes and ``%
+ceiling`` the fraction of a copy of as many bytes on the same device. FLOPs:
+``4 B N S H`` (two products per key). Tokens/s is ``B / time``: one new token
+per sequence per call.
+
+Accuracy is measured against exact attention in float64 over the gathered
+cache (:func:`reference`), written independently of ``ops``.
+
+Shapes ``(B, S, N, K, H, page_size)``: GPUs decode batches of 1, 8 and 64 at
+contexts of 1k, 8k, 32k and 128k tokens (every sequence full), GQA 8:1 (32
+query heads over 4 key/value heads of 128, Llama-3-8B's attention), pages of
+16 tokens (vLLM's default), bfloat16; CPUs run the interpreters at tiny
+sizes.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+import ops
+from benchmarks import harness
+
+OP = "paged_attention"
+PAGE_SIZE = 16
+
+# (B, S, N, K, H, page_size, dtype)
+ACCELERATOR_SHAPES = tuple((b, s, 32, 4, 128, PAGE_SIZE, "bfloat16")
+                           for b in (1, 8, 64) for s in (1024, 8192, 32768, 131072))
+CPU_SHAPES = ((2, 256, 8, 1, 32, PAGE_SIZE, "float32"), (3, 512, 16, 2, 64, PAGE_SIZE, "bfloat16"))
+QUICK_SHAPES = {"cpu": ((1, 64, 8, 1, 32, PAGE_SIZE, "float32"),),
+                "accelerator": ((8, 8192, 32, 4, 128, PAGE_SIZE, "bfloat16"),)}
+
+
+def cases(platform: str, quick: bool = False) -> list[harness.Case]:
+    shapes = harness.pick_shapes(platform, quick, cpu=CPU_SHAPES, accelerator=ACCELERATOR_SHAPES,
+                                 quick_shapes=QUICK_SHAPES)
+    ours = tuple(i for i in harness.kernel_implementations(platform) if i != "pallas_triton")
+    # A quick CPU run skips JAX's kernel on JAX's interpreter (a smoke test of ours).
+    theirs = not (quick and platform == "cpu")
+    return [make_case(shape, ours, interpret=platform == "cpu", theirs=theirs) for shape in shapes]
+
+
+def make_case(shape, implementations, *, interpret: bool, theirs: bool = True) -> harness.Case:
+    b, s, n, k, h, ps, dtype = shape
+    itemsize = jnp.dtype(dtype).itemsize
+    fns = {harness.BASELINE: gathered_xla}
+    for name in implementations:
+        fns[name] = functools.partial(ours, implementation=name)
+    if theirs:
+        fns["jax_pallas"] = functools.partial(jax_pallas, interpret=interpret)
+    return harness.Case(
+        op=OP, variant=f"decode+gqa{n // k}", shape=(b, s, n, k, h, ps), dtype=dtype,
+        pass_name="fwd", flops=4.0 * b * n * s * h, make_inputs=functools.partial(
+            _make_inputs, shape=shape), implementations=fns, reference=reference,
+        ceiling="copy", bytes_accessed=float(2 * b * s * k * h * itemsize + 2 * b * n * h * itemsize))
+
+
+def _make_inputs(key, *, shape):
+    """q, k/v pages of a cache holding exactly the batch's sequences (in a shuffled page
+    order), the tables and full lengths. The logits have unit spread at scale 1/sqrt(H),
+    which q carries (JAX's kernel does not scale)."""
+    b, s, n, k, h, ps, dtype = shape
+    pages = s // ps
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    q = harness.random_normal(kq, (b, n, h), dtype, scale=h ** -0.5)
+    cache = (k, b * pages, ps, h)
+    k_pages = harness.random_normal(kk, cache, dtype)
+    v_pages = harness.random_normal(kv, cache, dtype)
+    tables = jax.random.permutation(kp, b * pages).reshape(b, pages).astype(jnp.int32)
+    lengths = jnp.full((b,), s, jnp.int32)
+    return q, k_pages, v_pages, tables, lengths
+
+
+def _dense(pages, tables):
+    """``[K, P, ps, H]`` pages -> ``[B, S, K, H]`` by the tables."""
+    x = jnp.take(pages, tables, axis=1)  # [K, B, pages, ps, H]
+    k, b, n, ps, h = x.shape
+    return jnp.moveaxis(x, 0, 3).reshape(b, n * ps, k, h)
+
+
+def gathered_xla(q, k_pages, v_pages, tables, lengths):
+    """The pages gathered, then jax.nn's XLA attention with the lengths (scale 1: q is scaled)."""
+    k, v = _dense(k_pages, tables), _dense(v_pages, tables)
+    out = jax.nn.dot_product_attention(q[:, None], k, v, scale=1.0, key_value_seq_lengths=lengths,
+                                       implementation="xla")
+    return out[:, 0]
+
+
+def ours(q, k_pages, v_pages, tables, lengths, *, implementation):
+    return ops.paged_attention(q, k_pages, v_pages, tables, lengths, implementation=implementation)
+
+
+def jax_pallas(q, k_pages, v_pages, tables, lengths, *, interpret: bool):
+    return jax_paged.paged_attention(q, k_pages, v_pages, tables, lengths, interpret=interpret,
+                                     k_splits=min(16, tables.shape[1]))
+
+
+def reference(q, k_pages, v_pages, tables, lengths):
+    """Exact decode attention over each sequence's first ``length`` tokens (dtype of
+    :func:`benchmarks.harness.upcast`)."""
+    q, k, v = (harness.upcast(x) for x in (q, _dense(k_pages, tables), _dense(v_pages, tables)))
+    b, n, h = q.shape
+    kh = k.shape[2]
+    logits = jnp.einsum("bkgh,bskh->bkgs", q.reshape(b, kh, n // kh, h), k,
+                        precision=lax.Precision.HIGHEST)
+    seen = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
+    logits = jnp.where(seen[:, None, None, :], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bkgs,bskh->bkgh", p, v, precision=lax.Precision.HIGHEST).reshape(b, n, h)

@@ -38,6 +38,9 @@ SHAPE_LEGEND = {
                              "N=query heads K=key/value heads H=head dim)",
     "apply_rotary_embedding": "B x T x N x H (B=batch T=tokens N=heads H=head dim)",
     "gated_linear_unit": "M x K x N (x is M x K, weights K x 2 x N)",
+    "paged_attention": "B x S x N x K x H x P (B=sequences S=cached tokens N=query heads "
+                       "K=key/value heads H=head dim P=page size; one new token per sequence: "
+                       "tokens/s = B / time)",
 }
 _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float64": "f64"}
 DTYPE_LEGEND = "dtype: bf16=bfloat16 f32=float32 f16=float16"

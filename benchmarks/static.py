@@ -204,6 +204,29 @@ def attention_cases(seq=4096, head_dims=(64, 128), dtype=jnp.bfloat16,
     return cases
 
 
+def attention_decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128,
+                           dtype=jnp.bfloat16) -> list[GateCase]:
+    """Split-KV decode of ``ops.dot_product_attention`` (the split kernel and its merge):
+    one query per sequence over a dense ``context``-long cache, GQA ``heads / kv_heads``;
+    and causal attention with sinks, forward+backward, 16 heads over 4 at 4096."""
+    dt, seq = jnp.dtype(dtype).name, 4096
+
+    def decode(q, k, v):
+        return ops.dot_product_attention(q, k, v, implementation="triton")
+
+    def sinks(q, k, v, s):
+        return _loss(ops.dot_product_attention(q, k, v, is_causal=True, sinks=s,
+                                               implementation="triton"))
+    cache = _sds((batch, context, kv_heads, h), dtype)
+    return [GateCase(f"dot_product_attention/decode+gqa{heads // kv_heads}/"
+                     f"{batch}x1x{context}x{heads}x{kv_heads}x{h}/{dt}/fwd",
+                     decode, (_sds((batch, 1, heads, h), dtype), cache, cache)),
+            GateCase(f"dot_product_attention/causal+sinks/1x{seq}x{seq}x16x4x{h}/{dt}/fwd+bwd",
+                     jax.grad(sinks, (0, 1, 2, 3)),
+                     (_sds((1, seq, 16, h), dtype), _sds((1, seq, 4, h), dtype),
+                      _sds((1, seq, 4, h), dtype), _sds((16,), jnp.float32)))]
+
+
 def decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128, page_size=16,
                  dtype=jnp.bfloat16) -> list[GateCase]:
     """Paged decode attention (split-KV and its merge): one query token per sequence over
@@ -270,8 +293,8 @@ def tuned_cases(target: str) -> list[GateCase]:
 
 def all_cases(target: str = "sm_90") -> list[GateCase]:
     """The full gate: every op at model sizes and every shipped tuned config."""
-    return (matmul_cases() + row_cases() + attention_cases() + decode_cases() + decoder_op_cases()
-            + tuned_cases(target))
+    return (matmul_cases() + row_cases() + attention_cases() + attention_decode_cases()
+            + decode_cases() + decoder_op_cases() + tuned_cases(target))
 
 
 def quick_cases() -> list[GateCase]:

@@ -1,43 +1,68 @@
-"""Launch configuration of the paged decode kernels: pages per grid step and KV splits."""
+"""Launch configuration of the paged decode kernels: pages per grid step and KV splits
+(the op layer's config of ``paged_attention`` and ``ragged_paged_attention``)."""
 from __future__ import annotations
 
 import dataclasses
 import numbers
 
 import pallas_core as pl
+from ops._op import Device, KernelConfig, Problem, tunable
 
 # Enough programs to fill a GPU: about two waves over an H100's 132 SMs.
 TARGET_PROGRAMS = 264
 MAX_SPLITS = 64
+# The problem dims the config is chosen by (Op.dims of both paged ops).
+DIMS = ("rows", "kv_heads", "group", "head_dim", "page_size", "pages_per_row")
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedBlockSizes:
+class PagedBlockSizes(KernelConfig):
     """Attributes:
       pages_per_block: pages each grid step (one trip of a Triton program's loop) reads.
       k_splits: how many programs split each row's page table (flash-decoding);
         1 writes the output directly, more add a merge kernel.
+      num_warps, num_stages: Triton launch parameters (None: 4 warps, 2 stages).
     """
 
-    pages_per_block: int
-    k_splits: int
+    pages_per_block: int = tunable()
+    k_splits: int = tunable()
+    num_warps: int | None = tunable(None)
+    num_stages: int | None = tunable(None)
 
+    @classmethod
+    def heuristic(cls, problem: Problem, device: Device) -> "PagedBlockSizes":
+        """About 128 keys per step on a GPU (64 elsewhere, where a step is a grid
+        iteration); on the Triton backends as many splits as it takes to launch
+        :data:`TARGET_PROGRAMS` programs over rows x key/value heads, each split keeping
+        at least one block; one split on the interpreter and TPU (a TPU core walks its
+        programs in order, so splits would add only the merge's work)."""
+        rows, kv_heads, _, _, page_size, pages_per_row = problem.shape
+        gpu = device.backend in pl.TRITON_BACKENDS
+        keys = 128 if gpu else 64
+        per_block = max(1, min(pages_per_row, keys // max(page_size, 1), 16))
+        blocks = pl.cdiv(pages_per_row, per_block)
+        splits = pl.cdiv(TARGET_PROGRAMS, max(rows * kv_heads, 1)) if gpu and not device.interpreter else 1
+        return cls(per_block, max(1, min(splits, blocks, MAX_SPLITS)))
 
-def heuristic(backend: str, programs: int, page_size: int, pages_per_row: int) -> PagedBlockSizes:
-    """The default: about 128 keys per step on a GPU (64 elsewhere, where a step is a
-    grid iteration), and on the GPU backends as many splits as it takes to launch
-    :data:`TARGET_PROGRAMS` programs for ``programs`` (rows x key/value heads), each
-    split keeping at least one block; one split on the interpreter and TPU unless the
-    table is long (a TPU core walks its programs in order, so splits add only merge work)."""
-    keys = 128 if backend in pl.TRITON_BACKENDS else 64
-    per_block = max(1, min(pages_per_row, keys // max(page_size, 1), 16))
-    blocks = pl.cdiv(pages_per_row, per_block)
-    if backend in pl.TRITON_BACKENDS:
-        splits = pl.cdiv(TARGET_PROGRAMS, max(programs, 1))
-    else:
-        splits = 1
-    splits = max(1, min(splits, blocks, MAX_SPLITS))
-    return PagedBlockSizes(per_block, splits)
+    @classmethod
+    def candidates(cls, problem: Problem, device: Device) -> tuple["PagedBlockSizes", ...]:
+        """The heuristic's pages per step at a half and twice, its splits at a half and
+        twice, at 4 and 8 warps (Triton GPUs; the heuristic elsewhere)."""
+        base = cls.heuristic(problem, device)
+        if device.backend not in pl.TRITON_BACKENDS or device.interpreter:
+            return (base,)
+        pages_per_row = problem.shape[-1]
+        out = []
+        for per_block in (base.pages_per_block, base.pages_per_block // 2, base.pages_per_block * 2):
+            per_block = max(1, min(per_block, pages_per_row, 16))
+            blocks = pl.cdiv(pages_per_row, per_block)
+            for splits in (base.k_splits, base.k_splits // 2, base.k_splits * 2):
+                splits = max(1, min(splits, blocks, MAX_SPLITS))
+                for warps in (4, 8):
+                    c = cls(per_block, splits, warps)
+                    if c not in out:
+                        out.append(c)
+        return tuple(out)
 
 
 def check_block_sizes(block_sizes, op: str) -> PagedBlockSizes | None:
@@ -45,11 +70,14 @@ def check_block_sizes(block_sizes, op: str) -> PagedBlockSizes | None:
     k_splits)``.
 
     Raises:
-      ValueError: anything else, or a field that is not a positive int.
+      ValueError: anything else, or a field that is not a positive int (or None for the
+        launch parameters).
     """
+    fields = {f.name for f in dataclasses.fields(PagedBlockSizes)}
     if block_sizes is None or isinstance(block_sizes, PagedBlockSizes):
         bs = block_sizes
-    elif isinstance(block_sizes, dict) and set(block_sizes) == {"pages_per_block", "k_splits"}:
+    elif (isinstance(block_sizes, dict) and {"pages_per_block", "k_splits"} <= set(block_sizes)
+          <= fields):
         bs = PagedBlockSizes(**block_sizes)
     elif isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2:
         bs = PagedBlockSizes(*block_sizes)
@@ -59,6 +87,8 @@ def check_block_sizes(block_sizes, op: str) -> PagedBlockSizes | None:
     if bs is not None:
         for f in dataclasses.fields(bs):
             x = getattr(bs, f.name)
+            if x is None and f.name in ("num_warps", "num_stages"):
+                continue
             if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
                 raise ValueError(f"{op}: block_sizes.{f.name} must be a positive int, got {x!r}.")
     return bs

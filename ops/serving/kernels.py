@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import pallas_core as pl
@@ -106,6 +107,27 @@ class DecodeConfig:
     def merged(self) -> bool:
         """Whether the attention kernel writes partials for the merge kernel."""
         return self.k_splits > 1 or self.sinks
+
+    @classmethod
+    def build(cls, op, impl: str, explicit, *, rows: int, kv_heads: int, group: int,
+              head_dim: int, page_size: int, total_pages: int, pages_per_row: int, dtype,
+              **fields) -> "DecodeConfig":
+        """The config of one call of ``op`` (an :class:`ops._op.Op` whose dims are
+        :data:`ops.serving.block_sizes.DIMS`) on ``impl``: block sizes ``explicit``, else
+        the tuning cache's, else the heuristic's; the query tile for the backend.
+
+        Raises:
+          NotImplementedError: pages of fewer than 16 tokens on the Triton backends.
+        """
+        check_page_size(impl, page_size, op.name)
+        problem = op.problem((rows, kv_heads, group, head_dim, page_size, pages_per_row), dtype)
+        bs = op.select(problem, impl, explicit)
+        return cls(backend=impl, rows=rows, kv_heads=kv_heads, group=group,
+                   group_rows=group_rows(impl, group), head_dim=head_dim, page_size=page_size,
+                   total_pages=total_pages, pages_per_row=pages_per_row,
+                   pages_per_block=min(bs.pages_per_block, pages_per_row), k_splits=bs.k_splits,
+                   dtype=np.dtype(dtype).name, num_warps=bs.num_warps,
+                   num_stages=bs.num_stages, **fields)
 
     def tile_config(self) -> Config:
         """The attention :class:`Config` the shared tile math reads (scale, soft cap,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ops._checks import check_float_dtype, check_same_dtype
-from ops._implementation import run_implementation
+from ops._op import Op, Tuning, register
 from ops.serving import checks, kernels
-from ops.serving.block_sizes import check_block_sizes, heuristic
+from ops.serving.block_sizes import DIMS, PagedBlockSizes, check_block_sizes
 from ops.serving.reference import gather_pages, rows_attention
 
 _OP = "paged_attention"
@@ -57,7 +58,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
         "interpret", "triton", "mosaic_tpu", or a sequence tried in order.
         "pallas_triton" and "mosaic_gpu" raise NotImplementedError (JAX's GPU
         lowerings have no scalar prefetch).
-      block_sizes: None (:func:`ops.serving.block_sizes.heuristic`), a
+      block_sizes: None (the tuning cache's entry for the device, dtype and shape
+        bucket, else :meth:`PagedBlockSizes.heuristic
+        <ops.serving.block_sizes.PagedBlockSizes.heuristic>`), a
         :class:`~ops.serving.block_sizes.PagedBlockSizes` or ``(pages_per_block,
         k_splits)``.
 
@@ -76,11 +79,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     args = _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages,
                   scale, logits_soft_cap, local_window_size, sinks)
     bs = check_block_sizes(block_sizes, _OP)
-    return run_implementation(
-        implementation, _OP, lambda impl: _run(args, impl, bs),
-        kernel_backends=("interpret", "triton", "mosaic_tpu"),
-        missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which reads the page "
-        "table; use 'triton')")
+    return OP.run(implementation, lambda impl: _run(args, impl, bs))
 
 
 def _window_left(window, op: str):
@@ -157,16 +156,11 @@ def _run(args, impl: str, bs):
                              start, end, scale=args["scale"], soft_cap=args["soft_cap"],
                              sinks=args["sinks"])
         return out.astype(q.dtype)
-    kernels.check_page_size(impl, ps, _OP)
     G = N // K
-    Gp = kernels.group_rows(impl, G)
-    pps = args["tables"].shape[1]
-    bs = bs or heuristic(impl, B * K, ps, pps)
-    cfg = kernels.DecodeConfig(
-        backend=impl, layout=kernels.HEADS_FIRST, rows=B, kv_heads=K, group=G, group_rows=Gp,
-        head_dim=H, page_size=ps, total_pages=P, pages_per_row=pps,
-        pages_per_block=min(bs.pages_per_block, pps), k_splits=bs.k_splits,
-        scale=args["scale"], soft_cap=args["soft_cap"], dtype=np.dtype(q.dtype).name,
+    cfg = kernels.DecodeConfig.build(
+        OP, impl, bs, rows=B, kv_heads=K, group=G, head_dim=H, page_size=ps, total_pages=P,
+        pages_per_row=args["tables"].shape[1], dtype=q.dtype, layout=kernels.HEADS_FIRST,
+        scale=args["scale"], soft_cap=args["soft_cap"],
         per_token_scales=args["k_scales"] is not None, sinks=args["sinks"] is not None)
     qg = q.reshape(B, K, G, H)
     scales = () if args["k_scales"] is None else (args["k_scales"], args["v_scales"])
@@ -184,3 +178,34 @@ def _dequantized(pages, page_scales, dtype):
     if page_scales is None:
         return pages.astype(dtype)
     return (pages.astype(jnp.float32) * page_scales.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+def _reference(q, k_pages, v_pages, block_tables, lengths, **kwargs):
+    """The XLA reference (the ``"xla"`` implementation)."""
+    return paged_attention(q, k_pages, v_pages, block_tables, lengths, implementation="xla",
+                           **kwargs)
+
+
+def _example(problem, implementation: str):
+    """A decode call of ``problem``'s dims for the tuner: every sequence full, each in
+    pages of its own (the tables are made in the call, not drawn at random)."""
+    rows, K, G, H, ps, pps = problem.shape
+    sds = jax.ShapeDtypeStruct
+    cache = sds((K, rows * pps, ps, H), problem.dtype)
+    args = [sds((rows, K * G, H), problem.dtype), cache, cache]
+
+    def fn(q, k_pages, v_pages):
+        tables = jnp.arange(rows * pps, dtype=jnp.int32).reshape(rows, pps)
+        return paged_attention(q, k_pages, v_pages, tables, None, scale=H ** -0.5,
+                               implementation=implementation)
+    return fn, args
+
+
+OP = register(Op(
+    name=_OP, dims=DIMS, configs={b: PagedBlockSizes for b in ("interpret", "triton", "mosaic_tpu")},
+    reference=_reference,
+    tuning=Tuning(example=_example, shapes=((1, 4, 8, 128, 16, 512), (8, 4, 8, 128, 16, 512),
+                                            (64, 4, 8, 128, 16, 512), (8, 4, 8, 128, 16, 8192)),
+                  quick=((2, 2, 4, 64, 16, 8),), order=60),
+    missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which reads the page table; "
+    "use 'triton')"))

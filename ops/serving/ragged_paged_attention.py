@@ -11,9 +11,9 @@ import numpy as np
 
 import pallas_core as pl
 from ops._checks import check_float_dtype
-from ops._implementation import run_implementation
+from ops._op import Op, register
 from ops.serving import checks, kernels
-from ops.serving.block_sizes import check_block_sizes, heuristic
+from ops.serving.block_sizes import DIMS, PagedBlockSizes, check_block_sizes
 from ops.serving.paged_attention import sink_tile
 from ops.serving.reference import gather_pages, rows_attention
 
@@ -76,11 +76,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     args = _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale,
                   sliding_window, soft_cap, k_scale, v_scale, sinks)
     bs = check_block_sizes(block_sizes, _OP)
-    return run_implementation(
-        implementation, _OP, lambda impl: _run(args, impl, bs),
-        kernel_backends=("interpret", "triton", "mosaic_tpu"),
-        missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which reads the page "
-        "table; use 'triton')")
+    return OP.run(implementation, lambda impl: _run(args, impl, bs))
 
 
 def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale, window, soft_cap,
@@ -163,18 +159,27 @@ def _run(args, impl: str, bs):
         out = rows_attention(q, k, v, start, end, scale=args["scale"], soft_cap=args["soft_cap"],
                              sinks=args["sinks"])
         return out.astype(q.dtype)
-    kernels.check_page_size(impl, ps, _OP)
     G = N // K
-    Gp = kernels.group_rows(impl, G)
-    bs = bs or heuristic(impl, T * K, ps, pps)
-    cfg = kernels.DecodeConfig(
-        backend=impl, layout=kernels.COMBINED, rows=T, kv_heads=K, group=G, group_rows=Gp,
-        head_dim=H, page_size=ps, total_pages=P, pages_per_row=pps,
-        pages_per_block=min(bs.pages_per_block, pps), k_splits=bs.k_splits,
-        scale=args["scale"], soft_cap=args["soft_cap"], dtype=np.dtype(q.dtype).name,
-        k_scale=args["k_scale"], v_scale=args["v_scale"], indirect=True,
-        sinks=args["sinks"] is not None, heads_per_program=1 if impl in pl.TRITON_BACKENDS else K)
+    cfg = kernels.DecodeConfig.build(
+        OP, impl, bs, rows=T, kv_heads=K, group=G, head_dim=H, page_size=ps, total_pages=P,
+        pages_per_row=pps, dtype=q.dtype, layout=kernels.COMBINED, scale=args["scale"],
+        soft_cap=args["soft_cap"], k_scale=args["k_scale"], v_scale=args["v_scale"],
+        indirect=True, sinks=args["sinks"] is not None,
+        heads_per_program=1 if impl in pl.TRITON_BACKENDS else K)
     qg = q.reshape(T, K, G, H)
     out = kernels.decode(cfg, qg, (kv,), (), args["tables"], seq, start, end,
                          sink_tile(args["sinks"], K))
     return out.reshape(T, N, H)
+
+
+def _reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
+    """The XLA reference (the ``"xla"`` implementation)."""
+    return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                  implementation="xla", **kwargs)
+
+
+OP = register(Op(
+    name=_OP, dims=DIMS, configs={b: PagedBlockSizes for b in ("interpret", "triton", "mosaic_tpu")},
+    reference=_reference,
+    missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which reads the page table; "
+    "use 'triton')"))

@@ -122,7 +122,8 @@ _OPTIONS = {
 
 
 @pytest.mark.parametrize("option", [pytest.param("plain", marks=pytest.mark.slow), "causal_lengths",
-                                    "window_soft_cap", "dropout_bias"])
+                                    "window_soft_cap",
+                                    pytest.param("dropout_bias", marks=pytest.mark.slow)])
 def test_interpret_sinks(option):
     q, k, v, do, sinks = _inputs(3)
     _check("interpret", q, k, v, do, sinks, **_OPTIONS[option])

@@ -87,11 +87,14 @@ def default_k_splits(batch: int, kv_heads: int, T: int, S: int, group: int, bloc
 
 
 def rows_block(cfg: Config) -> int:
-    """Rows of the decode query tile: ``T * G`` padded (a power of two of at least 16
-    on the Triton backends, ``tl.dot``'s minimum; a multiple of 8 on Mosaic TPU)."""
+    """Rows of the decode query tile: ``T * G`` padded. On the Triton backends always
+    ``MAX_ROWS`` = 64, ``wgmma``'s M per warp group on sm_90: with 16 rows (``tl.dot``'s
+    minimum) the products fall back to ``mma.sync``; the padding rows cost tensor-core
+    time, which a loop bound by reading K/V has to spare (sm_90 at h128, 64-key tiles:
+    140 registers, 80 KiB shared memory, no spills). A multiple of 8 elsewhere."""
     rows = cfg.spec.T * cfg.group
     if cfg.backend in pl.TRITON_BACKENDS:
-        return max(16, pl.next_power_of_2(rows))
+        return MAX_ROWS
     return max(8, pl.cdiv(rows, 8) * 8)
 
 

@@ -279,10 +279,11 @@ def tuned_cases(target: str) -> list[GateCase]:
     configs), compiled with the entry in force."""
     kinds = TARGET_DEVICE_KINDS.get(target, ())
     cases = []
+    tuned = {op.name for op in search.tuned_ops()}
     for key, _ in sorted(tuning.load(tuning.PACKAGED_CACHE).items()):
         op, impl, kind, dtype, bucket, variant = key
-        if kind not in kinds or impl != "triton":
-            continue
+        if kind not in kinds or impl != "triton" or op not in tuned:
+            continue  # another GPU's or backend's entry, or one of an op with no tuner call
         problem = search.Problem(op, tuple(bucket), dtype, impl)
         if dict(variant) != tuning.full_variant(op, problem.variant()):
             continue  # a variant the problem's call does not make: its entry would not apply

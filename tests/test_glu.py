@@ -13,10 +13,11 @@ import pytest
 
 import ops
 import pallas_core as pl
-from ops.activations import ACTIVATIONS
+from ops.activations import resolve_activation
 from ops.decoder.reference import gated_linear_unit_reference
+from tests.op_battery import BadInput, Case, OpBattery, OpSpec
 from tests.op_test_case import weights_like
-from tests.tolerances import BACKWARD, FORWARD, assert_close, for_dtype
+from tests.tolerances import BACKWARD, FORWARD, assert_close
 
 
 def _inputs(lead, k, n, dtype, seed=0):
@@ -45,32 +46,60 @@ def tokamax_semantics(x, weights, activation=None):
     return (gate * up).astype(x.dtype)
 
 
-# (leading dims, K, N, activation): rows, K and N that divide no tile; leading dims.
-CASES = {
-    "swiglu": ((37,), 50, 70, "silu"),
-    "bilinear_3d": ((2, 3), 19, 24, None),
-    "geglu_exact": ((70,), 130, 40, "gelu_exact"),
-    "geglu_tanh_callable": ((9,), 33, 17, lambda z: jax.nn.gelu(z, approximate=True)),
-}
-RUNS = ([("interpret", c, jnp.float32) for c in ("swiglu", "bilinear_3d", "geglu_exact")]
-        + [("triton", c, jnp.float32) for c in ("swiglu", "bilinear_3d")]
-        + [("triton", "geglu_exact", jnp.bfloat16), ("triton", "geglu_tanh_callable", jnp.float16)])
+def _battery_inputs(rng, dtype, lead, k, n):
+    x = rng.standard_normal((*lead, k), np.float32)
+    w = rng.standard_normal((k, 2, n), np.float32) / np.sqrt(max(k, 1))
+    return jnp.asarray(x, dtype), jnp.asarray(w, dtype)
 
 
-@pytest.mark.parametrize("impl, case, dtype", RUNS,
-                         ids=[f"{i}-{c}-{jnp.dtype(d).name}" for i, c, d in RUNS])
-def test_matches_reference_and_gradients(impl, case, dtype):
-    lead, k, n, activation = CASES[case]
-    x, w = _inputs(lead, k, n, dtype, seed=len(case))
-    act = ACTIVATIONS[activation] if isinstance(activation, str) else activation
-    out, (dx, dw) = _with_grads(lambda x, w: ops.gated_linear_unit(
-        x, w, activation=activation, implementation=impl))(x, w)
-    want, (wdx, wdw) = _with_grads(lambda x, w: gated_linear_unit_reference(x, w, act))(
-        x.astype(jnp.float32), w.astype(jnp.float32))
-    assert (out.shape, out.dtype, dx.dtype, dw.dtype) == ((*lead, n), x.dtype, x.dtype, w.dtype)
-    assert_close(out, want, for_dtype(FORWARD, dtype), "out")
-    assert_close(dx, wdx, for_dtype(BACKWARD, dtype), "dx")
-    assert_close(dw, wdw, for_dtype(BACKWARD, dtype), "dw")
+def _battery_op(x, w, **kwargs):
+    return ops.gated_linear_unit(x, w, **kwargs)
+
+
+def _battery_reference(x, w, activation=None):
+    return gated_linear_unit_reference(x, w, resolve_activation(activation, "test"))
+
+
+_X, _W = jnp.zeros((4, 8), jnp.float32), jnp.zeros((8, 2, 6), jnp.float32)
+
+
+GLU = OpSpec(
+    name="gated_linear_unit", op=_battery_op, reference=_battery_reference,
+    make_inputs=_battery_inputs, grad_argnums=(0, 1),
+    cases=[
+        # Rows, K and N that divide no tile; leading dims; many K steps with explicit tiles.
+        Case("tiny_swiglu", dict(lead=(5,), k=8, n=6), dict(activation="silu")),
+        Case("swiglu", dict(lead=(37,), k=50, n=70), dict(activation="silu")),
+        Case("bilinear_3d", dict(lead=(2, 3), k=19, n=24)),
+        Case("geglu_exact", dict(lead=(70,), k=130, n=40), dict(activation="gelu_exact"),
+             implementations=("interpret",)),
+        Case("relu_many_k_steps", dict(lead=(20,), k=70, n=40), dict(activation="relu"),
+             tiles=dict(block_sizes=(16, 32, 32)), implementations=("interpret",)),
+        # 16-bit inputs and a callable activation on triton.
+        Case("geglu_exact_bf16", dict(lead=(70,), k=130, n=40), dict(activation="gelu_exact"),
+             dtypes=(jnp.bfloat16,), implementations=("triton",)),
+        Case("geglu_tanh_callable_f16", dict(lead=(9,), k=33, n=17),
+             dict(activation=lambda z: jax.nn.gelu(z, approximate=True)), dtypes=(jnp.float16,),
+             implementations=("triton",)),
+    ],
+    implementations=("interpret", "triton"),
+    bad_inputs=[
+        BadInput("x_not_array", ("x", _W), {}, TypeError, "x"),
+        BadInput("x_int", (_X.astype(jnp.int32), _W), {}, TypeError, "x"),
+        BadInput("weights_dtype", (_X, _W.astype(jnp.bfloat16)), {}, TypeError, "weights"),
+        BadInput("weights_rank_2", (_X, jnp.zeros((8, 12))), {}, ValueError, "weights"),
+        BadInput("weights_not_stacked_pairs", (_X, jnp.zeros((8, 3, 6))), {}, ValueError, "weights"),
+        BadInput("weights_k", (_X, jnp.zeros((9, 2, 6))), {}, ValueError, "weights"),
+        BadInput("x_scalar", (jnp.zeros(()), _W), {}, ValueError, "x"),
+        BadInput("activation_name", (_X, _W), {"activation": "swish2"}, ValueError, "activation"),
+        BadInput("activation_softmax", (_X, _W), {"activation": jax.nn.softmax}, ValueError, "activation"),
+        BadInput("activation_int", (_X, _W), {"activation": 3}, TypeError, "activation"),
+        BadInput("block_sizes", (_X, _W), {"block_sizes": (16, 16)}, ValueError, "block_sizes"),
+    ])
+
+
+class TestGatedLinearUnit(OpBattery):
+    spec = GLU
 
 
 def test_float64_and_tokamax_semantics():
@@ -88,14 +117,7 @@ def test_float64_and_tokamax_semantics():
     assert_close(got, tokamax_semantics(xb, wb, jax.nn.silu), 2 * FORWARD[jnp.bfloat16], "vs tokamax bf16")
 
 
-def test_explicit_blocks_many_k_steps_and_empty_contraction():
-    x, w = _inputs((33,), 100, 40, jnp.float32, seed=5)
-    f = lambda x, w: ops.gated_linear_unit(x, w, activation="relu", implementation="interpret",
-                                           block_sizes=(16, 32, 32))
-    out, (dx, dw) = _with_grads(f)(x, w)
-    want, (wdx, wdw) = _with_grads(lambda x, w: gated_linear_unit_reference(x, w, jax.nn.relu))(x, w)
-    for a, b, what in ((out, want, "out"), (dx, wdx, "dx"), (dw, wdw, "dw")):
-        assert_close(a, b, BACKWARD[jnp.float32], what)
+def test_empty_contraction_gives_zeros():
     empty = ops.gated_linear_unit(jnp.zeros((3, 0)), jnp.zeros((0, 2, 5)), activation="silu",
                                   implementation="interpret")
     np.testing.assert_array_equal(empty, np.zeros((3, 5), np.float32))
@@ -110,36 +132,6 @@ def test_forward_reads_each_x_tile_once():
                            S((512, 256), jnp.bfloat16), S((256, 2, 512), jnp.bfloat16))[0]
     loop = src.split("for ")[1].split("pass")[0]
     assert loop.count("tl.load(p0") == 1 and loop.count("tl.dot(") == 2, loop
-
-
-_X, _W = jnp.zeros((4, 8), jnp.float32), jnp.zeros((8, 2, 6), jnp.float32)
-
-
-@pytest.mark.parametrize("args, kwargs, error, argument", [
-    (("x", _W), {}, TypeError, "x"),
-    ((_X.astype(jnp.int32), _W), {}, TypeError, "x"),
-    ((_X, _W.astype(jnp.bfloat16)), {}, TypeError, "weights"),
-    ((_X, jnp.zeros((8, 12))), {}, ValueError, "weights"),
-    ((_X, jnp.zeros((8, 3, 6))), {}, ValueError, "weights"),
-    ((_X, jnp.zeros((9, 2, 6))), {}, ValueError, "weights"),
-    ((jnp.zeros(()), _W), {}, ValueError, "x"),
-    ((_X, _W), {"activation": "swish2"}, ValueError, "activation"),
-    ((_X, _W), {"activation": jax.nn.softmax}, ValueError, "activation"),
-    ((_X, _W), {"activation": 3}, TypeError, "activation"),
-    ((_X, _W), {"block_sizes": (16, 16)}, ValueError, "block_sizes"),
-    ((_X, _W), {"implementation": "cuda"}, ValueError, "implementation"),
-    ((_X, _W), {"implementation": "mosaic_gpu"}, NotImplementedError, "implementation"),
-])
-def test_bad_input_is_named_before_tracing(args, kwargs, error, argument, monkeypatch):
-    import pallas_core.call
-
-    def traced(*a, **k):
-        raise AssertionError("a kernel was traced before the bad input was refused")
-
-    monkeypatch.setattr(pallas_core.call, "build_call", traced)
-    kwargs.setdefault("implementation", "interpret")
-    with pytest.raises(error, match=rf"\b{argument}\b"):
-        ops.gated_linear_unit(*args, **kwargs)
 
 
 PLATFORMS = {"mosaic_tpu": ("tpu", "tpu_custom_call"), "pallas_triton": ("cuda", "__gpu$xla.gpu.triton")}

@@ -15,8 +15,9 @@ from hypothesis import given, settings, strategies as st
 
 import ops
 from ops.decoder.reference import rotary_embedding_reference
+from tests.op_battery import BadInput, Case, OpBattery, OpSpec
 from tests.op_test_case import weights_like
-from tests.tolerances import BACKWARD, FORWARD, assert_close, for_dtype
+from tests.tolerances import FORWARD, assert_close
 
 KERNELS = ("interpret", "triton")
 
@@ -160,46 +161,84 @@ def test_rope_frequencies_bad_input(kwargs, error, argument):
 # apply_rotary_embedding: kernels against float64 and the XLA reference's gradients
 # --------------------------------------------------------------------------
 
-# (shape, rotary_dim, interleaved, attention_scaling): tokens and heads that do not
-# divide the blocks; partial rotary with non-power-of-two halves (GPT-NeoX-20B's 24 of 96).
-CASES = {
-    "btnh_full": ((2, 13, 3, 16), 16, False, 1.0),
-    "tnh_interleaved_partial": ((13, 3, 20), 12, True, 1.0),
-    "btnh_partial_neox": ((2, 5, 2, 96), 24, False, 1.25),
-    "tnh_interleaved_full_scaled": ((11, 5, 8), 8, True, 0.8),
-}
-# float32 on both kernels; 16-bit dtypes on triton only (its interpreter compiles faster).
-DTYPE_CASES = ([("interpret", name, jnp.float32) for name in list(CASES)[:3]]
-               + [("triton", name, jnp.float32) for name in CASES]
-               + [("triton", "btnh_full", jnp.bfloat16), ("triton", "tnh_interleaved_partial", jnp.float16)])
+def _battery_inputs(rng, dtype, shape, rotary_dim, shared_positions=False):
+    x = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    tokens = shape[-3:-2] if shared_positions else shape[:-2]
+    positions = jnp.asarray(rng.integers(0, 5000, tokens), jnp.int32)
+    return x, positions, ops.rope_frequencies(rotary_dim)[0]
+
+
+def _battery_op(x, positions, inv_freq, **kwargs):
+    return ops.apply_rotary_embedding(x, positions, inv_freq, **kwargs)
+
+
+def _battery_reference(x, positions, inv_freq, **options):
+    return rotary_embedding_reference(x, jnp.broadcast_to(positions, x.shape[:-2]), inv_freq,
+                                      **options)
+
+
+_X, _P, _F = jnp.zeros((4, 2, 8), jnp.float32), jnp.arange(4, dtype=jnp.int32), jnp.ones((4,), jnp.float32)
+
+ROPE = OpSpec(
+    name="apply_rotary_embedding", op=_battery_op, reference=_battery_reference,
+    make_inputs=_battery_inputs,
+    cases=[
+        # Tokens and heads that divide no block; partial rotary with non-power-of-two
+        # halves (GPT-NeoX-20B's 24 of 96); interleaved pairs; attention scaling.
+        Case("tiny", dict(shape=(3, 2, 8), rotary_dim=8)),
+        Case("btnh_full", dict(shape=(2, 13, 3, 16), rotary_dim=16)),
+        Case("tnh_interleaved_partial", dict(shape=(13, 3, 20), rotary_dim=12),
+             dict(interleaved=True)),
+        # 16-bit inputs on triton (its interpreter compiles faster than interpret's grid).
+        Case("btnh_full_16bit", dict(shape=(2, 13, 3, 16), rotary_dim=16),
+             dtypes=(jnp.bfloat16, jnp.float16), implementations=("triton",)),
+        Case("tnh_interleaved_partial_16bit", dict(shape=(13, 3, 20), rotary_dim=12),
+             dict(interleaved=True), dtypes=(jnp.bfloat16,), implementations=("triton",)),
+        Case("btnh_partial_neox_scaled", dict(shape=(2, 5, 2, 96), rotary_dim=24),
+             dict(attention_scaling=1.25)),
+        Case("shared_positions_interleaved_scaled", dict(shape=(2, 11, 5, 8), rotary_dim=8,
+                                                         shared_positions=True),
+             dict(interleaved=True, attention_scaling=0.8), implementations=("triton",)),
+    ],
+    implementations=("interpret", "triton"),
+    bad_inputs=[
+        BadInput("x_rank_2", (np.zeros((4, 8), np.float32), _P, _F), {}, ValueError, "x"),
+        BadInput("x_int", (_X.astype(jnp.int32), _P, _F), {}, TypeError, "x"),
+        BadInput("x_not_array", ("x", _P, _F), {}, TypeError, "x"),
+        BadInput("positions_float", (_X, _P.astype(jnp.float32), _F), {}, TypeError, "positions"),
+        BadInput("positions_length", (_X, jnp.arange(5), _F), {}, ValueError, "positions"),
+        BadInput("inv_freq_int", (_X, _P, _F.astype(jnp.int32)), {}, TypeError, "inv_freq"),
+        BadInput("rotary_dim_over_head_dim", (_X, _P, jnp.ones((5,))), {}, ValueError, "inv_freq"),
+        BadInput("inv_freq_empty", (_X, _P, jnp.ones((0,))), {}, ValueError, "inv_freq"),
+        BadInput("inv_freq_rank_2", (_X, _P, jnp.ones((2, 2))), {}, ValueError, "inv_freq"),
+        BadInput("interleaved_int", (_X, _P, _F), {"interleaved": 1}, TypeError, "interleaved"),
+        BadInput("scaling_array", (_X, _P, _F), {"attention_scaling": jnp.float32(1)}, TypeError,
+                 "attention_scaling"),
+        BadInput("scaling_nan", (_X, _P, _F), {"attention_scaling": float("nan")}, ValueError,
+                 "attention_scaling"),
+        BadInput("block_sizes", (_X, _P, _F), {"block_sizes": (8,)}, ValueError, "block_sizes"),
+    ])
+
+
+class TestApplyRotaryEmbedding(OpBattery):
+    spec = ROPE
+
+
+def test_kernels_match_float64_and_copy_the_pass_through():
+    """Against the float64 NumPy rotation (not the float32 reference the battery uses),
+    and the features past R copied bit for bit."""
+    x, positions, inv_freq, _ = _inputs((2, 5, 2, 40), 24, jnp.bfloat16)
+    for impl in KERNELS:
+        out = ops.apply_rotary_embedding(x, positions, inv_freq, attention_scaling=1.25,
+                                         implementation=impl)
+        want = numpy_rope(np.asarray(x, np.float64), positions, inv_freq, scaling=1.25)
+        assert_close(out, want, FORWARD[jnp.bfloat16], f"{impl} vs float64")
+        np.testing.assert_array_equal(np.asarray(out[..., 24:]), np.asarray(x[..., 24:]))
 
 
 def _loss_grad(fn, x):
     w = weights_like(x)
     return jax.grad(lambda x: jnp.sum(fn(x).astype(jnp.float32) * w))(x)
-
-
-@pytest.mark.parametrize("impl, case, dtype", DTYPE_CASES,
-                         ids=[f"{i}-{c}-{jnp.dtype(d).name}" for i, c, d in DTYPE_CASES])
-def test_apply_rotary_embedding_matches_references(impl, case, dtype):
-    shape, rotary_dim, interleaved, scaling = CASES[case]
-    x, positions, inv_freq, _ = _inputs(shape, rotary_dim, dtype, seed=len(case))
-    kw = dict(interleaved=interleaved, attention_scaling=scaling)
-
-    def op(x):
-        return ops.apply_rotary_embedding(x, positions, inv_freq, implementation=impl, **kw)
-
-    def ref(x):
-        return rotary_embedding_reference(x.astype(jnp.float32), positions, inv_freq, **kw)
-
-    out, grad = jax.jit(lambda x: (op(x), _loss_grad(op, x)))(x)
-    assert out.dtype == x.dtype and out.shape == x.shape and grad.dtype == x.dtype
-    want = numpy_rope(np.asarray(x, np.float64), positions, inv_freq, interleaved, scaling)
-    assert_close(out, want, for_dtype(FORWARD, dtype), "output vs float64")
-    # The pass-through features are copied bit for bit.
-    np.testing.assert_array_equal(np.asarray(out[..., rotary_dim:]), np.asarray(x[..., rotary_dim:]))
-    want_grad = jax.jit(lambda x: _loss_grad(ref, x))(x.astype(jnp.float32))
-    assert_close(grad, want_grad, for_dtype(BACKWARD, dtype), "dx")
 
 
 def test_gradient_is_the_inverse_rotation():
@@ -223,13 +262,6 @@ def test_inv_freq_gradient_and_vmap():
     got = jax.jit(jax.vmap(lambda x: ops.apply_rotary_embedding(x, positions, inv_freq,
                                                                  implementation="interpret")))(batch)
     assert_close(got, numpy_rope(np.asarray(batch), positions, inv_freq), 2e-6, "vmap")
-
-
-def test_positions_of_one_sequence_are_shared_by_the_batch():
-    x, _, inv_freq, _ = _inputs((2, 6, 2, 8), 8, jnp.float32)
-    positions = jnp.arange(6, dtype=jnp.int32) + 3
-    got = ops.apply_rotary_embedding(x, positions, inv_freq, implementation="triton")
-    assert_close(got, numpy_rope(x, np.broadcast_to(positions, (2, 6)), inv_freq), 2e-6, "shared")
 
 
 @settings(max_examples=3, deadline=None)
@@ -309,40 +341,6 @@ def test_matches_transformers_neox_partial_and_gptj_interleaved():
 # --------------------------------------------------------------------------
 # Bad input, other backends, partitioning
 # --------------------------------------------------------------------------
-
-_X = jnp.zeros((4, 2, 8), jnp.float32)
-_P = jnp.arange(4, dtype=jnp.int32)
-_F = jnp.ones((4,), jnp.float32)
-
-
-@pytest.mark.parametrize("args, kwargs, error, argument", [
-    ((np.zeros((4, 8), np.float32), _P, _F), {}, ValueError, "x"),
-    ((_X.astype(jnp.int32), _P, _F), {}, TypeError, "x"),
-    ((_X, _P.astype(jnp.float32), _F), {}, TypeError, "positions"),
-    ((_X, jnp.arange(5), _F), {}, ValueError, "positions"),
-    ((_X, _P, _F.astype(jnp.int32)), {}, TypeError, "inv_freq"),
-    ((_X, _P, jnp.ones((5,))), {}, ValueError, "inv_freq"),
-    ((_X, _P, jnp.ones((0,))), {}, ValueError, "inv_freq"),
-    ((_X, _P, jnp.ones((2, 2))), {}, ValueError, "inv_freq"),
-    ((_X, _P, _F), {"interleaved": 1}, TypeError, "interleaved"),
-    ((_X, _P, _F), {"attention_scaling": jnp.float32(1)}, TypeError, "attention_scaling"),
-    ((_X, _P, _F), {"attention_scaling": float("nan")}, ValueError, "attention_scaling"),
-    ((_X, _P, _F), {"block_sizes": (8,)}, ValueError, "block_sizes"),
-    ((_X, _P, _F), {"implementation": "cuda"}, ValueError, "implementation"),
-    ((_X, _P, _F), {"implementation": "mosaic_gpu"}, NotImplementedError, "implementation"),
-    (("x", _P, _F), {}, TypeError, "x"),
-])
-def test_bad_input_is_named_before_tracing(args, kwargs, error, argument, monkeypatch):
-    import pallas_core.call
-
-    def traced(*a, **k):
-        raise AssertionError("a kernel was traced before the bad input was refused")
-
-    monkeypatch.setattr(pallas_core.call, "build_call", traced)
-    kwargs.setdefault("implementation", "interpret")
-    with pytest.raises(error, match=rf"\b{argument}\b"):
-        ops.apply_rotary_embedding(*args, **kwargs)
-
 
 def test_pallas_triton_refuses_padded_blocks_and_falls_back():
     x, positions, inv_freq, _ = _inputs((5, 2, 20), 12, jnp.float32)

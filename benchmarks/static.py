@@ -274,6 +274,24 @@ def decoder_op_cases(dtype=jnp.bfloat16) -> list[GateCase]:
     ]
 
 
+def moe_cases(dtype=jnp.bfloat16) -> list[GateCase]:
+    """ops.ragged_dot at Mixtral 8x7B's first expert GEMM (16k tokens, top-2: 32768 rows
+    over 8 experts, 4096 -> 14336): the grouped forward, and forward+backward (dlhs and
+    the per-group drhs)."""
+    dt = jnp.dtype(dtype).name
+    m, k, n, g = 32768, 4096, 14336, 8
+    args = (_sds((m, k), dtype), _sds((g, k, n), dtype), _sds((g,), jnp.int32))
+
+    def gmm(lhs, rhs, group_sizes):
+        return ops.ragged_dot(lhs, rhs, group_sizes, implementation="triton")
+
+    return [
+        GateCase(f"ragged_dot/{g}-groups/{m}x{k}x{n}/{dt}/fwd", gmm, args),
+        GateCase(f"ragged_dot/{g}-groups/{m}x{k}x{n}/{dt}/fwd+bwd",
+                 jax.grad(lambda a, b, s: _loss(gmm(a, b, s)), (0, 1)), args),
+    ]
+
+
 def tuned_cases(target: str) -> list[GateCase]:
     """One case per entry of the packaged cache for ``target``'s GPUs (the shipped tuned
     configs), compiled with the entry in force."""
@@ -295,7 +313,7 @@ def tuned_cases(target: str) -> list[GateCase]:
 def all_cases(target: str = "sm_90") -> list[GateCase]:
     """The full gate: every op at model sizes and every shipped tuned config."""
     return (matmul_cases() + row_cases() + attention_cases() + attention_decode_cases()
-            + decode_cases() + decoder_op_cases() + tuned_cases(target))
+            + decode_cases() + decoder_op_cases() + moe_cases() + tuned_cases(target))
 
 
 def quick_cases() -> list[GateCase]:

@@ -77,9 +77,10 @@ class RaggedDotConfig(KernelConfig):
 
     @classmethod
     def candidates(cls, problem: Problem, device: Device) -> tuple["RaggedDotConfig", ...]:
-        """On Triton GPUs: row tiles 64 / 128, column tiles 128 / 256, K steps 32 / 64,
-        4 or 8 warps, 3 or 4 stages (clamped to the problem, distinct); elsewhere the
-        heuristic's."""
+        """On Triton GPUs: row tiles 64 / 128, column tiles 64 / 128, K steps 32 / 64,
+        4 or 8 warps, 3 or 4 stages (clamped to the problem, distinct; 128 x 256 tiles
+        take more than sm_90's 227 KiB of shared memory in the backward kernels);
+        elsewhere the heuristic's."""
         base = cls.heuristic(problem, device)
         if device.backend not in pl.TRITON_BACKENDS or device.interpreter:
             return (base,)
@@ -87,7 +88,7 @@ class RaggedDotConfig(KernelConfig):
         per_group = max(1, -(-m // max(groups, 1)))
         out = [base]
         for bm in (64, 128):
-            for bn in (128, 256):
+            for bn in (64, 128):
                 for bk in (32, 64):
                     for warps, stages in ((4, 3), (8, 3), (8, 4)):
                         c = cls(fit(bm, per_group), fit(bn, n), fit(bk, k), warps, stages)

@@ -34,6 +34,7 @@ from jax import lax
 
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._op import Op, Problem, Tuning, register
+from ops.matmul import tiled
 from ops.moe import gmm, group_table, tgmm
 from ops.moe.config import RaggedDotConfig
 from ops.moe.reference import ragged_dot_reference
@@ -232,6 +233,11 @@ def _ragged_dot_bwd(kernel: _Kernel, residuals, g):
     dout = g.astype(lhs.dtype)
     m, g_local = lhs.shape[0], rhs.shape[0]
     c = kernel.config
+    # The forward's warps for both (dlhs's tile is block_m x block_k, drhs's block_k x
+    # block_n; at 4 warps drhs's masked 64 x 128 bfloat16 tiles take 241 registers on
+    # sm_90, at 8 warps 124).
+    c = dataclasses.replace(c, num_warps=c.num_warps or tiled.default_num_warps(c.block_m,
+                                                                                c.block_n))
     visits = group_table.row_visits(group_sizes, g_local, offset, m, c.block_m)
     dlhs = gmm.gmm(dout, rhs, visits, transpose_rhs=True,
                    config=dataclasses.replace(c, block_n=c.block_k, block_k=c.block_n),

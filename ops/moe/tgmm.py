@@ -50,7 +50,8 @@ def _loop_kernel(begins_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, block_m: i
     first_tile = lo // block_m
     trips = jnp.where(hi > lo, (hi - 1) // block_m - first_tile + 1, 0)
     acc = tiled.loop_accumulate(lhs_ref, dout_ref, ca=0, cb=0, block_k=block_m, num_k=trips,
-                                out_shape=out_ref.shape, k_size=hi, k_lo=lo, first_k=first_tile)
+                                out_shape=out_ref.shape, k_size=hi, k_lo=lo, first_k=first_tile,
+                                masked_loads=True)
     out_ref[...] = acc.astype(out_ref.dtype)
 
 

@@ -157,6 +157,28 @@ def test_cached_launch_parameters_reach_the_triton_kernel():
     assert record["constexprs"]["GROUP"] == 4  # grouped program ordering, bands of 4
 
 
+def test_matmul_config_as_block_sizes():
+    """A MatmulConfig passed as block_sizes is the explicit config: its launch parameters
+    reach the kernel, a walk it leaves None is the backend's, bad fields name block_sizes."""
+    from pallas_core.triton import backend
+    from ops.matmul.config import MatmulConfig
+    config = MatmulConfig(32, 64, 32, num_warps=2, num_stages=2, group_size=4)
+    assert select_tiles(64, 64, 48, jnp.bfloat16, "pallas_triton", config).walk == "loop"
+    assert select_tiles(64, 64, 48, jnp.bfloat16, "triton", config).walk == "grid"
+    shapes = [jax.ShapeDtypeStruct((64, 48), jnp.bfloat16), jax.ShapeDtypeStruct((48, 64), jnp.bfloat16)]
+    with backend.capturing() as records:
+        jax.make_jaxpr(lambda x, w: ops.fused_matmul(x, w, implementation="triton",
+                                                     block_sizes=config))(*shapes)
+    (record,) = records
+    assert (record["num_warps"], record["num_stages"], record["constexprs"]["GROUP"]) == (2, 2, 4)
+    for bad, message in ((MatmulConfig(0, 16, 16), "block_sizes.block_m must be a positive int"),
+                         (MatmulConfig(16, 16, 16, num_stages=True), "num_stages must be a positive"),
+                         (MatmulConfig(16, 16, 16, walk="zigzag"), "block_sizes.walk must be")):
+        with pytest.raises(ValueError, match=message):
+            ops.fused_matmul(np.zeros((4, 8), np.float32), np.zeros((8, 4), np.float32),
+                             implementation="interpret", block_sizes=bad)
+
+
 def test_row_op_precedence_and_cached_layout_runs():
     rows, features = 13, 300
     heuristic = select_row_layout("layer_norm", rows, features, jnp.float32, "interpret")

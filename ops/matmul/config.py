@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ops import _op
 from ops.matmul import tiled
 
@@ -29,8 +31,10 @@ class MatmulConfig(_op.KernelConfig):
         (8 warps from a 128 x 128 tile, 3 stages).
       group_size: grouped program ordering on ``triton``
         (:class:`pallas_core.triton.CompilerParams`); None: 8.
-      walk: how the contraction is walked (:func:`ops.matmul.tiled.strategy`:
-        ``"loop"`` on pallas_triton, ``"grid"`` elsewhere); not tuned.
+      walk: how the contraction is walked, ``"grid"`` or ``"loop"``; None (what
+        a caller's config may leave it): the backend's
+        (:func:`ops.matmul.tiled.strategy`: ``"loop"`` on pallas_triton, ``"grid"``
+        elsewhere). Not tuned.
     """
 
     block_m: int = _op.tunable()
@@ -39,11 +43,26 @@ class MatmulConfig(_op.KernelConfig):
     num_warps: int | None = _op.tunable(None)
     num_stages: int | None = _op.tunable(None)
     group_size: int | None = _op.tunable(None)
-    walk: str = tiled.GRID
+    walk: str | None = None
 
     @property
     def blocks(self) -> tuple[int, int, int]:
         return (self.block_m, self.block_n, self.block_k)
+
+    def check(self, op: str) -> None:
+        """Raises ValueError naming ``block_sizes`` when a tile is not a positive int, a
+        launch parameter neither None nor a positive int, or ``walk`` unknown."""
+        for name in self.tunable_fields():
+            value = getattr(self, name)
+            required = name.startswith("block_")
+            if (value is None and not required) or (
+                    isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0):
+                continue
+            raise ValueError(f"{op}: block_sizes.{name} must be a positive int"
+                             f"{'' if required else ' or None'}, got {value!r}.")
+        if self.walk not in (None, tiled.GRID, tiled.LOOP):
+            raise ValueError(f"{op}: block_sizes.walk must be None, {tiled.GRID!r} or "
+                             f"{tiled.LOOP!r}, got {self.walk!r}.")
 
     @classmethod
     def from_blocks(cls, blocks, backend: str) -> "MatmulConfig":

@@ -70,7 +70,7 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
         (:mod:`ops._implementation`).
       block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes (a
         :class:`~ops.matmul.config.MatmulConfig` with the heuristic's launch
-        parameters); None takes the tuning cache's entry for the device, dtype
+        parameters and walk), or a ``MatmulConfig`` itself; None takes the tuning cache's entry for the device, dtype
         and shape bucket (:mod:`ops.tuning`), else picks them by shape, dtype
         and backend (:func:`default_block_sizes`); see :func:`select_tiles`. The backward
         pass reuses them by role.
@@ -119,6 +119,9 @@ def _fused_matmul_on(impl, x, w, bias, act, blocks):
 def _check_block_sizes(block_sizes):
     if block_sizes is None:
         return None
+    if isinstance(block_sizes, MatmulConfig):
+        block_sizes.check(_OP)
+        return block_sizes
     sizes = tuple(block_sizes)
     if len(sizes) != 3 or not all(isinstance(b, (int, np.integer)) and b > 0 for b in sizes):
         raise ValueError(f"{_OP}: block_sizes must be three positive ints "
@@ -373,7 +376,11 @@ def select_tiles(m: int, n: int, k: int, dtype, backend: str,
     Raises:
       ops.tuning.TuningCacheError: a malformed user or packaged cache file.
     """
-    explicit = None if block_sizes is None else MatmulConfig.from_blocks(block_sizes, backend)
+    explicit = block_sizes
+    if block_sizes is not None and not isinstance(block_sizes, MatmulConfig):
+        explicit = MatmulConfig.from_blocks(block_sizes, backend)
+    elif block_sizes is not None and block_sizes.walk is None:
+        explicit = dataclasses.replace(block_sizes, walk=tiled.strategy(backend))
     return OP.select(OP.problem((m, n, k), dtype), backend, explicit)
 
 

@@ -5,10 +5,10 @@ list[harness.Case]`` and list it in :data:`CASE_MODULES`.
 """
 from __future__ import annotations
 
-from benchmarks import (attention, cross_entropy, decode, decoder_ops, harness, matmul, norms,
+from benchmarks import (attention, cross_entropy, decode, decoder_ops, harness, matmul, moe, norms,
                         serving, softmax)
 
-CASE_MODULES = (matmul, norms, softmax, cross_entropy, attention, decode, decoder_ops, serving)
+CASE_MODULES = (matmul, norms, softmax, cross_entropy, attention, decode, decoder_ops, serving, moe)
 
 
 def collect_cases(platform: str, quick: bool = False, substring: str | None = None) -> list[harness.Case]:

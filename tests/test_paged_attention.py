@@ -167,10 +167,15 @@ def test_sweep_gqa_head_dims(impl, N, K, H):
 
 
 def test_mosaic_tpu_lowering():
-    text = lower_text(lambda *a: ops.paged_attention(*a, implementation="mosaic_tpu",
-                                                     block_sizes=(2, 2)), "mosaic_tpu",
-                      ((2, 16, 128), jnp.bfloat16), ((2, 32, 16, 128), jnp.bfloat16),
-                      ((2, 32, 16, 128), jnp.bfloat16), ((2, 8), jnp.int32), ((2,), jnp.int32))
+    # Everything at once: int8 pages with per-token scales, sinks, a window and a soft cap.
+    def f(q, k, v, tables, lengths, ks, vs, sinks):
+        return ops.paged_attention(q, k, v, tables, lengths, ks, vs, sinks=sinks,
+                                   local_window_size=40, logits_soft_cap=5.0,
+                                   implementation="mosaic_tpu", block_sizes=(2, 2))
+    i8 = jnp.int8
+    text = lower_text(f, "mosaic_tpu", ((2, 16, 128), jnp.bfloat16), ((2, 32, 16, 128), i8),
+                      ((2, 32, 16, 128), i8), ((2, 8), jnp.int32), ((2,), jnp.int32),
+                      ((2, 32, 16), F32), ((2, 32, 16), F32), ((16,), F32))
     assert text.count("tpu_custom_call") == 2  # attention and merge
 
 

@@ -180,7 +180,9 @@ def _page_specs(cfg: DecodeConfig):
     ps, h = cfg.page_size, cfg.head_dim
     specs = []
     if cfg.layout == HEADS_FIRST:
-        kinds = [(ps, h)] * 2 + ([(ps,)] * 2 if cfg.per_token_scales else [])
+        # Scales come as [K, P, 1, page_size]: a (1, page_size) block is whole in its
+        # last two dims (the TPU's tiling rule), where (page_size,) of [K, P, page_size] is not.
+        kinds = [(ps, h)] * 2 + ([(1, ps)] * 2 if cfg.per_token_scales else [])
         for tail in kinds:
             for p in range(cfg.pages_per_block):
                 page = _page_of(cfg, p)
@@ -228,9 +230,9 @@ def _read_page(cfg: DecodeConfig, refs, p: int, dtype, head: int = 0):
         return tuple(out)
     k, v = refs[p][...], refs[n + p][...]
     if cfg.per_token_scales:
-        ks, vs = refs[2 * n + p][...], refs[3 * n + p][...]
-        k = (k.astype(jnp.float32) * ks.astype(jnp.float32)[:, None]).astype(dtype)
-        v = (v.astype(jnp.float32) * vs.astype(jnp.float32)[:, None]).astype(dtype)
+        ks, vs = (refs[i * n + p][...].astype(jnp.float32).T for i in (2, 3))  # [page_size, 1]
+        k = (k.astype(jnp.float32) * ks).astype(dtype)
+        v = (v.astype(jnp.float32) * vs).astype(dtype)
     return k.astype(dtype), v.astype(dtype)
 
 
@@ -323,7 +325,8 @@ def decode(cfg: DecodeConfig, q, pages, scales, tables, table_rows, start, end, 
 
     Args:
       pages: ``(k_pages, v_pages)`` (HEADS_FIRST) or ``(kv_pages,)`` (COMBINED).
-      scales: ``(k_scales_pages, v_scales_pages)`` with ``cfg.per_token_scales``, else ().
+      scales: ``(k_scales_pages, v_scales_pages)`` ``[K, P, page_size]`` with
+        ``cfg.per_token_scales``, else ().
       tables: int32 ``[table rows, pages_per_row]``; table_rows: int32 ``[rows]`` or None.
       start, end: int32 ``[rows]``: each row's keys.
       sinks: float32 ``[K, group, 1]`` or None.
@@ -332,6 +335,7 @@ def decode(cfg: DecodeConfig, q, pages, scales, tables, table_rows, start, end, 
     kb = cfg.heads_block
     grid = (R, K // cfg.heads_per_program, cfg.k_splits, cfg.blocks_per_split)
     n = cfg.pages_per_block
+    scales = [x.reshape(x.shape[:2] + (1, x.shape[2])) for x in scales]
     operands = [x for x in pages for _ in range(n)] + [x for x in scales for _ in range(n)]
     q_spec = pl.BlockSpec((None, kb, Gp, H), lambda b, h, s, j, *_: (b, h, 0, 0))
     if cfg.merged:

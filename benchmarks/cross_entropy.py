@@ -7,7 +7,11 @@ would write without us, jitted and in the inputs' dtype:
 * cross_entropy: ``optax.softmax_cross_entropy_with_integer_labels(logits, labels)``;
 * linear_cross_entropy: ``x @ w`` then the same optax loss, which
   materialises the ``[N, V]`` logits (and, for the backward pass, their
-  gradient).
+  gradient);
+* cross_entropy, variant ``masked mean`` (an LM loss: every 8th label is
+  padding): ``cross_entropy(logits, labels, ignore_index=-100,
+  reduction="mean")`` against optax's loss on the labels with padding
+  replaced, the mask applied with ``where`` and the mean over the kept rows.
 
 Besides time, every row reports ``peak_bytes`` (the compiled executable's
 temporary plus output buffers, :func:`benchmarks.harness.compiled_peak_bytes`):
@@ -79,10 +83,14 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     """
     ours = harness.kernel_implementations(platform)
     makers = {CE: make_ce_case, LINEAR_CE: make_linear_case}
-    return [makers[op](shape, dtype, pass_name, ours)
-            for op, op_shapes in shapes(platform, quick).items()
-            for shape, dtype in op_shapes
-            for pass_name in harness.PASSES]
+    out = [makers[op](shape, dtype, pass_name, ours)
+           for op, op_shapes in shapes(platform, quick).items()
+           for shape, dtype in op_shapes
+           for pass_name in harness.PASSES]
+    if not quick:
+        out += [make_masked_ce_case(shape, dtype, pass_name, ours)
+                for shape, dtype in shapes(platform)[CE] for pass_name in harness.PASSES]
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -133,6 +141,54 @@ def _ours_ce(logits, labels, *, implementation):
 
 def _reference_ce(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(harness.upcast(logits), labels)
+
+
+IGNORE_INDEX = -100  # transformers' padding label
+
+
+def make_masked_ce_case(shape, dtype: str, pass_name: str,
+                        implementations: tuple[str, ...]) -> harness.Case:
+    """The mean loss over non-padding rows: ``shape = (N, V)``, ours vs optax with a mask."""
+    n, v = shape
+    fns = {harness.BASELINE: _optax_masked_mean, **{
+        impl: functools.partial(_ours_masked_mean, implementation=impl)
+        for impl in implementations}}
+    reference = _reference_masked_mean
+    fwd_bwd = pass_name == "fwd+bwd"
+    if fwd_bwd:
+        fns = {name: harness.forward_and_backward(fn, nondiff=1) for name, fn in fns.items()}
+        reference = harness.forward_and_backward(reference, nondiff=1)
+    logits_bytes = n * v * jnp.dtype(dtype).itemsize
+    return harness.Case(
+        op=CE, variant="masked mean", shape=(n, v), dtype=dtype, pass_name=pass_name,
+        flops=(8.0 if fwd_bwd else 4.0) * n * v,
+        make_inputs=functools.partial(_masked_inputs, shape=(n, v), dtype=dtype,
+                                      with_cotangent=fwd_bwd),
+        implementations=fns, reference=reference, ceiling="copy",
+        bytes_accessed=(3 if fwd_bwd else 1) * logits_bytes, report_memory=True)
+
+
+def _masked_inputs(key, *, shape, dtype, with_cotangent):
+    """``(logits, labels with every 8th one IGNORE_INDEX[, scalar cotangent])``."""
+    logits, labels = _ce_inputs(key, shape=shape, dtype=dtype, with_cotangent=False)
+    labels = labels.at[::8].set(IGNORE_INDEX)
+    return (logits, labels, jnp.ones((), dtype)) if with_cotangent else (logits, labels)
+
+
+def _optax_masked_mean(logits, labels):
+    """What a user writes with optax: replace padding labels, mask with where, mean."""
+    mask = labels != IGNORE_INDEX
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+    return jnp.sum(jnp.where(mask, loss, 0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def _ours_masked_mean(logits, labels, *, implementation):
+    return cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="mean",
+                         implementation=implementation)
+
+
+def _reference_masked_mean(logits, labels):
+    return _optax_masked_mean(harness.upcast(logits), labels)
 
 
 # --------------------------------------------------------------------------

@@ -18,6 +18,14 @@ of ``s`` bytes and ``P`` the parameter bytes (``hidden * s`` per scale/bias):
   The per-row float32 statistics our forward keeps (8 bytes a row) and the
   per-row-block partial sums of dscale / dbias are not counted: they are
   overhead of our kernels, not work the problem requires.
+
+The residual-fused RMSNorm (variant ``add+scale``: ``h = x + residual; y =
+rms_norm(h)``, both returned, as in every pre-norm decoder layer) is compared
+with what a user writes today: the add, then ``flax.nnx.RMSNorm`` on the sum,
+jitted. Its unavoidable traffic: fwd reads x and residual and writes y and h
+(``4 * N * s + P``); fwd+bwd adds reading h and both cotangents and writing
+the one gradient x and residual share (``4 * N * s``), plus ``P`` again and
+dscale.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from benchmarks import harness
@@ -66,13 +75,18 @@ def shapes(platform: str, quick: bool = False):
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     """Every norm case for ``platform``: shapes x ops x passes.
 
-    ``quick`` keeps one tiny shape (still both ops and both passes), for smoke tests.
+    ``quick`` keeps one tiny shape (still both ops and both passes, without the
+    residual-fused variant), for smoke tests.
     """
     ours = harness.kernel_implementations(platform)
-    return [make_case(op, shape, dtype, pass_name, ours)
-            for shape, dtype in shapes(platform, quick)
-            for op in OPS
-            for pass_name in harness.PASSES]
+    out = []
+    for shape, dtype in shapes(platform, quick):
+        out += [make_case(op, shape, dtype, pass_name, ours)
+                for op in OPS for pass_name in harness.PASSES]
+        if not quick:
+            out += [make_residual_case(shape, dtype, pass_name, ours)
+                    for pass_name in harness.PASSES]
+    return out
 
 
 def make_case(op: str, shape, dtype: str, pass_name: str,
@@ -151,3 +165,73 @@ def _reference(x, scale, bias=None, *, center):
     """The exact answer: the inputs upcast (:func:`benchmarks.harness.upcast`)."""
     return _normalize(harness.upcast(x), harness.upcast(scale),
                       None if bias is None else harness.upcast(bias), center)
+
+
+RESIDUAL_VARIANT = "add+scale"
+
+
+def make_residual_case(shape, dtype: str, pass_name: str,
+                       implementations: tuple[str, ...]) -> harness.Case:
+    """Fused add + RMSNorm on ``shape = (rows, hidden)``: ``rms_norm(x, scale,
+    residual=r)`` against the add then ``nnx.RMSNorm`` (module docstring)."""
+    rows, hidden = shape
+    fns = {harness.BASELINE: _add_then_nnx_rms_norm}
+    for implementation in implementations:
+        fns[implementation] = functools.partial(_ours_residual, implementation=implementation)
+    ref = _residual_reference
+    if pass_name == "fwd+bwd":
+        fns = {name: _forward_and_backward_pair(fn) for name, fn in fns.items()}
+        ref = _forward_and_backward_pair(ref)
+    itemsize = jnp.dtype(dtype).itemsize
+    n = rows * hidden
+    params = hidden * itemsize
+    if pass_name == "fwd":
+        bytes_accessed = 4 * n * itemsize + params
+    else:
+        bytes_accessed = 8 * n * itemsize + 2 * params + hidden * itemsize
+    flops = float(6 * n * (3 if pass_name == "fwd+bwd" else 1))
+    return harness.Case(
+        op="rms_norm", variant=RESIDUAL_VARIANT, shape=(rows, hidden), dtype=dtype,
+        pass_name=pass_name, flops=flops,
+        make_inputs=functools.partial(_make_residual_inputs, shape=(rows, hidden), dtype=dtype,
+                                      with_cotangent=pass_name == "fwd+bwd"),
+        implementations=fns, reference=ref, ceiling="copy", bytes_accessed=float(bytes_accessed))
+
+
+def _make_residual_inputs(key, *, shape, dtype, with_cotangent):
+    """``(x, residual, scale[, cotangent of y, cotangent of h])``."""
+    kx, kr, ks, kc, kh = jax.random.split(key, 5)
+    x = harness.random_normal(kx, shape, dtype)
+    residual = harness.random_normal(kr, shape, dtype)
+    scale = (1.0 + harness.random_normal(ks, (shape[1],), jnp.float32, 0.1)).astype(dtype)
+    inputs = [x, residual, scale]
+    if with_cotangent:
+        inputs += [harness.random_normal(kc, shape, dtype), harness.random_normal(kh, shape, dtype)]
+    return tuple(inputs)
+
+
+def _forward_and_backward_pair(fn):
+    """``(x, residual, scale, gy, gh) -> ((y, h), grads)``: both outputs carry a cotangent."""
+    def fwd_bwd(x, residual, scale, gy, gh):
+        out, pullback = jax.vjp(fn, x, residual, scale)
+        return out, pullback((gy.astype(out[0].dtype), gh.astype(out[1].dtype)))
+    return fwd_bwd
+
+
+def _add_then_nnx_rms_norm(x, residual, scale):
+    """The unfused layer: the residual add, then Flax's RMSNorm with ``scale`` as its param."""
+    h = x + residual
+    norm = nnx.RMSNorm(h.shape[-1], epsilon=EPSILON, param_dtype=scale.dtype,
+                       rngs=nnx.Rngs(0))
+    norm.scale[...] = scale
+    return norm(h), h
+
+
+def _ours_residual(x, residual, scale, *, implementation):
+    return rms_norm(x, scale, epsilon=EPSILON, residual=residual, implementation=implementation)
+
+
+def _residual_reference(x, residual, scale):
+    """The exact answer on upcast inputs (the sum itself exact, as in float64)."""
+    h = harness.upcast(x) + harness.upcast(residual)
+    return _normalize(h, harness.upcast(scale), None, False), h

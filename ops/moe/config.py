@@ -14,37 +14,26 @@ import dataclasses
 import numpy as np
 
 import pallas_core as pl
-from ops._op import Device, KernelConfig, Problem, fit, tunable
+from ops._op import Device, Problem, fit
+from ops.matmul.config import MatmulConfig
 from ops._tiles import mosaic_tpu_matmul_blocks
 from pallas_core.triton import backend as triton_backend
 
 
 @dataclasses.dataclass(frozen=True)
-class RaggedDotConfig(KernelConfig):
-    """The grouped matmul's tiles and launch parameters.
+class RaggedDotConfig(MatmulConfig):
+    """The grouped matmul's tiles and launch parameters: :class:`MatmulConfig`'s
+    fields with their meaning for the forward's ``[M, K] @ [K, N]`` tiles
+    (``group_size`` unused: the row tiles follow the groups), its own heuristic.
 
-    Attributes:
-      block_m: rows per tile (of lhs and the output; the rows of one
-        group inside a tile are masked).
-      block_n: output columns per tile.
-      block_k: contraction step.
-      num_warps, num_stages: Triton launch parameters (None: 8 warps from a
-        128 x 128 tile, else 4; 3 stages).
+    ``walk``: None for the backend's (``"loop"`` on the Triton backends, whose
+    programs run concurrently; ``"grid"`` on interpret and mosaic_tpu, in-order
+    grids); the interpreter runs either (the tests check both there).
 
     The backward pass reuses the tiles by role: ``dlhs`` tiles (block_m,
     block_k) contracting N by block_n; ``drhs`` tiles (block_k, block_n)
-    contracting each group's rows by block_m.
+    contracting each group's rows by block_m; both with the forward's warps.
     """
-
-    block_m: int = tunable()
-    block_n: int = tunable()
-    block_k: int = tunable()
-    num_warps: int | None = tunable(None)
-    num_stages: int | None = tunable(None)
-
-    @property
-    def blocks(self) -> tuple[int, int, int]:
-        return self.block_m, self.block_n, self.block_k
 
     @classmethod
     def heuristic(cls, problem: Problem, device: Device) -> "RaggedDotConfig":

@@ -73,8 +73,9 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         NotImplementedError (JAX's Triton lowering has no scalar prefetch). Or
         a sequence of these tried in order (:mod:`ops._implementation`).
       block_sizes: optional ``(block_m, block_n, block_k)`` or a
-        :class:`~ops.moe.config.RaggedDotConfig`; None takes the tuning
-        cache's entry, else the heuristic (by M / G, K and N).
+        :class:`~ops.moe.config.RaggedDotConfig` (tiles, warps, stages, the
+        walk); None takes the tuning cache's entry, else the heuristic (by
+        M / G, K and N).
 
     Returns:
       ``[M, N]`` in ``preferred_element_type``.
@@ -163,7 +164,10 @@ def _check_precision(precision):
 
 
 def _check_block_sizes(block_sizes):
-    if block_sizes is None or isinstance(block_sizes, RaggedDotConfig):
+    if block_sizes is None:
+        return None
+    if isinstance(block_sizes, RaggedDotConfig):
+        block_sizes.check(_OP)
         return block_sizes
     sizes = tuple(block_sizes) if isinstance(block_sizes, (tuple, list)) else None
     if sizes is None or len(sizes) != 3 or not all(
@@ -185,6 +189,9 @@ def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offs
     g_local, _, n = rhs.shape
     problem = OP.problem((m, k, n, g_local), lhs.dtype)
     config = OP.select(problem, impl, explicit)
+    if config.walk not in (None, gmm.walk(impl)) and impl != "interpret":
+        raise ValueError(f"{_OP}: block_sizes.walk={config.walk!r} cannot run on {impl!r} "
+                         f"(it takes {gmm.walk(impl)!r}; the interpreter runs either).")
     return _kernel_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), offset, impl, config,
                               out_dtype)
 
@@ -193,7 +200,8 @@ def _kernel_ragged_dot(lhs, rhs, group_sizes, offset, backend, config, out_dtype
                        walk: str | None = None):
     """The kernels' ``ragged_dot`` (``walk``: force the grid or loop walk; tests run
     both on the interpreter)."""
-    kernel = _Kernel(backend, config, np.dtype(out_dtype), walk or gmm.walk(backend))
+    kernel = _Kernel(backend, config, np.dtype(out_dtype),
+                     walk or config.walk or gmm.walk(backend))
     return _ragged_dot(lhs, rhs, group_sizes, offset, kernel)
 
 

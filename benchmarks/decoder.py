@@ -58,15 +58,17 @@ What it does, per family:
      loss: per parameter ``max |ours - theirs| / max |theirs| <=``
      :data:`GRAD_TOL`.
 
-6. Training (``--train-steps`` > 0, families of ``--train-families``): the
-   model from the mapped weights trained twice with AdamW on the same batches
-   of real text, with our kernels (``--train-implementation``, default
+6. Training (``--train-steps`` > 0, models of ``--train-models``): the model
+   mapped from transformers' own initialisation (it starts near ln 256 nats,
+   as a real pre-training run) trained twice with AdamW on the same batches of
+   real text, with our kernels (``--train-implementation``, default
    ``interpret``) and with the XLA references (``implementation="xla"``, the
    stock-XLA model); the curves must stay within ``--train-tolerance`` of each
    other at every step (as ``benchmarks/lm.py``: the runs differ only in float32
    rounding, which training slowly amplifies; a wrong gradient moves a curve
    by tenths within a few steps) and both runs must lower the loss by
-   ``--min-improvement`` nats.
+   ``--min-improvement`` nats (the default run goes from 5.6 to about 2.7,
+   below the corpus's unigram entropy of about 3.15: the model uses context).
 
 Results: a table on the terminal, ``decoder.json`` and ``decoder.md`` in
 ``--out-dir`` (default ``benchmarks/results/latest/``, ignored by git). Exit
@@ -480,15 +482,17 @@ def tiny_hf_config(family: str, *, tie: bool | None = None, window: int = 8):
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
-def hf_model(family: str, hf_config, seed: int):
-    """The transformers causal LM of ``family`` with :func:`randomize_`'d float32 weights."""
+def hf_model(family: str, hf_config, seed: int, *, randomize: bool = True):
+    """The transformers causal LM of ``family`` in float32, its weights :func:`randomize_`'d
+    (else transformers' own initialisation from ``seed``)."""
     import torch
     import transformers
     cls = {"llama3": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen3": transformers.Qwen3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM}[family]
     torch.manual_seed(seed)
     model = cls(hf_config).float().eval()
-    randomize_(model, seed, offset_norms=family == "gemma2")
+    if randomize:
+        randomize_(model, seed, offset_norms=family == "gemma2")
     return model
 
 
@@ -676,7 +680,9 @@ def train_curves(cfg: DecoderConfig, params: dict, batches: np.ndarray, labels: 
 
 
 def train_family(name: str, family: str, hf_config, data: np.ndarray, args) -> dict:
-    model = hf_model(family, hf_config, args.seed)
+    """Trains from transformers' own initialisation (a model that starts near ln 256 nats,
+    as a real pre-training run does) with our kernels and with the XLA references."""
+    model = hf_model(family, hf_config, args.seed, randomize=False)
     cfg = config_from_hf(family, model.config)
     params = MAPPERS[family](hf_state(model), cfg)
     rng = np.random.default_rng(args.seed + 1)
@@ -782,15 +788,15 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="Weights, text windows and ignored labels.")
     p.add_argument("--data-bytes", type=int, default=1_000_000,
                    help="Bytes of standard-library source to read.")
-    p.add_argument("--train-models", default="gemma2",
+    p.add_argument("--train-models", default="llama3,gemma2",
                    help="Comma-separated models (as --models) to train; empty: none.")
-    p.add_argument("--train-steps", type=int, default=40, help="Training steps (0: no training).")
+    p.add_argument("--train-steps", type=int, default=60, help="Training steps (0: no training).")
     p.add_argument("--train-batch", type=int, default=8, help="Sequences per training step.")
     p.add_argument("--train-implementation", default="interpret",
                    help="Our kernels' implementation in the training run.")
     p.add_argument("--train-tolerance", type=float, default=2e-2,
                    help="Largest allowed |loss_xla - loss_ours| over every step.")
-    p.add_argument("--min-improvement", type=float, default=0.5,
+    p.add_argument("--min-improvement", type=float, default=1.0,
                    help="Both training runs must lower the loss (mean of the first 3 steps vs "
                         "the last 3) by this many nats.")
     p.add_argument("--lr", type=float, default=3e-3, help="Peak AdamW learning rate.")

@@ -400,9 +400,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       implementation: keyword-only. None (the platform's default: "xla" on
         CPU, "triton" on GPU, resolved at call time) or a name from
         ``ops.IMPLEMENTATIONS``, validated at construction (ValueError naming
-        the argument). Used by the default ``attention_fn``, the q/k norms, the
-        rotary embedding given without one of its own and the decoder path's
-        attention; an explicit ``attention_fn`` is used as given.
+        the argument). Used by the default ``attention_fn``, the q/k norms and
+        the decoder path's attention (the ``rotary`` module keeps its own); an
+        explicit ``attention_fn`` is used as given.
       everything else: exactly as :class:`flax.nnx.MultiHeadAttention`.
     """
 

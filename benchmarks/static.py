@@ -187,6 +187,33 @@ def _row_call(op, features, dtype, backward):
     return fn, tuple(args), one_program, block_rows * min(layout.chunk, features)
 
 
+def residual_norm_cases(features: int = 4096, dtype=jnp.bfloat16) -> list[GateCase]:
+    """Fused add + RMSNorm (``rms_norm(x, scale, residual=r)``), forward+backward over
+    ``ROWS`` rows of ``features``. Designed traffic, rows of one chunk: the forward
+    reads x and the residual once each and writes y and h once each; the backward
+    reads h and both cotangents once each and writes the one gradient once."""
+    dt = jnp.dtype(dtype).name
+
+    def loss(x, r, s):
+        y, h = ops.rms_norm(x, s, residual=r, implementation="triton")
+        return _loss(y) + _loss(h)
+
+    block_rows = default_block_rows(ROWS, features, dtype, "triton")
+    layout = _rows.row_layout(ROWS, features, dtype, "triton")
+
+    def one_program():
+        return (_random((block_rows, features), dtype, 1), _random((block_rows, features), dtype, 2),
+                _random((features,), dtype, 3))
+
+    design = {"rms_norm_residual_fwd": 1, "rms_norm_residual_bwd": 1}
+    return [GateCase(f"rms_norm/residual/{ROWS}x{features}/{dt}/fwd+bwd",
+                     jax.grad(loss, (0, 1, 2)),
+                     (_sds((ROWS, features), dtype), _sds((ROWS, features), dtype),
+                      _sds((features,), dtype)),
+                     one_program, design, step_elements=block_rows * min(layout.chunk, features),
+                     itemsize=jnp.dtype(dtype).itemsize)]
+
+
 def attention_cases(seq=4096, head_dims=(64, 128), dtype=jnp.bfloat16,
                     causal_modes=(False, True)) -> list[GateCase]:
     """Forward+backward flash attention, causal and not, 16 heads over 4 key/value heads."""
@@ -312,7 +339,8 @@ def tuned_cases(target: str) -> list[GateCase]:
 
 def all_cases(target: str = "sm_90") -> list[GateCase]:
     """The full gate: every op at model sizes and every shipped tuned config."""
-    return (matmul_cases() + row_cases() + attention_cases() + attention_decode_cases()
+    return (matmul_cases() + row_cases() + residual_norm_cases() + attention_cases()
+            + attention_decode_cases()
             + decode_cases() + decoder_op_cases() + moe_cases() + tuned_cases(target))
 
 

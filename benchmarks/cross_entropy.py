@@ -88,7 +88,7 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
            for shape, dtype in op_shapes
            for pass_name in harness.PASSES]
     if not quick:
-        out += [make_masked_ce_case(shape, dtype, pass_name, ours)
+        out += [make_ce_case(shape, dtype, pass_name, ours, variant=MASKED)
                 for shape, dtype in shapes(platform)[CE] for pass_name in harness.PASSES]
     return out
 
@@ -98,12 +98,13 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
 # --------------------------------------------------------------------------
 
 def make_ce_case(shape, dtype: str, pass_name: str,
-                 implementations: tuple[str, ...]) -> harness.Case:
-    """One cross_entropy case: ``shape = (N, V)``, ours vs optax."""
+                 implementations: tuple[str, ...], variant: str = "plain") -> harness.Case:
+    """One cross_entropy case: ``shape = (N, V)``, ours vs optax; ``variant`` "plain"
+    (per-example losses) or :data:`MASKED` (the masked mean)."""
     n, v = shape
-    fns = {harness.BASELINE: _optax_ce, **{
-        impl: functools.partial(_ours_ce, implementation=impl) for impl in implementations}}
-    reference = _reference_ce
+    baseline, ours, reference, make_inputs = _CE_VARIANTS[variant]
+    fns = {harness.BASELINE: baseline, **{
+        impl: functools.partial(ours, implementation=impl) for impl in implementations}}
     fwd_bwd = pass_name == "fwd+bwd"
     if fwd_bwd:
         fns = {name: harness.forward_and_backward(fn, nondiff=1) for name, fn in fns.items()}
@@ -111,9 +112,9 @@ def make_ce_case(shape, dtype: str, pass_name: str,
     itemsize = jnp.dtype(dtype).itemsize
     logits_bytes = n * v * itemsize
     return harness.Case(
-        op=CE, variant="plain", shape=(n, v), dtype=dtype, pass_name=pass_name,
+        op=CE, variant=variant, shape=(n, v), dtype=dtype, pass_name=pass_name,
         flops=(8.0 if fwd_bwd else 4.0) * n * v,
-        make_inputs=functools.partial(_ce_inputs, shape=(n, v), dtype=dtype,
+        make_inputs=functools.partial(make_inputs, shape=(n, v), dtype=dtype,
                                       with_cotangent=fwd_bwd),
         implementations=fns, reference=reference, ceiling="copy",
         bytes_accessed=(3 if fwd_bwd else 1) * logits_bytes, report_memory=True)
@@ -144,28 +145,7 @@ def _reference_ce(logits, labels):
 
 
 IGNORE_INDEX = -100  # transformers' padding label
-
-
-def make_masked_ce_case(shape, dtype: str, pass_name: str,
-                        implementations: tuple[str, ...]) -> harness.Case:
-    """The mean loss over non-padding rows: ``shape = (N, V)``, ours vs optax with a mask."""
-    n, v = shape
-    fns = {harness.BASELINE: _optax_masked_mean, **{
-        impl: functools.partial(_ours_masked_mean, implementation=impl)
-        for impl in implementations}}
-    reference = _reference_masked_mean
-    fwd_bwd = pass_name == "fwd+bwd"
-    if fwd_bwd:
-        fns = {name: harness.forward_and_backward(fn, nondiff=1) for name, fn in fns.items()}
-        reference = harness.forward_and_backward(reference, nondiff=1)
-    logits_bytes = n * v * jnp.dtype(dtype).itemsize
-    return harness.Case(
-        op=CE, variant="masked mean", shape=(n, v), dtype=dtype, pass_name=pass_name,
-        flops=(8.0 if fwd_bwd else 4.0) * n * v,
-        make_inputs=functools.partial(_masked_inputs, shape=(n, v), dtype=dtype,
-                                      with_cotangent=fwd_bwd),
-        implementations=fns, reference=reference, ceiling="copy",
-        bytes_accessed=(3 if fwd_bwd else 1) * logits_bytes, report_memory=True)
+MASKED = "masked mean"
 
 
 def _masked_inputs(key, *, shape, dtype, with_cotangent):
@@ -189,6 +169,12 @@ def _ours_masked_mean(logits, labels, *, implementation):
 
 def _reference_masked_mean(logits, labels):
     return _optax_masked_mean(harness.upcast(logits), labels)
+
+
+# variant -> (baseline, ours, reference, input maker)
+_CE_VARIANTS = {"plain": (_optax_ce, _ours_ce, _reference_ce, _ce_inputs),
+                MASKED: (_optax_masked_mean, _ours_masked_mean, _reference_masked_mean,
+                         _masked_inputs)}
 
 
 # --------------------------------------------------------------------------

@@ -262,3 +262,21 @@ def test_layer_offset_arguments_are_checked():
     # Flax's own path (two reduction axes) has no offset: an error, not a silent 0.
     with pytest.raises(NotImplementedError, match="scale_offset=1.0 runs on the kernel path"):
         RMSNorm(8, scale_offset=1.0, reduction_axes=(-2, -1), rngs=nnx.Rngs(0))(X)
+
+
+def test_residual_norm_rows_sharded_run_locally():
+    """On 8 devices with the rows sharded: both outputs and all gradients equal the
+    single-device values; dscale ends in one all-reduce and nothing is gathered."""
+    from jax.sharding import PartitionSpec as P
+
+    from tests.test_sharding import AUTO, _normal, check
+    x, r, scale = _normal(0, (16, 6, 40)), _normal(1, (16, 6, 40)), _normal(2, (40,), 0.5)
+
+    def op(impl):
+        def both(x, r, s):  # y and h both carry a cotangent
+            y, h = rms_norm(x, s, residual=r, scale_offset=1.0, implementation=impl)
+            return y + 2.0 * h
+        return both
+
+    check(op, (x, r, scale), (P("data"), P("data"), P()), mode=AUTO, argnums=(0, 1, 2),
+          out_spec=P("data"), collective="all-reduce")

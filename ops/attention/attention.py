@@ -513,4 +513,4 @@ def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks=No
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
-OP = register_op(dot_product_attention)  # the op layer's registry (ops/_op.py)
+OP = register_op(dot_product_attention, _check)  # the op layer's registry (ops/_op.py)

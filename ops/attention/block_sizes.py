@@ -223,15 +223,16 @@ def _example(fn: Callable) -> Callable:
     return example
 
 
-def register_op(fn: Callable) -> _op.Op:
-    """Registers attention (``fn``: :func:`ops.dot_product_attention`) with the op layer.
+def register_op(fn: Callable, check: Callable | None = None) -> _op.Op:
+    """Registers attention (``fn``: :func:`ops.dot_product_attention`, ``check``: its
+    argument checks) with the op layer.
 
     The tuner fills the cache for 2048 and 4096 tokens at head dims 64 and 128 (the
     static gate's sizes), self-attention being causal (an example with ``T == S`` is
     causal, otherwise full); ``--quick`` tunes 512 tokens at head dim 64."""
     return _op.register(_op.Op(
         name=_OP, dims=("T", "S", "head_dim"), configs=dict.fromkeys(KERNEL_BACKENDS, BlockSizes),
-        reference=attention_reference, variant=AttentionVariant,
+        reference=attention_reference, check=check, variant=AttentionVariant,
         tuning=_op.Tuning(example=_example(fn),
                           shapes=tuple((t, t, h) for t in (2048, 4096) for h in (64, 128)),
                           quick=((512, 512, 64),), variant=lambda shape: {"causal": shape[0] == shape[1]},

@@ -40,7 +40,7 @@ from jax import lax
 import pallas_core as pl
 from ops import _op
 from ops._checks import check_array, check_matmul_operands, check_same_dtype
-from ops._implementation import KERNEL_BACKENDS, check_implementation, run_implementation
+from ops._implementation import KERNEL_BACKENDS, check_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.activations import resolve_activation
 from ops.matmul import tiled
@@ -87,6 +87,13 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
     Differentiable in x, w and bias (``jax.custom_vjp`` with Pallas backward
     kernels); jit- and vmap-compatible.
     """
+    act, blocks = _check(x, w, bias, activation, implementation, block_sizes)
+    return OP.run(implementation, lambda impl: _fused_matmul_on(impl, x, w, bias, act, blocks))
+
+
+def _check(x, w, bias, activation, implementation, block_sizes):
+    """The argument checks of :func:`fused_matmul` (before anything is traced); returns the
+    resolved activation and the checked block sizes."""
     check_matmul_operands(x, w, _OP)
     if bias is not None:
         check_array(bias, "bias", _OP)
@@ -96,11 +103,7 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
                              f"{tuple(bias.shape)}.")
     act = resolve_activation(activation, _OP)
     check_implementation(implementation, _OP)
-    blocks = _check_block_sizes(block_sizes)
-    return run_implementation(
-        implementation, _OP, lambda impl: _fused_matmul_on(impl, x, w, bias, act, blocks),
-        missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has "
-        "no generic dot_general)")
+    return act, _check_block_sizes(block_sizes)
 
 
 def _fused_matmul_on(impl, x, w, bias, act, blocks):
@@ -394,6 +397,8 @@ def _example(problem: _op.Problem, implementation: str):
 # first: compute-bound ops are where tuning moves most.
 OP = _op.register(_op.Op(
     name=_OP, dims=("m", "n", "k"), configs=dict.fromkeys(KERNEL_BACKENDS, MatmulConfig),
-    reference=reference,
+    reference=reference, check=_check,
     tuning=_op.Tuning(example=_example, shapes=((4096,) * 3, (8192,) * 3), quick=((512,) * 3,),
-                      order=10)))
+                      order=10),
+    missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has no "
+    "generic dot_general)"))

@@ -380,4 +380,5 @@ def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
 
 
 for _kind, _fn in (("sum", sum), ("mean", mean), ("max", max)):
-    register_row_op(_kind, functools.partial(reference, kind=_kind), row_example(_fn))
+    register_row_op(_kind, functools.partial(reference, kind=_kind), row_example(_fn),
+                    check=check_axis_op)

@@ -411,7 +411,8 @@ def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
 
 # The tuner fills the cache for softmax over 4096 rows of 4096..32768 features (the static
 # gate's sizes); log_softmax and logsumexp share its kernels' layout.
-register_row_op("softmax", softmax_reference, row_example(softmax),
+register_row_op("softmax", softmax_reference, row_example(softmax), check=check_axis_op,
                 shapes=[(4096, f) for f in (4096, 8192, 32768)], order=32)
-register_row_op("log_softmax", log_softmax_reference, row_example(log_softmax))
-register_row_op("logsumexp", logsumexp_reference, row_example(logsumexp))
+register_row_op("log_softmax", log_softmax_reference, row_example(log_softmax),
+                check=check_axis_op)
+register_row_op("logsumexp", logsumexp_reference, row_example(logsumexp), check=check_axis_op)

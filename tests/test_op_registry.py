@@ -180,3 +180,6 @@ def test_registering_an_op_adds_it_to_the_tuner_and_the_cache(monkeypatch):
         _op.register(_op.Op("toy3", ("rows",), {"triton": Mutable}, reference=lambda x: x))
     with pytest.raises(ValueError, match="shape: toy takes 1 dims"):
         toy.problem((1, 2), "float32")
+    assert toy.problem((5,), "float32").rows == 5  # dims by name
+    with pytest.raises(AttributeError):
+        toy.problem((5,), "float32").features

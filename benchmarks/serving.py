@@ -1,8 +1,8 @@
 """Benchmark cases for ``ops.paged_attention``: decode over a paged KV cache.
 
-Each case pits our kernels (:func:`benchmarks.harness.kernel_implementations`
-without ``pallas_triton``, which has no scalar prefetch: ``triton`` on GPUs,
-``interpret`` and ``triton`` in Triton's CPU interpreter on CPUs) against:
+Each case pits our kernels (:func:`benchmarks.harness.kernel_implementations`:
+``triton`` and ``pallas_triton`` on GPUs, ``interpret`` and ``triton`` in
+Triton's CPU interpreter on CPUs) against:
 
 * ``xla`` (the baseline a user writes without us): the pages gathered into a
   dense ``[B, S, K, H]`` cache with ``jnp.take``, then
@@ -55,7 +55,7 @@ QUICK_SHAPES = {"cpu": ((1, 64, 8, 1, 32, PAGE_SIZE, "float32"),),
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     shapes = harness.pick_shapes(platform, quick, cpu=CPU_SHAPES, accelerator=ACCELERATOR_SHAPES,
                                  quick_shapes=QUICK_SHAPES)
-    ours = tuple(i for i in harness.kernel_implementations(platform) if i != "pallas_triton")
+    ours = harness.kernel_implementations(platform)
     # A quick CPU run skips JAX's kernel on JAX's interpreter (a smoke test of ours).
     theirs = not (quick and platform == "cpu")
     return [make_case(shape, ours, interpret=platform == "cpu", theirs=theirs) for shape in shapes]

@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 import ops
-from ops.serving import PagedBlockSizes
+from ops.serving import PagedBlockSizes, kernels
 from tests.test_lowering import lower_text
 from tests.tolerances import FORWARD, assert_close
 
@@ -179,11 +179,47 @@ def test_mosaic_tpu_lowering():
     assert text.count("tpu_custom_call") == 2  # attention and merge
 
 
+@pytest.fixture
+def loop_walk_on_interpret(monkeypatch):
+    """The in-kernel loop walk (pallas_triton's, which cannot run on a CPU) on the interpreter."""
+    monkeypatch.setattr(kernels, "LOOP_BACKENDS", ("pallas_triton", "interpret"))
+
+
+def test_loop_walk_matches_jax_reference(loop_walk_on_interpret):
+    # Lengths 0 .. full, three splits over two blocks (an empty split; the merge's
+    # power-of-two block overhangs the splits), then int8 pages with scales and sinks.
+    q, kp, vp, tables, _, _, _ = make_case(0)
+    lengths = jnp.asarray([0, 1, 37, 64], jnp.int32)
+    out = ops.paged_attention(q, kp, vp, tables, lengths, scale=0.2, implementation="interpret",
+                              block_sizes=(2, 3))
+    assert_close(out, jax_reference(q, kp, vp, tables, lengths, scale=0.2), FORWARD[F32])
+    q, kp, vp, tables, lengths, ks, vs = make_case(1, N=4, K=1, int8=True)
+    out = ops.paged_attention(q, kp, vp, tables, lengths, ks, vs, logits_soft_cap=2.0,
+                              implementation="interpret", block_sizes=(1, 1))
+    assert_close(out, jax_reference(q, kp, vp, tables, lengths, ks, vs, soft_cap=2.0),
+                 FORWARD[F32])
+
+
+def test_pallas_triton_lowering():
+    def f(q, k, v, tables, lengths, ks, vs, sinks):
+        return ops.paged_attention(q, k, v, tables, lengths, ks, vs, sinks=sinks,
+                                   local_window_size=40, implementation="pallas_triton")
+    i8 = jnp.int8
+    text = lower_text(f, "pallas_triton", ((8, 32, 128), jnp.bfloat16), ((4, 512, 16, 128), i8),
+                      ((4, 512, 16, 128), i8), ((8, 64), jnp.int32), ((8,), jnp.int32),
+                      ((4, 512, 16), F32), ((4, 512, 16), F32), ((32,), F32))
+    assert text.count("__gpu$xla.gpu.triton") == 2  # attention and merge
+    with pytest.raises(NotImplementedError, match="power-of-two head_dim"):
+        lower_text(lambda *a: ops.paged_attention(*a, implementation="pallas_triton"),
+                   "pallas_triton", ((2, 8, 96), F32), ((2, 8, 16, 96), F32),
+                   ((2, 8, 16, 96), F32), ((2, 4), jnp.int32), ((2,), jnp.int32))
+
+
 def test_no_kernel_backends_fall_through():
     q, kp, vp, tables, lengths, _, _ = make_case(7)
-    with pytest.raises(NotImplementedError, match="scalar prefetch"):
-        ops.paged_attention(q, kp, vp, tables, lengths, implementation="pallas_triton")
-    out = ops.paged_attention(q, kp, vp, tables, lengths, implementation=("pallas_triton", "xla"))
+    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+        ops.paged_attention(q, kp, vp, tables, lengths, implementation="mosaic_gpu")
+    out = ops.paged_attention(q, kp, vp, tables, lengths, implementation=("mosaic_gpu", "xla"))
     assert_close(out, jax_reference(q, kp, vp, tables, lengths), FORWARD[F32])
     small = make_case(7, B=1, page_size=8, total_pages=40, pages_per_seq=8)
     with pytest.raises(NotImplementedError, match="page_size >= 16"):

@@ -9,6 +9,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import (
     ref_ragged_paged_attention)
 
 import ops
+from ops.serving import kernels
 from tests.test_lowering import lower_text
 from tests.tolerances import FORWARD, assert_close
 
@@ -112,6 +113,20 @@ def test_bfloat16_under_jit():
     expected = ops.ragged_paged_attention(*(args[0].astype(F32), args[1].astype(F32)) + args[2:],
                                           scale=0.3, implementation="xla")
     assert_close(out, expected, FORWARD[jnp.bfloat16])
+
+
+def test_loop_walk_and_pallas_triton_lowering(monkeypatch):
+    # The in-kernel loop walk of pallas_triton on the interpreter (int8, window, cap, sinks).
+    monkeypatch.setattr(kernels, "LOOP_BACKENDS", ("pallas_triton", "interpret"))
+    args, kw = cases()["windowed"]
+    kw = dict(kw, sinks=jnp.linspace(-1.0, 1.0, 8))
+    out = ops.ragged_paged_attention(*args, implementation="interpret", block_sizes=(1, 3), **kw)
+    assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw), FORWARD[F32])
+    text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="pallas_triton"),
+                      "pallas_triton", ((16, 16, 128), jnp.bfloat16),
+                      ((64, 16, 4, 128), jnp.bfloat16), ((4,), jnp.int32), ((4, 8), jnp.int32),
+                      ((5,), jnp.int32), ((1,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in text
 
 
 def test_mosaic_tpu_lowering():

@@ -44,6 +44,8 @@ from ops.attention.masking import MaskSpec
 from ops.attention.tile_math import Tile, div, forward_finish, forward_update
 from ops.reduction._rows import logsumexp_shift
 
+# Backends whose kernels walk the page blocks in an in-kernel loop (DecodeConfig.walk).
+LOOP_BACKENDS = ("pallas_triton",)
 HEADS_FIRST = "heads_first"  # separate k/v pages [K, P, page_size, H] (JAX's GPU paged attention)
 COMBINED = "combined"  # one cache [P, page_size, 2K, H], k and v interleaved (JAX's TPU ragged)
 
@@ -64,6 +66,11 @@ class DecodeConfig:
       sinks: whether sink logits join the merge.
       heads_per_program: key/value heads one program owns (COMBINED only; the
         TPU reads all ``2K`` combined heads of a page, its tiling's minimum).
+      walk: ``"grid"`` (the page blocks are the last grid axis, pages placed by the
+        index maps through scalar prefetch, carries in scratch) or ``"loop"`` (for
+        JAX's Pallas Triton lowering, which has neither scalar prefetch nor scratch
+        nor sequential grid axes: each program loops over its blocks and reads the
+        table and the pages from whole-array Refs, carries in registers).
     """
 
     backend: str
@@ -87,6 +94,7 @@ class DecodeConfig:
     indirect: bool = False
     sinks: bool = False
     heads_per_program: int = 1
+    walk: str = "grid"
     num_warps: int | None = None
     num_stages: int | None = None
 
@@ -122,6 +130,12 @@ class DecodeConfig:
         check_page_size(impl, page_size, op.name)
         problem = op.problem((rows, kv_heads, group, head_dim, page_size, pages_per_row), dtype)
         bs = op.select(problem, impl, explicit)
+        if impl in LOOP_BACKENDS:
+            fields["walk"] = "loop"
+            for name, n in (("head_dim", head_dim), ("page_size", page_size)):
+                if n & (n - 1):
+                    raise NotImplementedError(f"{op.name}: implementation={impl!r} needs a "
+                                              f"power-of-two {name}; got {n}.")
         return cls(backend=impl, rows=rows, kv_heads=kv_heads, group=group,
                    group_rows=group_rows(impl, group), head_dim=head_dim, page_size=page_size,
                    total_pages=total_pages, pages_per_row=pages_per_row,
@@ -218,8 +232,9 @@ def _read_page(cfg: DecodeConfig, refs, p: int, dtype, head: int = 0):
     ``[page_size, H]`` in ``dtype``."""
     n = cfg.pages_per_block
     if cfg.layout == COMBINED:
-        kv = refs[p]
-        k, v = kv[:, 2 * head, :], kv[:, 2 * head + 1, :]
+        kv = refs[p]  # [page_size, 2 * heads, H], or the (key, value) views of the loop walk
+        k, v = ((kv[0][...], kv[1][...]) if isinstance(kv, tuple)
+                else (kv[:, 2 * head, :], kv[:, 2 * head + 1, :]))
         scales = (cfg.k_scale, cfg.v_scale)
         if cfg.k_scale is None and k.dtype == dtype:
             return k, v
@@ -241,6 +256,61 @@ def _num_page_refs(cfg: DecodeConfig) -> int:
     return per_page * cfg.pages_per_block
 
 
+def _block_visible(cfg: DecodeConfig, first, lo, hi):
+    return (first < hi) & (first + cfg.block_keys > lo)
+
+
+def _update_block(cfg: DecodeConfig, carry, q, page_refs, first, lo, hi, head: int):
+    """The online-softmax carry after the step's pages (``page_refs`` as the grid walk's
+    blocks: see :func:`_read_page`), keys outside ``[lo, hi)`` masked, their values zeroed."""
+    ps, tcfg = cfg.page_size, cfg.tile_config()
+    for p in range(cfg.pages_per_block):
+        k, v = _read_page(cfg, page_refs, p, q.dtype, head)
+        pos = first + p * ps + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
+        seen = (pos >= lo) & (pos < hi)  # [ps, 1]
+        v = jnp.where(seen, v, jnp.zeros_like(v))
+        tile = Tile(q=q, k=k, i=0, j=0, head=0, mask=seen.T)
+        carry = forward_update(tcfg, carry, tile, v, None, cfg.group_rows, ps, masked=False)
+    return carry
+
+
+def _init_carry(cfg: DecodeConfig, lead=()):
+    rows = lead + (cfg.group_rows,)
+    return (jnp.full(rows + (1,), -jnp.inf, jnp.float32), jnp.zeros(rows + (1,), jnp.float32),
+            jnp.zeros(rows + (cfg.head_dim,), jnp.float32))
+
+
+def loop_kernel(tables, table_rows, start_ref, end_ref, q_ref, *refs, cfg: DecodeConfig):
+    """The ``"loop"`` walk: one program per (row, key/value head, split) loops over the
+    split's page blocks; the table, ranges and pages are whole-array Refs it indexes
+    itself, with the index maps' page lookup (:func:`_page_of`)."""
+    n_arrays = 1 if cfg.layout == COMBINED else (4 if cfg.per_token_scales else 2)
+    arrays, outs = refs[:n_arrays], refs[n_arrays:]
+    o_ref, lse_ref = outs if cfg.merged else (outs[0], None)
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo, hi = start_ref[b], end_ref[b]
+    q = q_ref[...]
+    scalars = (tables, table_rows, start_ref, end_ref)
+
+    def block(j, carry):
+        first = (s * cfg.blocks_per_split + j) * cfg.block_keys
+
+        def visit(carry):
+            pages = [_page_of(cfg, p)(b, s, j, *scalars) for p in range(cfg.pages_per_block)]
+            if cfg.layout == COMBINED:
+                views = [(arrays[0].at[page, :, 2 * h, :], arrays[0].at[page, :, 2 * h + 1, :])
+                         for page in pages]
+            else:
+                views = [a.at[h, page] for a in arrays for page in pages]
+            return _update_block(cfg, carry, q, views, first, lo, hi, 0)
+        return lax.cond(_block_visible(cfg, first, lo, hi), visit, lambda c: c, carry)
+
+    out, lse = forward_finish(*lax.fori_loop(0, cfg.blocks_per_split, block, _init_carry(cfg)))
+    o_ref[...] = out.astype(o_ref.dtype)
+    if lse_ref is not None:
+        lse_ref[...] = lse
+
+
 def attention_kernel(tables, table_rows, start_ref, end_ref, q_ref, *refs, cfg: DecodeConfig):
     del tables, table_rows  # read by the index maps
     n_pages = _num_page_refs(cfg)
@@ -252,31 +322,21 @@ def attention_kernel(tables, table_rows, start_ref, end_ref, q_ref, *refs, cfg: 
     b, s, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     lo, hi = start_ref[b], end_ref[b]
     first = (s * cfg.blocks_per_split + j) * cfg.block_keys
-    tcfg = cfg.tile_config()
-    ps = cfg.page_size
 
     @pl.when(j == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        lead = () if cfg.heads_block is None else (cfg.heads_block,)
+        for ref, x in zip((m_ref, l_ref, acc_ref), _init_carry(cfg, lead)):
+            ref[...] = x
 
     heads = [None] if cfg.heads_block is None else range(cfg.heads_block)
     at = lambda ref, h: ref if h is None else ref.at[h]  # noqa: E731 - one head's view
 
-    @pl.when((first < hi) & (first + cfg.block_keys > lo))
+    @pl.when(_block_visible(cfg, first, lo, hi))
     def _step():
         for h in heads:
-            q = at(q_ref, h)[...]
             carry = (at(m_ref, h)[...], at(l_ref, h)[...], at(acc_ref, h)[...])
-            for p in range(cfg.pages_per_block):
-                k, v = _read_page(cfg, page_refs, p, q.dtype, h or 0)
-                pos = first + p * ps + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
-                seen = (pos >= lo) & (pos < hi)  # [ps, 1]
-                v = jnp.where(seen, v, jnp.zeros_like(v))
-                tile = Tile(q=q, k=k, i=0, j=0, head=0, mask=seen.T)
-                carry = forward_update(tcfg, carry, tile, v, None, cfg.group_rows, ps,
-                                       masked=False)
+            carry = _update_block(cfg, carry, at(q_ref, h)[...], page_refs, first, lo, hi, h or 0)
             for ref, x in zip((m_ref, l_ref, acc_ref), carry):
                 at(ref, h)[...] = x
 
@@ -289,11 +349,11 @@ def attention_kernel(tables, table_rows, start_ref, end_ref, q_ref, *refs, cfg: 
                 at(lse_ref, h)[...] = lse
 
 
-def merge_kernel(o_ref, lse_ref, sink_ref, out_ref):
+def merge_kernel(o_ref, lse_ref, sink_ref, out_ref, *, splits: int):
     """Combines the splits' partial outputs ``[S, G, H]`` by their logsumexps ``[S, G, 1]``,
     one split at a time (two passes: the max, then the weighted sum), so a program holds
-    one ``[G, H]`` tile, whatever the number of splits."""
-    splits = lse_ref.shape[0]
+    one ``[G, H]`` tile, whatever the number of splits. ``splits`` may be fewer than the
+    blocks' leading dim (a block overhanging the splits)."""
     m = lax.fori_loop(1, splits, lambda s, m: jnp.maximum(m, lse_ref[s]), lse_ref[0])
     sink = None if sink_ref is None else sink_ref[...].astype(jnp.float32)
     if sink is not None:
@@ -333,39 +393,55 @@ def decode(cfg: DecodeConfig, q, pages, scales, tables, table_rows, start, end, 
     """
     R, K, G, Gp, H = cfg.rows, cfg.kv_heads, cfg.group, cfg.group_rows, cfg.head_dim
     kb = cfg.heads_block
-    grid = (R, K // cfg.heads_per_program, cfg.k_splits, cfg.blocks_per_split)
-    n = cfg.pages_per_block
     scales = [x.reshape(x.shape[:2] + (1, x.shape[2])) for x in scales]
-    operands = [x for x in pages for _ in range(n)] + [x for x in scales for _ in range(n)]
-    q_spec = pl.BlockSpec((None, kb, Gp, H), lambda b, h, s, j, *_: (b, h, 0, 0))
-    if cfg.merged:
-        out_shape = [jax.ShapeDtypeStruct((cfg.k_splits, R, K, G, H), jnp.float32),
-                     jax.ShapeDtypeStruct((cfg.k_splits, R, K, G, 1), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, kb, Gp, H), lambda b, h, s, j, *_: (s, b, h, 0, 0)),
-                     pl.BlockSpec((None, None, kb, Gp, 1), lambda b, h, s, j, *_: (s, b, h, 0, 0))]
+    out_shape = ([jax.ShapeDtypeStruct((cfg.k_splits, R, K, G, H), jnp.float32),
+                  jax.ShapeDtypeStruct((cfg.k_splits, R, K, G, 1), jnp.float32)] if cfg.merged
+                 else [jax.ShapeDtypeStruct((R, K, G, H), q.dtype)])
+    if cfg.walk == "loop":
+        whole = pl.BlockSpec(memory_space=pl.ANY)
+        scalar_specs = [None if x is None else whole for x in (tables, table_rows, start, end)]
+        q_spec = pl.BlockSpec((None, None, Gp, H), lambda b, h, s: (b, h, 0, 0))
+        out_specs = ([pl.BlockSpec((None, None, None, Gp, H), lambda b, h, s: (s, b, h, 0, 0)),
+                      pl.BlockSpec((None, None, None, Gp, 1), lambda b, h, s: (s, b, h, 0, 0))]
+                     if cfg.merged else [q_spec])
+        outs = pl.pallas_call(
+            functools.partial(loop_kernel, cfg=cfg), out_shape=out_shape, grid=(R, K, cfg.k_splits),
+            in_specs=scalar_specs + [q_spec] + [whole] * (len(pages) + len(scales)),
+            out_specs=out_specs, compiler_params=_params(cfg, ("parallel",) * 3),
+            backend=cfg.backend, name="paged_decode_attention",
+        )(tables, table_rows, start, end, q, *pages, *scales)
     else:
-        out_shape = [jax.ShapeDtypeStruct((R, K, G, H), q.dtype)]
-        out_specs = [q_spec]
-    lead = () if kb is None else (kb,)
-    scratch = [pl.tpu.VMEM(lead + (Gp, 1), jnp.float32), pl.tpu.VMEM(lead + (Gp, 1), jnp.float32),
-               pl.tpu.VMEM(lead + (Gp, H), jnp.float32)]
-    grid_spec = pl.tpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4, grid=grid, in_specs=[q_spec] + _page_specs(cfg),
-        out_specs=out_specs, scratch_shapes=scratch)
-    outs = pl.pallas_call(
-        functools.partial(attention_kernel, cfg=cfg), out_shape=out_shape, grid_spec=grid_spec,
-        compiler_params=_params(cfg, ("parallel", "parallel", "parallel", "arbitrary")),
-        backend=cfg.backend, name="paged_decode_attention",
-    )(tables, table_rows, start, end, q, *operands)
+        grid = (R, K // cfg.heads_per_program, cfg.k_splits, cfg.blocks_per_split)
+        n = cfg.pages_per_block
+        operands = [x for x in pages for _ in range(n)] + [x for x in scales for _ in range(n)]
+        q_spec = pl.BlockSpec((None, kb, Gp, H), lambda b, h, s, j, *_: (b, h, 0, 0))
+        out_specs = ([pl.BlockSpec((None, None, kb, Gp, H), lambda b, h, s, j, *_: (s, b, h, 0, 0)),
+                      pl.BlockSpec((None, None, kb, Gp, 1), lambda b, h, s, j, *_: (s, b, h, 0, 0))]
+                     if cfg.merged else [q_spec])
+        lead = () if kb is None else (kb,)
+        scratch = [pl.tpu.VMEM(lead + (Gp, 1), jnp.float32),
+                   pl.tpu.VMEM(lead + (Gp, 1), jnp.float32), pl.tpu.VMEM(lead + (Gp, H), jnp.float32)]
+        grid_spec = pl.tpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=grid, in_specs=[q_spec] + _page_specs(cfg),
+            out_specs=out_specs, scratch_shapes=scratch)
+        outs = pl.pallas_call(
+            functools.partial(attention_kernel, cfg=cfg), out_shape=out_shape,
+            grid_spec=grid_spec,
+            compiler_params=_params(cfg, ("parallel", "parallel", "parallel", "arbitrary")),
+            backend=cfg.backend, name="paged_decode_attention",
+        )(tables, table_rows, start, end, q, *operands)
     if not cfg.merged:
         return outs[0]
     o_part, lse_part = outs
-    S = cfg.k_splits
+    # JAX's Triton lowering wants power-of-two blocks: the splits' block overhangs (the
+    # merge reads only the first k_splits).
+    S = pl.next_power_of_2(cfg.k_splits) if cfg.walk == "loop" else cfg.k_splits
     in_specs = [pl.BlockSpec((S, None, None, Gp, H), lambda b, h: (0, b, h, 0, 0)),
                 pl.BlockSpec((S, None, None, Gp, 1), lambda b, h: (0, b, h, 0, 0)),
                 None if sinks is None else pl.BlockSpec((None, Gp, 1), lambda b, h: (h, 0, 0))]
     return pl.pallas_call(
-        merge_kernel, out_shape=jax.ShapeDtypeStruct((R, K, G, H), q.dtype), grid=(R, K),
+        functools.partial(merge_kernel, splits=cfg.k_splits),
+        out_shape=jax.ShapeDtypeStruct((R, K, G, H), q.dtype), grid=(R, K),
         in_specs=in_specs, out_specs=pl.BlockSpec((None, None, Gp, H), lambda b, h: (b, h, 0, 0)),
         compiler_params=_params(cfg, ("parallel", "parallel")), backend=cfg.backend,
         name="paged_decode_merge",

@@ -55,9 +55,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
         denominator (gpt-oss; StreamingLLM), neither scaled nor capped.
       implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
         "xla" (the float32 reference of :mod:`ops.serving.reference`),
-        "interpret", "triton", "mosaic_tpu", or a sequence tried in order.
-        "pallas_triton" and "mosaic_gpu" raise NotImplementedError (JAX's GPU
-        lowerings have no scalar prefetch).
+        "interpret", "triton", "mosaic_tpu", "pallas_triton" (JAX's Triton
+        lowering: the same math walking the pages in an in-kernel loop, as it has
+        no scalar prefetch; power-of-two head dims and pages), or a sequence tried
+        in order. "mosaic_gpu" raises NotImplementedError.
       block_sizes: None (the tuning cache's entry for the device, dtype and shape
         bucket, else :meth:`PagedBlockSizes.heuristic
         <ops.serving.block_sizes.PagedBlockSizes.heuristic>`), a
@@ -202,10 +203,9 @@ def _example(problem, implementation: str):
 
 
 OP = register(Op(
-    name=_OP, dims=DIMS, configs={b: PagedBlockSizes for b in ("interpret", "triton", "mosaic_tpu")},
+    name=_OP, dims=DIMS, configs={b: PagedBlockSizes for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
     reference=_reference,
     tuning=Tuning(example=_example, shapes=((1, 4, 8, 128, 16, 512), (8, 4, 8, 128, 16, 512),
                                             (64, 4, 8, 128, 16, 512), (8, 4, 8, 128, 16, 8192)),
                   quick=((2, 2, 4, 64, 16, 8),), order=60),
-    missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which reads the page table; "
-    "use 'triton')"))
+    missing_reason=" (mosaic_gpu: no kernel for it yet; use 'triton')"))

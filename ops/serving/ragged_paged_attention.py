@@ -179,7 +179,6 @@ def _reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs
 
 
 OP = register(Op(
-    name=_OP, dims=DIMS, configs={b: PagedBlockSizes for b in ("interpret", "triton", "mosaic_tpu")},
+    name=_OP, dims=DIMS, configs={b: PagedBlockSizes for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
     reference=_reference,
-    missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which reads the page table; "
-    "use 'triton')"))
+    missing_reason=" (mosaic_gpu: no kernel for it yet; use 'triton')"))

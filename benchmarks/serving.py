@@ -24,7 +24,7 @@ Accuracy is measured against exact attention in float64 over the gathered
 cache (:func:`reference`), written independently of ``ops``.
 
 Shapes ``(B, S, N, K, H, page_size)``: GPUs decode batches of 1, 8 and 64 at
-contexts of 1k, 8k, 32k and 128k tokens (every sequence full), GQA 8:1 (32
+contexts of 1k, 8k, 32k and 128k tokens (every sequence full; batch 64 up to 32k), GQA 8:1 (32
 query heads over 4 key/value heads of 128, Llama-3-8B's attention), pages of
 16 tokens (vLLM's default), bfloat16; CPUs run the interpreters at tiny
 sizes.
@@ -45,8 +45,11 @@ OP = "paged_attention"
 PAGE_SIZE = 16
 
 # (B, S, N, K, H, page_size, dtype)
+# Batch 64 at 128k (17 GB of cache) is left out: the float64 reference of the harness
+# holds the cache in float64 on the device (68 GB).
 ACCELERATOR_SHAPES = tuple((b, s, 32, 4, 128, PAGE_SIZE, "bfloat16")
-                           for b in (1, 8, 64) for s in (1024, 8192, 32768, 131072))
+                           for b in (1, 8, 64) for s in (1024, 8192, 32768, 131072)
+                           if b * s <= 8 * 131072)
 CPU_SHAPES = ((2, 256, 8, 1, 32, PAGE_SIZE, "float32"), (3, 512, 16, 2, 64, PAGE_SIZE, "bfloat16"))
 QUICK_SHAPES = {"cpu": ((1, 64, 8, 1, 32, PAGE_SIZE, "float32"),),
                 "accelerator": ((8, 8192, 32, 4, 128, PAGE_SIZE, "bfloat16"),)}

@@ -184,23 +184,24 @@ ROPE = OpSpec(
     make_inputs=_battery_inputs,
     cases=[
         # Tokens and heads that divide no block; partial rotary with non-power-of-two
-        # halves (GPT-NeoX-20B's 24 of 96); interleaved pairs; attention scaling.
-        Case("tiny", dict(shape=(3, 2, 8), rotary_dim=8)),
-        Case("btnh_full", dict(shape=(2, 13, 3, 16), rotary_dim=16)),
+        # halves (GPT-NeoX-20B's 24 of 96); interleaved pairs; attention scaling. Every
+        # case on triton (its interpreter compiles fast; the eager run uses it too), the
+        # float32 ones on interpret as well.
+        Case("tiny", dict(shape=(3, 2, 8), rotary_dim=8), implementations=KERNELS),  # the eager run
+        Case("btnh_full", dict(shape=(2, 13, 3, 16), rotary_dim=16), implementations=KERNELS),
         Case("tnh_interleaved_partial", dict(shape=(13, 3, 20), rotary_dim=12),
-             dict(interleaved=True)),
-        # 16-bit inputs on triton (its interpreter compiles faster than interpret's grid).
-        Case("btnh_full_16bit", dict(shape=(2, 13, 3, 16), rotary_dim=16),
-             dtypes=(jnp.bfloat16, jnp.float16), implementations=("triton",)),
-        Case("tnh_interleaved_partial_16bit", dict(shape=(13, 3, 20), rotary_dim=12),
-             dict(interleaved=True), dtypes=(jnp.bfloat16,), implementations=("triton",)),
+             dict(interleaved=True), implementations=KERNELS),
         Case("btnh_partial_neox_scaled", dict(shape=(2, 5, 2, 96), rotary_dim=24),
              dict(attention_scaling=1.25)),
         Case("shared_positions_interleaved_scaled", dict(shape=(2, 11, 5, 8), rotary_dim=8,
                                                          shared_positions=True),
-             dict(interleaved=True, attention_scaling=0.8), implementations=("triton",)),
+             dict(interleaved=True, attention_scaling=0.8)),
+        Case("btnh_full_16bit", dict(shape=(2, 13, 3, 16), rotary_dim=16),
+             dtypes=(jnp.bfloat16, jnp.float16)),
+        Case("tnh_interleaved_partial_16bit", dict(shape=(13, 3, 20), rotary_dim=12),
+             dict(interleaved=True), dtypes=(jnp.bfloat16,)),
     ],
-    implementations=("interpret", "triton"),
+    implementations=("triton",),
     bad_inputs=[
         BadInput("x_rank_2", (np.zeros((4, 8), np.float32), _P, _F), {}, ValueError, "x"),
         BadInput("x_int", (_X.astype(jnp.int32), _P, _F), {}, TypeError, "x"),
@@ -284,7 +285,7 @@ def _torch():
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_matches_transformers_llama_yarn(dtype):
     """Llama's rotary module with yarn scaling (attention_scaling != 1), x as [B, T, N, H]."""
     torch = _torch()

@@ -113,17 +113,14 @@ LINEAR_CROSS_ENTROPY = OpSpec(
     cases=[
         Case("all_options_mean", inputs=dict(rows=(2, 5), d=40, v=300), options=LM,
              implementations=("interpret", "triton", "xla")),
-        Case("soft_cap_z_loss_sum", inputs=dict(rows=(9,), d=16, v=300),
-             options=dict(ignore_index=IGNORE, logits_soft_cap=3.0, z_loss=1e-2, reduction="sum",
-                          return_z_loss=True)),
+        Case("soft_cap_smoothing_z_loss_sum", inputs=dict(rows=(9,), d=16, v=300),
+             options=dict(ignore_index=IGNORE, logits_soft_cap=3.0, label_smoothing=0.2,
+                          z_loss=1e-2, reduction="sum", return_z_loss=True)),
         Case("eager_tiny", inputs=dict(rows=(3,), d=8, v=130),
              options=dict(ignore_index=IGNORE, z_loss=1e-2), implementations=("interpret", "triton")),
     ],
     implementations=("interpret", "xla"),
-    bad_inputs=_option_bad_inputs((X, jnp.ones((8, 16)), L)) + [
-        BadInput("soft_cap_with_smoothing", (X, jnp.ones((8, 16)), L),
-                 {"logits_soft_cap": 5.0, "label_smoothing": 0.1}, NotImplementedError,
-                 "logits_soft_cap", r"implementation='xla' only")],
+    bad_inputs=_option_bad_inputs((X, jnp.ones((8, 16)), L)),
     unavailable="mosaic_gpu", xla_is_reference=False, eager_case="eager_tiny")
 
 
@@ -204,3 +201,18 @@ def test_options_lower(impl):
                  "linear_cross_entropy_dz"):
         assert name in text, name
     assert text.count(marker) >= 6
+
+
+def test_linear_options_vocab_parallel():
+    """w sharded over the vocabulary on 8 devices: the smoothing's logit sums and the
+    capped statistics combine across shards; outputs and gradients equal one device's."""
+    from jax.sharding import PartitionSpec as P
+
+    from tests.test_sharding import AUTO, _normal, check
+    x, w = _normal(0, (4, 6, 32)), _normal(1, (32, 200), 0.25)
+    labels = jax.random.randint(jax.random.key(2), (4, 6), 0, 200).at[0].set(IGNORE)
+    check(lambda impl: lambda x, w: linear_cross_entropy(
+              x, w, labels, ignore_index=IGNORE, label_smoothing=0.1, logits_soft_cap=2.0,
+              z_loss=1e-2, implementation=impl),
+          (x, w), (P("data"), P(None, "model")), mode=AUTO, argnums=(0, 1),
+          out_spec=P("data"), collective="all-reduce")

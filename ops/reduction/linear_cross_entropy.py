@@ -65,15 +65,13 @@ which does materialise the float32 logits.
 LM-loss options (:mod:`ops.reduction.lm_loss`, as on ``cross_entropy``):
 ``logits_soft_cap`` caps every logits tile in the forward kernels before
 the online logsumexp, and the dz epilogue recomputes the cap and multiplies
-by its derivative ``1 - tanh**2``. The z-loss and label smoothing need only
-``lse`` with its cotangent, which the dz epilogue takes as one more per-row
-operand (``dz += g_lse * softmax``): smoothing is ``(1 - a) * loss + a *
-(lse - mean(z))`` with ``mean(z) = x @ sum(w, axis=1) / V``, a matrix-vector
-product XLA computes (and differentiates) without the logits. Ignoring rows
-and the reduction act on the ``[rows]`` losses outside the kernels. The soft
-cap together with label smoothing (whose mean of capped logits has no such
-shortcut) runs only on ``"xla"``: the kernel implementations raise
-NotImplementedError for it, so ``implementation=("triton", "xla")`` falls back.
+by its derivative ``1 - tanh**2``. ``label_smoothing`` makes the forward
+kernels also sum each row's (capped) logits, a fourth per-split statistic
+merged like the picked logit, and the dz epilogue take ``a / V`` off every
+class's target. The z-loss needs only ``lse`` with its cotangent, which the
+dz epilogue takes as one more per-row operand (``dz += g_lse * softmax``).
+Ignoring rows and the reduction act on the ``[rows]`` losses outside the
+kernels.
 """
 from __future__ import annotations
 
@@ -137,8 +135,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index: int | None = None,
       ValueError: w not rank 2, D mismatch, empty vocabulary, labels' shape not
         ``x.shape[:-1]``, an option out of range, an unknown implementation,
         bad block_sizes or vocab_chunk.
-      NotImplementedError: ``logits_soft_cap`` with ``label_smoothing`` on a
-        kernel implementation (module docstring).
+
 
     Pallas kernels: the forward (fused logits + online logsumexp + label pick),
     the backward's dz kernel (logits recomputed with the softmax gradient as
@@ -170,24 +167,16 @@ def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk,
     if impl == "xla" or x.size == 0:
         # No rows, or a hidden dim of 0 (all logits 0: the loss is log V): XLA's answer.
         return _reference(x, w, labels, options)
-    smoothing = options.label_smoothing
-    if smoothing and options.logits_soft_cap is not None:
-        raise NotImplementedError(f"{_OP}: logits_soft_cap with label_smoothing runs on "
-                                  "implementation='xla' only (the mean of the capped logits "
-                                  "is not a matrix-vector product).")
     lead = x.shape[:-1]
     x2 = reshape(x, (-1, x.shape[-1]))
     labels2 = reshape(labels, (-1, 1)).astype(jnp.int32)
     config = _Config(backend=impl, block_sizes=blocks,
                      vocab_chunk=None if vocab_chunk is None else int(vocab_chunk),
-                     soft_cap=options.logits_soft_cap,
-                     lse_grad=options.needs_lse_grad or bool(smoothing))
+                     soft_cap=options.logits_soft_cap, lse_grad=options.needs_lse_grad,
+                     smoothing=options.label_smoothing,
+                     num_classes=w.shape[1] if options.label_smoothing else 0)
     out = _linear_cross_entropy(x2, w, labels2, config)
     loss, lse = out if config.lse_grad else (out, None)
-    if smoothing:  # (1 - a) (lse - z[label]) + a (lse - mean(z)), mean(z) = x . sum(w) / V
-        mean_z = jnp.dot(x2, jnp.sum(w, axis=1, dtype=jnp.float32) / w.shape[1],
-                         preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-        loss = (1.0 - smoothing) * loss + smoothing * (lse - mean_z)
     loss = reshape(loss, lead)
     lse = None if lse is None else reshape(lse, lead)
     return lm_loss.finish(loss, lse, labels, w.shape[1], options, x.dtype)
@@ -232,6 +221,8 @@ class _Config:
     strategy: str | None = None  # None: by backend; tests force "loop" on the interpreter
     soft_cap: float | None = None  # logits -> cap * tanh(logits / cap) in the kernels
     lse_grad: bool = False         # lse is an output whose cotangent the dz kernel takes
+    smoothing: float = 0.0         # label smoothing a: targets (1 - a) onehot + a / V
+    num_classes: int = 0           # V (the whole vocabulary, however w is sharded) for a / V
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,19 +292,24 @@ def _mask_vocab(z, tile, dims: _Dims, soft_cap=None):
     return z, col
 
 
-def _fold_tile(z, col, labels, m, s, picked):
-    """Online logsumexp and label pick over one float32 logits tile."""
+def _fold_tile(z, col, labels, m, s, picked, *total, dims: _Dims):
+    """Online logsumexp and label pick over one float32 logits tile; with ``total``
+    (label smoothing), the running sum of the row's logits too."""
     m, s = _rows.online_logsumexp_update(m, s, z)
     picked = picked + jnp.sum(jnp.where(col == labels, z, 0.0), axis=1, keepdims=True)
-    return m, s, picked
+    if not total:
+        return m, s, picked
+    real = z if dims.vocab % dims.block_v == 0 else jnp.where(col < dims.vocab, z, 0.0)
+    return m, s, picked, total[0] + jnp.sum(real, axis=1, keepdims=True)
 
 
 # --------------------------------------------------------------------------
 # Forward kernels: fused logits tile + online logsumexp + label pick
 # --------------------------------------------------------------------------
 
-def _forward_grid_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, acc_ref, *,
+def _forward_grid_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *refs,
                          dims: _Dims, soft_cap=None):
+    *t_ref, acc_ref = refs  # t_ref: [the logits-sum output] with label smoothing
     j = pl.program_id(1)
 
     @pl.when((j == 0) & (pl.program_id(2) == 0))
@@ -321,17 +317,22 @@ def _forward_grid_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, acc_ref,
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         s_ref[...] = jnp.zeros(s_ref.shape, jnp.float32)
         p_ref[...] = jnp.zeros(p_ref.shape, jnp.float32)
+        for t in t_ref:
+            t[...] = jnp.zeros(t.shape, jnp.float32)
 
     def fold(acc):
         z, col = _mask_vocab(acc, j, dims, soft_cap)
-        m, s, p = _fold_tile(z, col, labels_ref[...], m_ref[...], s_ref[...], p_ref[...])
+        m, s, p, *total = _fold_tile(z, col, labels_ref[...], m_ref[...], s_ref[...], p_ref[...],
+                                     *(t[...] for t in t_ref), dims=dims)
         m_ref[...], s_ref[...], p_ref[...] = m, s, p
+        for t, value in zip(t_ref, total):
+            t[...] = value
 
     tiled.grid_accumulate(x_ref, w_ref, acc_ref, fold, ca=1, cb=0, k_axis=2,
                           block_k=dims.block_d, k_size=_k_size(dims))
 
 
-def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *, dims: _Dims,
+def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *t_ref, dims: _Dims,
                          soft_cap=None):
     split = pl.program_id(1)
     labels = labels_ref[...]
@@ -341,36 +342,41 @@ def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *, dims:
     def tile(t, carry):
         z = _logits_tile_loop(x_ref, w_ref, t * dims.block_v, dims)
         z, col = _mask_vocab(z, first_tile + t, dims, soft_cap)
-        return _fold_tile(z, col, labels, *carry)
+        return _fold_tile(z, col, labels, *carry, dims=dims)
 
     shape = (labels.shape[0], 1)
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape, jnp.float32))
+    if t_ref:
+        init += (jnp.zeros(shape, jnp.float32),)
     if dims.num_v_tiles % t_per:  # the last split has fewer tiles: never read past V
         trips = jnp.minimum(t_per, dims.num_v_tiles - first_tile)
     else:
         trips = t_per
-    m, s, p = lax.fori_loop(0, trips, tile, init) if t_per > 1 else tile(0, init)
+    m, s, p, *total = lax.fori_loop(0, trips, tile, init) if t_per > 1 else tile(0, init)
     m_ref[...], s_ref[...], p_ref[...] = m, s, p
+    for t, value in zip(t_ref, total):
+        t[...] = value
 
 
 def _forward_call(x2, w, labels2, config: _Config):
     """Per-split statistics ``(max, sum of exp(z - max), picked logit)``, each float32
-    ``[splits, rows, 1]``."""
+    ``[splits, rows, 1]``, and with label smoothing the sum of the logits too."""
     dims = _dims(x2, w, config)
     n = x2.shape[0]
     bm, bv, bd = dims.block_rows, dims.block_v, dims.block_d
     stat_shape = jax.ShapeDtypeStruct((dims.num_splits, n, 1), jnp.float32)
+    n_stats = 4 if config.smoothing else 3
     if dims.strategy == "grid":
         grid = (dims.num_row_blocks, dims.num_v_tiles, dims.num_d)
         stat_spec = pl.BlockSpec((None, bm, 1), lambda i, j, k: (0, i, 0))
         call = pl.pallas_call(
             functools.partial(_forward_grid_kernel, dims=dims, soft_cap=config.soft_cap),
-            out_shape=[stat_shape] * 3, grid=grid,
+            out_shape=[stat_shape] * n_stats, grid=grid,
             in_specs=[pl.BlockSpec((bm, bd), lambda i, j, k: (i, k)),
                       pl.BlockSpec((bd, bv), lambda i, j, k: (k, j)),
                       pl.BlockSpec((bm, 1), lambda i, j, k: (i, 0))],
-            out_specs=[stat_spec] * 3,
+            out_specs=[stat_spec] * n_stats,
             scratch_shapes=[pl.tpu.VMEM((bm, bv), jnp.float32)],
             compiler_params=pl.CompilerParams((pl.PARALLEL, pl.ARBITRARY, pl.ARBITRARY)),
             backend=config.backend, name="linear_cross_entropy_fwd")
@@ -380,25 +386,26 @@ def _forward_call(x2, w, labels2, config: _Config):
         stat_spec = pl.BlockSpec((None, bm, 1), lambda i, j: (j, i, 0))
         call = pl.pallas_call(
             functools.partial(_forward_loop_kernel, dims=dims, soft_cap=config.soft_cap),
-            out_shape=[stat_shape] * 3, grid=grid,
+            out_shape=[stat_shape] * n_stats, grid=grid,
             in_specs=[pl.BlockSpec((bm, dims.padded_d), lambda i, j: (i, 0)),
                       pl.BlockSpec((dims.padded_d, split_cols), lambda i, j: (0, j)),
                       pl.BlockSpec((bm, 1), lambda i, j: (i, 0))],
-            out_specs=[stat_spec] * 3,
+            out_specs=[stat_spec] * n_stats,
             compiler_params=_loop_params(dims, config.backend),
             backend=config.backend, name="linear_cross_entropy_fwd")
     return call(x2, w, labels2)
 
 
-def _merge_stats(m, s, p):
-    """Merges per-split statistics into ``(max, log_s, picked)``, float32 ``[rows, 1]``,
-    with ``logsumexp = max + log_s`` (kept apart for accuracy, as in cross_entropy)."""
+def _merge_stats(m, s, p, *logit_sum):
+    """Merges per-split statistics into ``(max, log_s, picked[, logit sum])``, float32
+    ``[rows, 1]``, with ``logsumexp = max + log_s`` (kept apart for accuracy, as in
+    cross_entropy)."""
     if m.shape[0] == 1:
-        return m[0], jnp.log(s[0]), p[0]
+        return (m[0], jnp.log(s[0]), p[0], *(t[0] for t in logit_sum))
     big = jnp.max(m, axis=0)
     shift = jnp.where(jnp.isfinite(big), big, 0.0)
     total = jnp.sum(s * jnp.exp(m - shift), axis=0)
-    return shift, jnp.log(total), jnp.sum(p, axis=0)
+    return (shift, jnp.log(total), jnp.sum(p, axis=0), *(jnp.sum(t, axis=0) for t in logit_sum))
 
 
 # --------------------------------------------------------------------------
@@ -406,11 +413,14 @@ def _merge_stats(m, s, p):
 # logits recomputed by a tiled matmul whose epilogue applies the softmax grad
 # --------------------------------------------------------------------------
 
-def _dz_epilogue(z, refs: tiled.TileRefs, *, dims: _Dims, soft_cap=None):
+def _dz_epilogue(z, refs: tiled.TileRefs, *, dims: _Dims, soft_cap=None, smoothing=0.0,
+                 num_classes=0):
     labels_ref, m_ref, log_s_ref, g_ref, *g_lse_ref = refs.extras
     dz_ref = refs.outs[0]
     col = pl.program_id(1) * dims.block_v + lax.broadcasted_iota(jnp.int32, z.shape, 1)
     onehot = (col == labels_ref[...]).astype(jnp.float32)
+    if smoothing:  # the target (1 - a) onehot + a / V
+        onehot = (1.0 - smoothing) * onehot + smoothing / num_classes
     if soft_cap is not None:
         t = jnp.tanh(z / soft_cap)
         z = soft_cap * t
@@ -443,7 +453,8 @@ def _dz_call(x2, w_chunk, local_labels, m, log_s, g2, config: _Config, g_lse2=No
     return tiled.matmul_call(
         x2, w_chunk, ca=1, cb=0, blocks=(dims.block_rows, dims.block_v, dims.block_d),
         backend=config.backend, out_shape=[jax.ShapeDtypeStruct((n, v), x2.dtype)],
-        epilogue=functools.partial(_dz_epilogue, dims=dims, soft_cap=config.soft_cap),
+        epilogue=functools.partial(_dz_epilogue, dims=dims, soft_cap=config.soft_cap,
+                                   smoothing=config.smoothing, num_classes=config.num_classes),
         extras=[(a, tiled.ROWS) for a in (local_labels, m, log_s, g2)
                 + ((g_lse2,) if g_lse2 is not None else ())], walk=dims.strategy,
         k_edge="mask", compiler_params=params, name="linear_cross_entropy_dz")[0]
@@ -514,10 +525,14 @@ def _partitioned_forward(x2, w, labels2, config: _Config):
     def local(x2, w, labels2, *, reduced):
         global_vocab = w.shape[1] * _vocab_shards(reduced)
         local_labels = _shard_labels(labels2, w.shape[1], reduced)
-        m, log_s, picked = _combine_vocab_shards(
-            *_merge_stats(*_forward_call(x2, w, local_labels, config)), reduced)
+        m, log_s, picked, *logit_sum = _combine_vocab_shards(
+            _merge_stats(*_forward_call(x2, w, local_labels, config)), reduced)
         valid = (labels2 >= 0) & (labels2 < global_vocab)
-        loss = jnp.where(valid, (m - picked) + log_s, jnp.nan)
+        loss = (m - picked) + log_s
+        if config.smoothing:  # (1 - a) (m - z[label]) + a (m - mean(z)) + log_s
+            a = config.smoothing
+            loss = (1.0 - a) * (m - picked) + a * (m - logit_sum[0] / global_vocab) + log_s
+        loss = jnp.where(valid, loss, jnp.nan)
         return loss[:, 0], m, log_s
 
     return run(_OP, local, (x2, w, labels2), _OPERANDS, ("m", "m one", "m one"),
@@ -539,20 +554,23 @@ def _shard_labels(labels2, local_vocab: int, reduced):
     return jnp.where((local >= 0) & (local < local_vocab), local, -1)
 
 
-def _combine_vocab_shards(m, log_s, picked, reduced):
-    """Per-shard ``(max, log_s, picked)`` -> the whole vocabulary's, by collectives.
+def _combine_vocab_shards(stats, reduced):
+    """Per-shard ``(max, log_s, picked[, logit sum])`` -> the whole vocabulary's, by
+    collectives.
 
     The same merge as :func:`_merge_stats` across devices: the largest shift,
     each shard's sum rescaled to it, the label's logit from the one shard that
-    holds it (the others picked 0).
+    holds it (the others picked 0), the shards' logit sums added.
     """
+    m, log_s, picked, *logit_sum = stats
     axes = reduced_axes(reduced, "v")
     if not axes:
-        return m, log_s, picked
+        return stats
     big = lax.pmax(m, axes)
     shift = jnp.where(jnp.isfinite(big), big, 0.0)
     total = lax.psum(jnp.exp(log_s + (m - shift)), axes)
-    return shift, jnp.log(total), lax.psum(picked, axes)
+    return (shift, jnp.log(total), lax.psum(picked, axes),
+            *(lax.psum(t, axes) for t in logit_sum))
 
 
 def _backward(x2, w, labels2, m, log_s, gs, config: _Config):

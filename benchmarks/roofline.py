@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks import attention, cross_entropy, harness, matmul, norms, softmax
+from benchmarks import attention, cross_entropy, decoder_ops, harness, matmul, norms, softmax
 
 TARGET = "sm_90"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,9 @@ def essential_cases() -> list[StaticCase]:
     fused_matmul with the bias+gelu_exact epilogue at 8192^3; layer_norm and
     rms_norm over 16384 x 4096; softmax over 4096 x 16384; cross_entropy at
     8192 x 131072; linear_cross_entropy at 8192 x 4096 x 131072; causal
-    attention at 4 x 4096 tokens, 16 heads of 128. All bfloat16.
+    attention at 4 x 4096 tokens, 16 heads of 128; the rotary embedding of 4 x 4096
+    tokens, 32 heads of 128; the SwiGLU gated_linear_unit at 8192 x 4096 x 14336. All
+    bfloat16.
     """
     impl = ("triton",)
     small_rows = 16  # rows for the traffic count: every row is read alike
@@ -93,6 +95,9 @@ def essential_cases() -> list[StaticCase]:
         StaticCase(cross_entropy.make_linear_case((8192, 4096, 131072), "bfloat16", "fwd+bwd", impl)),
         StaticCase(attention.make_case(attention.Shape(4, 4096, 4096, 16, 16, 128, True, "bfloat16"),
                                        "fwd+bwd", impl)),
+        StaticCase(decoder_ops.rope_case((4, 4096, 32, 128, 128), "bfloat16", "fwd+bwd", impl),
+                   _small(decoder_ops.rope_case, (1, 2, 32, 128, 128), "bfloat16", "fwd+bwd", impl)),
+        StaticCase(decoder_ops.glu_case((8192, 4096, 14336), "bfloat16", "swiglu", "fwd+bwd", impl)),
     ]
     return found
 

@@ -110,8 +110,10 @@ def test_gated_mlp_bf16_compute():
 # RotaryEmbedding
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("implementation", ["xla", "interpret"])
-@pytest.mark.parametrize("rotary_dim,scaling", [(H, LLAMA3), (H // 2, None)])
+@pytest.mark.parametrize("implementation,rotary_dim,scaling", [
+    ("xla", H, LLAMA3), ("interpret", H // 2, None),
+    pytest.param("interpret", H, LLAMA3, marks=pytest.mark.slow),
+    pytest.param("xla", H // 2, None, marks=pytest.mark.slow)])
 def test_rotary_embedding_matches_rotate_half(implementation, rotary_dim, scaling):
     rope = layers.RotaryEmbedding(rotary_dim, theta=500.0, scaling=scaling,
                                   implementation=implementation)

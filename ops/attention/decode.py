@@ -5,7 +5,8 @@ cache. The flash kernel gives each (batch, query head, query block) one
 program that walks the whole cache alone: at batch 1 a GPU runs a handful of
 programs, and each query head of a GQA group reads the same key/value heads
 again. Here (Dao, Haziza, Massa and Sizov, "Flash-Decoding for long-context
-inference", 2023; Hong et al., "FlashDecoding++", 2023, section 3):
+inference", PyTorch blog, 2023; the GQA group as the rows of one query tile
+as FlashAttention-3's decoding kernels pack it):
 
 * one program per (batch, key/value head, split): all ``T * G`` queries of
   the key/value head's group (``G = N // K`` query heads, ``T`` queries) are

@@ -106,33 +106,35 @@ def _zero_outside(x, axis, start, lo, hi):
     return jnp.where(keep, x, jnp.zeros((), x.dtype))
 
 
-def _k_slice(ref, contract_dim: int, k, block_k: int, other=None, keep=None):
-    """One ``block_k`` step of a two-dimensional Ref along ``contract_dim``;
-    the other dim whole, or ``other`` (a ``pl.ds``). ``keep(shape, axis)``:
-    a masked load (zeros elsewhere)."""
+def _k_slice(ref, contract_dim: int, k, block_k: int, other=None, keep=None, lead=()):
+    """One ``block_k`` step of a two-dimensional Ref (after the ``lead`` indices of a
+    batched one) along ``contract_dim``; the other dim whole, or ``other`` (a
+    ``pl.ds``). ``keep(shape, axis)``: a masked load (zeros elsewhere)."""
     idx = [slice(None), slice(None)]
     idx[contract_dim] = pl.ds(k * block_k, block_k)
     if other is not None:
         idx[1 - contract_dim] = other
     if keep is None:
-        return ref[tuple(idx)]
-    shape = list(ref.shape)
+        return ref[(*lead, *idx)]
+    shape = list(ref.shape[len(lead):])
     shape[contract_dim] = block_k
     if other is not None:
         shape[1 - contract_dim] = other.size
-    return pl.load(ref, tuple(idx), mask=keep(tuple(shape), contract_dim), other=0)
+    return pl.load(ref, (*lead, *idx), mask=keep(tuple(shape), contract_dim), other=0)
 
 
 def loop_accumulate(a_ref, b_ref, *, ca: int, cb: int, block_k: int, num_k, out_shape,
-                    k_size=None, b_cols=None, first_k=0, k_lo=None, masked_loads: bool = False):
+                    k_size=None, b_cols=None, first_k=0, k_lo=None, masked_loads: bool = False,
+                    b_lead=()):
     """The loop walk: ``sum_k A[k] @ B[k]`` over ``num_k`` steps of ``block_k``
     (a static int, or a traced trip count) from full-K Refs, float32
     ``out_shape``. ``k_size`` / ``k_lo``: mask the contraction outside
     ``[k_lo, k_size)`` (:func:`product`; with ``masked_loads`` by the loads'
     masks instead, which costs no instructions beside the load on a GPU);
     ``b_cols``: a ``pl.ds`` of b's free dim (a tile of a wider block);
-    ``first_k``: the first step (traced or not: a group's first row tile).
-    One static step runs without a loop."""
+    ``b_lead``: leading indices of a batched b Ref (its matrix picked in the
+    kernel); ``first_k``: the first step (traced or not: a group's first row
+    tile). One static step runs without a loop."""
     def step(k, acc):
         k = k + first_k if not (isinstance(first_k, int) and first_k == 0) else k
         keep = None
@@ -142,7 +144,7 @@ def loop_accumulate(a_ref, b_ref, *, ca: int, cb: int, block_k: int, num_k, out_
                 inside = pos < k_size
                 return inside if k_lo is None else inside & (pos >= k_lo)
         a = _k_slice(a_ref, ca, k, block_k, keep=keep)
-        b = _k_slice(b_ref, cb, k, block_k, b_cols, keep=keep)
+        b = _k_slice(b_ref, cb, k, block_k, b_cols, keep=keep, lead=b_lead)
         if keep is not None:
             return acc + product(a, b, ca, cb)
         k0 = k * block_k if k_size is not None else None

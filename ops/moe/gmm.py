@@ -18,6 +18,13 @@ How the partial stores are made depends on how programs run:
   both parallel, K walked by an in-kernel loop whose trip count is 0 for a
   zero segment; each visit stores its rows with a masked store, so visits of
   one tile write disjoint rows.
+* ``pallas_triton`` (JAX's Triton lowering has no scalar prefetch, and
+  pallas_core refuses an output block that concurrent programs share): the
+  grid is (row tile, column tile) and each program loops over its tile's
+  visits (:func:`gmm_by_tile`), merging each visit's rows into a register
+  tile stored once; the tables are ordinary operands, rhs a whole block
+  (padded to powers of two, as that lowering wants) whose group each visit
+  indexes in the kernel.
 """
 from __future__ import annotations
 
@@ -90,3 +97,63 @@ def gmm(lhs, rhs, visits: group_table.Visits, *, transpose_rhs: bool, config: Ra
         out_shape=[jax.ShapeDtypeStruct((m, n_out), out_dtype)], epilogue=epilogue, walk=w,
         k_edge="mask", compiler_params=params, rows=rows, cols_outer=w == tiled.GRID,
         name=name)[0]
+
+
+def tables_in_scalar_memory(backend: str) -> bool:
+    """Whether ``backend`` reads the visit tables through scalar prefetch (all but
+    pallas_triton, whose lowering has none: there they are ordinary operands)."""
+    return backend != "pallas_triton"
+
+
+def _by_tile_kernel(first_ref, group_ref, lo_ref, hi_ref, active_ref, lhs_ref, rhs_ref, out_ref,
+                    *, block_m: int, block_k: int, num_k: int, k_size, transpose_rhs: bool):
+    i = pl.program_id(0)
+    row = i * block_m + lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+
+    def visit(v, tile):
+        trips = jnp.where(active_ref[v] != 0, num_k, 0)
+        acc = tiled.loop_accumulate(
+            lhs_ref, rhs_ref, ca=1, cb=1 if transpose_rhs else 0, block_k=block_k, num_k=trips,
+            out_shape=out_ref.shape, k_size=k_size, b_lead=(group_ref[v],))
+        return jnp.where((row >= lo_ref[v]) & (row < hi_ref[v]), acc, tile)
+
+    tile = lax.fori_loop(first_ref[i], first_ref[i + 1], visit,
+                         jnp.zeros(out_ref.shape, jnp.float32))
+    out_ref[...] = tile.astype(out_ref.dtype)
+
+
+def gmm_by_tile(lhs, rhs, visits: group_table.Visits, *, transpose_rhs: bool,
+                config: RaggedDotConfig, backend: str, out_dtype, name: str = "ragged_dot"):
+    """:func:`gmm` with programs over (row tile, column tile), each looping over its
+    tile's visits, the tables as ordinary operands (pallas_triton's form; any backend
+    runs it). Every output block has one program; rhs is one block per column tile
+    holding every group (``[G, K, block_n]``, powers of two)."""
+    bm, bn, bk = config.blocks
+    m, k = lhs.shape
+    g_local = rhs.shape[0]
+    n_out = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    p2 = pl.next_power_of_2
+    num_k = max(1, pl.cdiv(k, bk))
+    kw = p2(max(k, num_k * bk))
+    tiles_m = pl.cdiv(m, bm)
+    # Visits come in row order: tile i's are [first[i], first[i + 1]).
+    first = jnp.searchsorted(visits.tile, jnp.arange(tiles_m + 1, dtype=jnp.int32),
+                             side="left").astype(jnp.int32)
+    first = first.at[tiles_m].set(visits.tile.shape[0])
+    tables = (first, visits.group, visits.lo, visits.hi, visits.active)
+    table_specs = [pl.BlockSpec((p2(t.shape[0]),), lambda i, j: (0,)) for t in tables]
+    if transpose_rhs:
+        rhs_spec = pl.BlockSpec((p2(g_local), bn, kw), lambda i, j: (0, j, 0))
+    else:
+        rhs_spec = pl.BlockSpec((p2(g_local), kw, bn), lambda i, j: (0, 0, j))
+    kernel = functools.partial(_by_tile_kernel, block_m=bm, block_k=bk, num_k=num_k,
+                               k_size=k if k % bk else None, transpose_rhs=transpose_rhs)
+    params = pl.triton.CompilerParams(
+        num_warps=config.num_warps or tiled.default_num_warps(bm, bn),
+        num_stages=config.num_stages or 3, dimension_semantics=(pl.PARALLEL, pl.PARALLEL))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+        grid=(tiles_m, pl.cdiv(n_out, bn)),
+        in_specs=table_specs + [pl.BlockSpec((bm, kw), lambda i, j: (i, 0)), rhs_spec],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=params, backend=backend, name=name)(*tables, lhs, rhs)

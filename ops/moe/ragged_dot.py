@@ -69,9 +69,11 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         product. Group ids outside ``[0, G)`` own no rows.
       implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
         "mosaic_tpu"), "xla" (``jax.lax.ragged_dot``), "interpret", "triton",
-        "mosaic_tpu"; "pallas_triton" and "mosaic_gpu" raise
-        NotImplementedError (JAX's Triton lowering has no scalar prefetch). Or
-        a sequence of these tried in order (:mod:`ops._implementation`).
+        "pallas_triton" (JAX's Triton lowering, which has no scalar prefetch:
+        programs per output tile looping over the tile's groups, the tables as
+        ordinary operands, blocks padded to powers of two), "mosaic_tpu";
+        "mosaic_gpu" raises NotImplementedError. Or a sequence of these tried in
+        order (:mod:`ops._implementation`).
       block_sizes: optional ``(block_m, block_n, block_k)`` or a
         :class:`~ops.moe.config.RaggedDotConfig` (tiles, warps, stages, the
         walk); None takes the tuning cache's entry, else the heuristic (by
@@ -197,11 +199,14 @@ def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offs
 
 
 def _kernel_ragged_dot(lhs, rhs, group_sizes, offset, backend, config, out_dtype,
-                       walk: str | None = None):
-    """The kernels' ``ragged_dot`` (``walk``: force the grid or loop walk; tests run
-    both on the interpreter)."""
+                       walk: str | None = None, scalar_prefetch: bool | None = None):
+    """The kernels' ``ragged_dot`` (``walk``: force the grid or loop walk;
+    ``scalar_prefetch=False``: pallas_triton's form, programs per output tile with the
+    tables as ordinary operands; tests run each on the interpreter)."""
+    if scalar_prefetch is None:
+        scalar_prefetch = gmm.tables_in_scalar_memory(backend)
     kernel = _Kernel(backend, config, np.dtype(out_dtype),
-                     walk or config.walk or gmm.walk(backend))
+                     walk or config.walk or gmm.walk(backend), scalar_prefetch)
     return _ragged_dot(lhs, rhs, group_sizes, offset, kernel)
 
 
@@ -213,14 +218,22 @@ class _Kernel:
     config: RaggedDotConfig
     out_dtype: np.dtype
     walk: str
+    scalar_prefetch: bool = True
+
+    def gmm(self, lhs, rhs, visits, *, transpose_rhs, config, out_dtype, name):
+        if not self.scalar_prefetch:
+            return gmm.gmm_by_tile(lhs, rhs, visits, transpose_rhs=transpose_rhs, config=config,
+                                   backend=self.backend, out_dtype=out_dtype, name=name)
+        return gmm.gmm(lhs, rhs, visits, transpose_rhs=transpose_rhs, config=config,
+                       backend=self.backend, out_dtype=out_dtype, walk_override=self.walk,
+                       name=name)
 
 
 def _forward(lhs, rhs, group_sizes, offset, kernel: _Kernel):
     m, g_local = lhs.shape[0], rhs.shape[0]
     visits = group_table.row_visits(group_sizes, g_local, offset, m, kernel.config.block_m)
-    return gmm.gmm(lhs, rhs, visits, transpose_rhs=False, config=kernel.config,
-                   backend=kernel.backend, out_dtype=kernel.out_dtype,
-                   walk_override=kernel.walk, name="ragged_dot")
+    return kernel.gmm(lhs, rhs, visits, transpose_rhs=False, config=kernel.config,
+                      out_dtype=kernel.out_dtype, name="ragged_dot")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -247,12 +260,12 @@ def _ragged_dot_bwd(kernel: _Kernel, residuals, g):
     c = dataclasses.replace(c, num_warps=c.num_warps or tiled.default_num_warps(c.block_m,
                                                                                 c.block_n))
     visits = group_table.row_visits(group_sizes, g_local, offset, m, c.block_m)
-    dlhs = gmm.gmm(dout, rhs, visits, transpose_rhs=True,
-                   config=dataclasses.replace(c, block_n=c.block_k, block_k=c.block_n),
-                   backend=kernel.backend, out_dtype=lhs.dtype, walk_override=kernel.walk,
-                   name="ragged_dot_dlhs")
+    dlhs = kernel.gmm(dout, rhs, visits, transpose_rhs=True,
+                      config=dataclasses.replace(c, block_n=c.block_k, block_k=c.block_n),
+                      out_dtype=lhs.dtype, name="ragged_dot_dlhs")
     drhs = tgmm.tgmm(lhs, dout, group_sizes, offset, g_local, config=c, backend=kernel.backend,
-                     out_dtype=rhs.dtype, walk=kernel.walk)
+                     out_dtype=rhs.dtype, walk=kernel.walk,
+                     scalar_prefetch=kernel.scalar_prefetch)
     return dlhs, drhs, None, None
 
 
@@ -276,11 +289,10 @@ def _example(problem: Problem, implementation: str):
 
 OP = register(Op(
     name=_OP, dims=("m", "k", "n", "groups"),
-    configs={b: RaggedDotConfig for b in ("interpret", "triton", "mosaic_tpu")},
+    configs={b: RaggedDotConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
     reference=ragged_dot_reference,
     tuning=Tuning(example=_example, shapes=((32768, 4096, 14336, 8), (32768, 14336, 4096, 8),
                                             (131072, 2048, 1024, 64)),
                   quick=((512, 256, 512, 4),)),
-    missing_reason=" (pallas_triton: JAX's Triton lowering has no scalar prefetch, which the "
-    "grouped matmul's tile table needs; mosaic_gpu: no kernel for it yet)"))
+    missing_reason=" (mosaic_gpu: no kernel for it yet)"))
 

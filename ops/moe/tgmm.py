@@ -11,10 +11,11 @@ masked outside the group's rows:
   group's visits are consecutive, the accumulator starts on its first visit
   and is stored on its last; an empty group has one visit that stores
   zeros (megablox's scheme).
-* ``triton`` (concurrent programs): the grid is (group, K tile, N tile), all
-  parallel; each program loops over its group's row tiles (a trip count
-  read from the group bounds in scalar memory; none for an empty group,
-  which stores zeros).
+* ``triton`` and ``pallas_triton`` (concurrent programs): the grid is
+  (group, K tile, N tile), all parallel; each program loops over its
+  group's row tiles (a trip count read from the group bounds, in scalar
+  memory, or as ordinary operands on pallas_triton; none for an empty
+  group, which stores zeros).
 
 Every output block has exactly one writer: no atomics, deterministic.
 """
@@ -56,7 +57,8 @@ def _loop_kernel(begins_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, block_m: i
 
 
 def tgmm(lhs, dout, group_sizes, group_offset, num_local: int, *, config: RaggedDotConfig,
-         backend: str, out_dtype, walk: str, name: str = "ragged_dot_drhs"):
+         backend: str, out_dtype, walk: str, scalar_prefetch: bool = True,
+         name: str = "ragged_dot_drhs"):
     """``[G_local, K, N]``: ``lhs[rows of g]^T @ dout[rows of g]`` per owned group.
 
     Args:
@@ -65,6 +67,8 @@ def tgmm(lhs, dout, group_sizes, group_offset, num_local: int, *, config: Ragged
       config: tiles by role: output ``(block_k, block_n)``, rows per step
         ``block_m``.
       walk: ``"grid"`` or ``"loop"`` (:func:`ops.moe.gmm.walk`).
+      scalar_prefetch: the loop walk reads the group bounds through scalar
+        prefetch; False (pallas_triton) passes them as ordinary operands.
     """
     bm, bn, bk = config.blocks
     m, k = lhs.shape
@@ -85,16 +89,27 @@ def tgmm(lhs, dout, group_sizes, group_offset, num_local: int, *, config: Ragged
             compiler_params=pl.CompilerParams((pl.PARALLEL, pl.PARALLEL, pl.ARBITRARY)),
             backend=backend, name=name)(*visits.tables(), lhs, dout)
     begins, ends = group_table.group_bounds(group_sizes, num_local, group_offset, m)
-    rows = tiled.loop_k_width(m, bm, "mask")
-    spec = pl.tpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(num_local, pl.cdiv(k, bk), pl.cdiv(n, bn)),
-        in_specs=[pl.BlockSpec((rows, bk), lambda g, i, j, *_: (0, i)),
-                  pl.BlockSpec((rows, bn), lambda g, i, j, *_: (0, j))],
-        out_specs=pl.BlockSpec(out_block, lambda g, i, j, *_: (g, i, j)))
+    grid = (num_local, pl.cdiv(k, bk), pl.cdiv(n, bn))
     params = pl.triton.CompilerParams(
         num_warps=config.num_warps or tiled.default_num_warps(bk, bn),
         num_stages=config.num_stages or 3,
         dimension_semantics=(pl.PARALLEL, pl.PARALLEL, pl.PARALLEL))
-    return pl.pallas_call(
-        functools.partial(_loop_kernel, block_m=bm), out_shape=out_shape, grid_spec=spec,
-        compiler_params=params, backend=backend, name=name)(begins, ends, lhs, dout)
+    kernel = functools.partial(_loop_kernel, block_m=bm)
+    if not scalar_prefetch:
+        # pallas_triton: the bounds as ordinary operands, every block a power of two.
+        rows = pl.next_power_of_2(m)
+        bound = pl.BlockSpec((pl.next_power_of_2(num_local),), lambda g, i, j: (0,))
+        return pl.pallas_call(
+            kernel, out_shape=out_shape, grid=grid,
+            in_specs=[bound, bound, pl.BlockSpec((rows, bk), lambda g, i, j: (0, i)),
+                      pl.BlockSpec((rows, bn), lambda g, i, j: (0, j))],
+            out_specs=pl.BlockSpec(out_block, lambda g, i, j: (g, i, j)),
+            compiler_params=params, backend=backend, name=name)(begins, ends, lhs, dout)
+    rows = tiled.loop_k_width(m, bm, "mask")
+    spec = pl.tpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=grid,
+        in_specs=[pl.BlockSpec((rows, bk), lambda g, i, j, *_: (0, i)),
+                  pl.BlockSpec((rows, bn), lambda g, i, j, *_: (0, j))],
+        out_specs=pl.BlockSpec(out_block, lambda g, i, j, *_: (g, i, j)))
+    return pl.pallas_call(kernel, out_shape=out_shape, grid_spec=spec, compiler_params=params,
+                          backend=backend, name=name)(begins, ends, lhs, dout)

@@ -19,6 +19,9 @@
 * :class:`layers.GatedMLP` -- the gated MLP of Llama / Gemma (SwiGLU, GeGLU)
   through ``ops.gated_linear_unit``; :class:`layers.RotaryEmbedding` -- rotary
   position embeddings through ``ops.apply_rotary_embedding``.
+* :class:`layers.MoE` -- a mixture-of-experts SwiGLU block (Mixtral's top-k
+  router, experts through ``ops.ragged_dot``, load-balancing statistics,
+  optional expert parallelism), Linen twin ``layers.linen.MoE``.
 
 All keep their Flax parent's constructor arguments, defaults, parameter
 names, shapes, initializers and metadata, so state and checkpoints made by
@@ -32,8 +35,9 @@ from layers import linen
 from layers.attention import MultiHeadAttention, dot_product_attention
 from layers.dense import Dense
 from layers.mlp import GatedMLP
+from layers.moe import MoE
 from layers.norms import LayerNorm, RMSNorm
 from layers.rotary import RotaryEmbedding
 
-__all__ = ["Dense", "GatedMLP", "LayerNorm", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding",
-           "dot_product_attention", "linen"]
+__all__ = ["Dense", "GatedMLP", "LayerNorm", "MoE", "MultiHeadAttention", "RMSNorm",
+           "RotaryEmbedding", "dot_product_attention", "linen"]

@@ -110,7 +110,8 @@ from layers.linen_norms import LayerNorm, RMSNorm  # noqa: E402 - the Linen twin
 from layers.linen_attention import (  # noqa: E402 - the Linen twins of layers.attention
     MultiHeadAttention, MultiHeadDotProductAttention, SelfAttention)
 from layers.linen_mlp import GatedMLP  # noqa: E402 - the Linen twin of layers.GatedMLP
+from layers.linen_moe import MoE  # noqa: E402 - the Linen twin of layers.MoE
 from layers.linen_rotary import RotaryEmbedding  # noqa: E402 - of layers.RotaryEmbedding
 
-__all__ = ["Dense", "GatedMLP", "LayerNorm", "MultiHeadAttention", "MultiHeadDotProductAttention",
-           "RMSNorm", "RotaryEmbedding", "SelfAttention"]
+__all__ = ["Dense", "GatedMLP", "LayerNorm", "MoE", "MultiHeadAttention",
+           "MultiHeadDotProductAttention", "RMSNorm", "RotaryEmbedding", "SelfAttention"]

@@ -63,10 +63,8 @@ def group_sizes(m: int, groups: int, seed: int = 0) -> tuple[int, ...]:
 
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     """Every ragged_dot case for ``platform``: shapes x passes (fwd, fwd+bwd); ``quick``
-    keeps one tiny shape and its fwd+bwd pass (which runs all three kernels). JAX's
-    pallas_triton is not benchmarked (it has no scalar prefetch: ops.ragged_dot raises
-    NotImplementedError there)."""
-    ours = tuple(i for i in harness.kernel_implementations(platform) if i != "pallas_triton")
+    keeps one tiny shape and its fwd+bwd pass (which runs all three kernels)."""
+    ours = harness.kernel_implementations(platform)
     passes = ("fwd+bwd",) if quick else harness.PASSES
     return [make_case(shape, dtype, pass_name, ours) for shape, dtype in shapes(platform, quick)
             for pass_name in passes]

@@ -90,9 +90,11 @@ def tgmm(lhs, dout, group_sizes, group_offset, num_local: int, *, config: Ragged
             backend=backend, name=name)(*visits.tables(), lhs, dout)
     begins, ends = group_table.group_bounds(group_sizes, num_local, group_offset, m)
     grid = (num_local, pl.cdiv(k, bk), pl.cdiv(n, bn))
+    # Bands of 8 K tiles over the N tiles (grouped ordering on our triton backend): each
+    # column tile of dout is reused by 8 K tiles while in L2.
     params = pl.triton.CompilerParams(
         num_warps=config.num_warps or tiled.default_num_warps(bk, bn),
-        num_stages=config.num_stages or 3,
+        num_stages=config.num_stages or 3, group_size=config.group_size or 8,
         dimension_semantics=(pl.PARALLEL, pl.PARALLEL, pl.PARALLEL))
     kernel = functools.partial(_loop_kernel, block_m=bm)
     if not scalar_prefetch:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import ops
 import pallas_core as pl
@@ -115,6 +116,20 @@ def test_float64_and_tokamax_semantics():
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     got = ops.gated_linear_unit(xb, wb, activation="silu", implementation="triton")
     assert_close(got, tokamax_semantics(xb, wb, jax.nn.silu), 2 * FORWARD[jnp.bfloat16], "vs tokamax bf16")
+
+
+@settings(max_examples=2, deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(1, 90), n=st.integers(1, 70),
+       activation=st.sampled_from([None, "silu", "gelu", "relu", "sigmoid"]))
+def test_any_shape_forward_and_backward(m, k, n, activation):
+    x, w = _inputs((m,), k, n, jnp.float32, seed=m * 131 + k * 7 + n)
+    act = resolve_activation(activation, "test")
+    out, (dx, dw) = _with_grads(lambda x, w: ops.gated_linear_unit(
+        x, w, activation=activation, implementation="triton"))(x, w)
+    want, (wdx, wdw) = _with_grads(lambda x, w: gated_linear_unit_reference(x, w, act))(x, w)
+    assert_close(out, want, FORWARD[jnp.float32], "out")
+    assert_close(dx, wdx, BACKWARD[jnp.float32], "dx")
+    assert_close(dw, wdw, BACKWARD[jnp.float32], "dw")
 
 
 def test_empty_contraction_gives_zeros():

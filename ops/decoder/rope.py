@@ -69,7 +69,9 @@ def apply_rotary_embedding(x, positions, inv_freq, *, interleaved: bool = False,
       x: ``[B, T, N, H]`` or ``[T, N, H]`` (tokens, heads, head dim), float32 /
         bfloat16 / float16: queries or keys.
       positions: integer ``[B, T]`` or ``[T]`` (a ``[T]`` is shared by every
-        batch row), the token positions (any int dtype; read as int32).
+        batch row), the token positions (any int dtype; read as int32, and
+        converted to float32 for the angle, exact below ``2**24``, as
+        transformers converts them).
       inv_freq: ``[R / 2]`` float (read as float32), ``R <= H``: the inverse
         frequencies in radians per position, from :func:`ops.rope_frequencies`.
       interleaved: a static bool: False pairs feature ``i`` with ``i + R/2``

@@ -39,6 +39,18 @@ def test_gemma2_on_triton_matches_transformers(tmp_path):
     config = result["configs"]["gemma2"]
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
     assert config["tie_embeddings"] and config["post_norms"] and config["norm_offset"] == 1.0
+    _mapping_rejects_unbuilt_options()  # here: one import of transformers per worker
+
+
+def _mapping_rejects_unbuilt_options():
+    import transformers
+    hf = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+                                  num_hidden_layers=1, num_attention_heads=2, head_dim=4,
+                                  mlp_bias=True)
+    with pytest.raises(ValueError, match="mlp_bias"):
+        decoder.config_from_hf("llama3", hf)
+    with pytest.raises(ValueError, match="family"):
+        decoder.config_from_hf("gpt2", transformers.LlamaConfig())
 
 
 @pytest.mark.slow
@@ -57,14 +69,3 @@ def test_training_with_kernels_follows_xla(tmp_path):
                   "--min-improvement", "0.5")
     (trained,) = result["training"]
     assert trained["max_abs_diff"] <= 2e-2 and len(trained["ours"]) == 30
-
-
-def test_mapping_rejects_unbuilt_options():
-    import transformers
-    hf = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
-                                  num_hidden_layers=1, num_attention_heads=2, head_dim=4,
-                                  mlp_bias=True)
-    with pytest.raises(ValueError, match="mlp_bias"):
-        decoder.config_from_hf("llama3", hf)
-    with pytest.raises(ValueError, match="family"):
-        decoder.config_from_hf("gpt2", transformers.LlamaConfig())

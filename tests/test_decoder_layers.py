@@ -270,17 +270,18 @@ def test_linen_attention_decoder_options_equal_nnx():
     twin = layers.linen.MultiHeadDotProductAttention(
         num_heads=N, num_kv_heads=K, rotary=layers.linen.RotaryEmbedding(H, theta=1000.0), **kw)
     x = jnp.asarray(_x(11, (B, T, D)))
-    variables = twin.init(jax.random.key(0), x, is_causal=True)
+    variables = jax.jit(lambda x: twin.init(jax.random.key(0), x, is_causal=True))(x)
     attn = layers.MultiHeadAttention(N, D, num_kv_heads=K, decode=False,
                                      rotary=layers.RotaryEmbedding(H, theta=1000.0),
                                      rngs=nnx.Rngs(0), **kw)
     state = nnx.state(attn, nnx.Param)
     nnx.replace_by_pure_dict(state, variables["params"])  # the same tree, Linen's names
     nnx.update(attn, state)
-    np.testing.assert_array_equal(np.asarray(twin.apply(variables, x, is_causal=True)),
-                                  np.asarray(attn(x, is_causal=True)))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda v, x: twin.apply(v, x, is_causal=True))(variables, x)),
+        np.asarray(nnx.jit(lambda m, x: m(x, is_causal=True))(attn, x)))
     with pytest.raises(ValueError, match="num_kv_heads"):
         layers.linen.MultiHeadDotProductAttention(num_heads=N, num_kv_heads=3)
     with pytest.raises(ValueError, match="positions"):
         plain = layers.linen.MultiHeadDotProductAttention(num_heads=N)
-        plain.init(jax.random.key(0), x, positions=jnp.arange(T))
+        jax.eval_shape(lambda x: plain.init(jax.random.key(0), x, positions=jnp.arange(T)), x)

@@ -10,7 +10,7 @@ import ops
 from ops.moe import group_table
 from ops.moe.config import RaggedDotConfig
 from ops.moe.ragged_dot import _kernel_ragged_dot
-from ops.moe.reference import dense_reference, ragged_dot_reference
+from ops.moe.reference import dense_reference
 from tests.tolerances import BACKWARD, FORWARD, assert_close, for_dtype
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16

@@ -95,3 +95,24 @@ class MatmulConfig(_op.KernelConfig):
         return tuple(dict.fromkeys(
             cls(_op.fit(bm, m), _op.fit(bn, n), _op.fit(min(bk, cap_k), k), w, s, g, walk=walk)
             for bm, bn, bk, w, s, g in _SPACE))
+
+
+def check_block_sizes(block_sizes, op: str, config_type: type = MatmulConfig):
+    """A matmul-shaped op's ``block_sizes=``: None, a ``config_type`` (its fields
+    checked, :meth:`MatmulConfig.check`), or three positive ints ``(block_m, block_n,
+    block_k)``, returned as a tuple of ints.
+
+    Raises:
+      ValueError: anything else, naming ``block_sizes`` and ``op``.
+    """
+    if block_sizes is None:
+        return None
+    if isinstance(block_sizes, config_type):
+        block_sizes.check(op)
+        return block_sizes
+    sizes = tuple(block_sizes) if isinstance(block_sizes, (tuple, list)) else ()
+    if len(sizes) != 3 or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool)
+                                  and b > 0 for b in sizes):
+        raise ValueError(f"{op}: block_sizes must be three positive ints (block_m, block_n, "
+                         f"block_k) or a {config_type.__name__}, got {block_sizes!r}.")
+    return tuple(int(b) for b in sizes)

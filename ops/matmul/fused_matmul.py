@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import pallas_core as pl
@@ -44,7 +43,7 @@ from ops._implementation import KERNEL_BACKENDS, check_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.activations import resolve_activation
 from ops.matmul import tiled
-from ops.matmul.config import MatmulConfig
+from ops.matmul.config import MatmulConfig, check_block_sizes
 from ops.matmul.tiled import default_block_sizes
 
 _OP = "fused_matmul"
@@ -120,16 +119,7 @@ def _fused_matmul_on(impl, x, w, bias, act, blocks):
 
 
 def _check_block_sizes(block_sizes):
-    if block_sizes is None:
-        return None
-    if isinstance(block_sizes, MatmulConfig):
-        block_sizes.check(_OP)
-        return block_sizes
-    sizes = tuple(block_sizes)
-    if len(sizes) != 3 or not all(isinstance(b, (int, np.integer)) and b > 0 for b in sizes):
-        raise ValueError(f"{_OP}: block_sizes must be three positive ints "
-                         f"(block_m, block_n, block_k), got {block_sizes!r}.")
-    return tuple(int(b) for b in sizes)
+    return check_block_sizes(block_sizes, _OP)
 
 
 # --------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from jax import lax
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._op import Op, Problem, Tuning, register
 from ops.matmul import tiled
+from ops.matmul.config import check_block_sizes
 from ops.moe import gmm, group_table, tgmm
 from ops.moe.config import RaggedDotConfig
 from ops.moe.reference import ragged_dot_reference
@@ -166,17 +167,8 @@ def _check_precision(precision):
 
 
 def _check_block_sizes(block_sizes):
-    if block_sizes is None:
-        return None
-    if isinstance(block_sizes, RaggedDotConfig):
-        block_sizes.check(_OP)
-        return block_sizes
-    sizes = tuple(block_sizes) if isinstance(block_sizes, (tuple, list)) else None
-    if sizes is None or len(sizes) != 3 or not all(
-            isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in sizes):
-        raise ValueError(f"{_OP}: block_sizes must be three positive ints (block_m, block_n, "
-                         f"block_k) or a RaggedDotConfig, got {block_sizes!r}.")
-    return RaggedDotConfig(*(int(b) for b in sizes))
+    sizes = check_block_sizes(block_sizes, _OP, RaggedDotConfig)
+    return RaggedDotConfig(*sizes) if isinstance(sizes, tuple) else sizes
 
 
 def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offset, explicit):

@@ -101,7 +101,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -80,6 +80,18 @@ def test_kernels_match_xla(impl, case):
                  FORWARD[F32], f"{impl} {case}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("N,K,H,page_size", [(8, 8, 64, 16), (16, 2, 64, 32), (12, 4, 96, 16)])
+def test_sweep_against_jax_reference(impl, N, K, H, page_size):
+    args = make_case(N + K + H, N=N, K=K, H=H, page_size=page_size, q_lens=(4, 1, 1, 7, 2),
+                     kv_lens=(40, 1, 64, 7, 30), T=16, pages_per_seq=64 // page_size,
+                     total_pages=5 * 64 // page_size + 3)
+    kw = dict(scale=H ** -0.5, sliding_window=24)
+    out = ops.ragged_paged_attention(*args, implementation=impl, block_sizes=(2, 2), **kw)
+    assert_close(out, jax_reference(args, **kw), FORWARD[F32], impl)
+
+
 def test_sinks_equal_an_extra_key_of_value_zero():
     # A sink is a key of logit s and value 0: the same as a cache with one extra zero
     # value whose key makes the logit s for every query (here: q . k = s via a

@@ -1,4 +1,4 @@
-"""Llama 3, Mistral, Qwen3 and Gemma 2 through our layers, checked against transformers.
+"""Llama 3, Mistral, Qwen3, Gemma 2 and Mixtral through our layers, checked against transformers.
 
 Run as ``python -m benchmarks.decoder`` (``pip install -e ".[models]"``:
 transformers and torch; nothing is downloaded, every model is built from a
@@ -7,7 +7,8 @@ tiny config with seeded random weights).
 What it does, per family:
 
 1. Reference. The transformers model (``LlamaForCausalLM``,
-   ``MistralForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``) from a
+   ``MistralForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``,
+   ``MixtralForCausalLM``: 4 experts, top-2, router loss coefficient 0.1) from a
    tiny config (:func:`tiny_hf_config`: width 64, 2 layers, 4 query heads of
    16 over 2 key/value heads, MLP width 128, 256 tokens), eager attention,
    float32 on the CPU. Its weights are redrawn from a seeded generator
@@ -19,7 +20,8 @@ What it does, per family:
    small that the caps, norms and scalings would hardly matter.
 2. Mapping. :func:`config_from_hf` turns a transformers config into our
    :class:`DecoderConfig` and one function per family (``llama3_params``,
-   ``mistral_params``, ``qwen3_params``, ``gemma2_params``; :data:`MAPPERS`)
+   ``mistral_params``, ``qwen3_params``, ``gemma2_params``, ``mixtral_params``;
+   :data:`MAPPERS`)
    turns its state dict (numpy arrays by transformers' names) into our
    parameter tree, with transposes and reshapes only. The same two calls load
    a real checkpoint of that family (``safetensors.numpy.load_file`` of its
@@ -53,7 +55,10 @@ What it does, per family:
      bfloat16 run against its float32 run (or 1e-2, if larger): bfloat16's
      8-bit mantissa makes both about 1e-2 to 1e-1 of the scale here, so the
      bound is relative to what the same weights cost transformers;
-   * the loss with ignored positions: ``|ours - theirs| <= 1e-5 * theirs``;
+   * the loss with ignored positions: ``|ours - theirs| <= 1e-5 * theirs``
+     (Mixtral: plus the router's load-balancing loss times its coefficient,
+     transformers' ``output_router_logits=True`` loss, and the load-balancing
+     loss itself within the same bound);
    * the gradient of every parameter against torch autograd of the same
      loss: per parameter ``max |ours - theirs| / max |theirs| <=``
      :data:`GRAD_TOL`.
@@ -76,11 +81,12 @@ status 1 if any check fails.
 
 Extension points, for what is not built here:
 
-* MoE MLP (Mixtral): :class:`Decoder` takes ``mlp_factory(cfg, layer, *,
-  dtype, param_dtype, implementation, rngs) -> module``; a Mixtral family
-  passes one that builds ``layers.MoE`` (the router and experts' parameters
-  then sit under ``layers.<i>.mlp``) and a mapper for ``block_sparse_moe.*``.
-  The block calls ``mlp(h)`` only, so nothing else changes.
+* Other MLPs: :class:`Decoder` takes ``mlp_factory(cfg, layer, *, dtype,
+  param_dtype, implementation, rngs) -> module``; the default builds
+  ``layers.GatedMLP``, or ``layers.MoE`` when the config has experts
+  (Mixtral: the router and experts' parameters under ``layers.<i>.mlp``).
+  The block calls ``mlp(h)`` only; an MoE sows its router statistics, which
+  :meth:`Decoder.router_aux_loss` collects.
 * Generation: attention goes through ``layers.MultiHeadAttention.attend``,
   the one place a key/value cache plugs in. A dense or paged cache object
   per layer receives the rotated keys and values of the new tokens and
@@ -111,7 +117,7 @@ import layers
 import ops
 from benchmarks.lm import load_corpus, sample_batches
 
-FAMILIES = ("llama3", "mistral", "qwen3", "gemma2")
+FAMILIES = ("llama3", "mistral", "qwen3", "gemma2", "mixtral")
 IGNORE_INDEX = -100  # transformers' ignored label
 VOCAB = 256  # byte tokens
 LOGITS_TOL = 1e-4  # float32: max |ours - theirs| / max |theirs|
@@ -159,6 +165,9 @@ class DecoderConfig:
     query_pre_attn_scalar: float | None = None
     scale_embeddings: bool = False  # Gemma: embeddings times sqrt(width)
     tie_embeddings: bool = False
+    num_experts: int = 0  # Mixtral: an MoE MLP (layers.MoE) of this many experts
+    experts_per_token: int = 0
+    router_aux_loss_coef: float = 0.0
 
     def window(self, layer: int):
         """``local_window_size`` of a layer: ``(sliding_window - 1, 0)`` or None."""
@@ -202,10 +211,13 @@ def config_from_hf(family: str, hf) -> DecoderConfig:
     c = _common(family, hf)
     if family == "llama3":
         return DecoderConfig(**c)
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         window = getattr(hf, "sliding_window", None)
         types = ("sliding_attention",) * c["num_layers"] if window else c["layer_types"]
-        return DecoderConfig(**{**c, "layer_types": types}, sliding_window=window)
+        moe = {} if family == "mistral" else dict(
+            num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
+            router_aux_loss_coef=float(hf.router_aux_loss_coef))
+        return DecoderConfig(**{**c, "layer_types": types}, sliding_window=window, **moe)
     if family == "qwen3":
         window = hf.sliding_window if getattr(hf, "use_sliding_window", False) else None
         return DecoderConfig(**c, qk_norm=True, sliding_window=window)
@@ -224,8 +236,13 @@ def config_from_hf(family: str, hf) -> DecoderConfig:
 # --------------------------------------------------------------------------
 
 def default_mlp(cfg: DecoderConfig, layer: int, *, dtype, param_dtype, implementation, rngs):
-    """The families' gated MLP (SwiGLU / GeGLU); the ``mlp_factory`` default."""
+    """The families' gated MLP (SwiGLU / GeGLU), or Mixtral's ``layers.MoE``; the
+    ``mlp_factory`` default."""
     del layer
+    if cfg.num_experts:
+        return layers.MoE(cfg.width, cfg.mlp_width, cfg.num_experts, cfg.experts_per_token,
+                          activation=cfg.activation, dtype=dtype, param_dtype=param_dtype,
+                          implementation=implementation, rngs=rngs)
     return layers.GatedMLP(cfg.width, cfg.mlp_width, activation=cfg.activation, dtype=dtype,
                            param_dtype=param_dtype, implementation=implementation, rngs=rngs)
 
@@ -351,18 +368,29 @@ class Decoder(nnx.Module):
         """transformers' causal-LM loss: mean next-token cross-entropy over labels != -100.
 
         ``labels [B, T]`` are aligned with ``tokens`` (position ``t`` predicts
-        ``labels[t + 1]``); computed by ``ops.linear_cross_entropy`` in float32.
+        ``labels[t + 1]``); computed by ``ops.linear_cross_entropy`` in float32. With
+        experts, plus ``router_aux_loss_coef`` times :meth:`router_aux_loss`.
         """
-        return self.loss_of_hidden(self.hidden_states(tokens), labels)
+        h = self.hidden_states(tokens)
+        return self.loss_of_hidden(h, labels, self.router_aux_loss())
 
-    def loss_of_hidden(self, h, labels):
-        """:meth:`loss` from the hidden states ``[B, T, width]`` of :meth:`hidden_states`."""
+    def router_aux_loss(self):
+        """The load-balancing loss of the MoE layers' router statistics sown by the last
+        :meth:`hidden_states` (popped), pooled over the layers as transformers does; 0.0
+        without experts."""
+        stats = layers.moe.collect_router_stats(nnx.pop(self, nnx.Intermediate))
+        return layers.moe.load_balancing_loss(stats) if stats else jnp.float32(0.0)
+
+    def loss_of_hidden(self, h, labels, aux_loss=0.0):
+        """:meth:`loss` from the hidden states ``[B, T, width]`` of :meth:`hidden_states` (and
+        the :meth:`router_aux_loss` of that call)."""
         targets = jnp.concatenate(
             [labels[:, 1:], jnp.full((labels.shape[0], 1), IGNORE_INDEX, labels.dtype)], axis=1)
         w = self.head()
-        return ops.linear_cross_entropy(h.astype(w.dtype), w, targets, ignore_index=IGNORE_INDEX,
+        loss = ops.linear_cross_entropy(h.astype(w.dtype), w, targets, ignore_index=IGNORE_INDEX,
                                         logits_soft_cap=self.cfg.final_soft_cap, reduction="mean",
                                         implementation=self.implementation)
+        return loss + self.cfg.router_aux_loss_coef * aux_loss if self.cfg.num_experts else loss
 
 
 def build_decoder(cfg: DecoderConfig, params: Mapping, *, implementation=None,
@@ -442,9 +470,24 @@ def gemma2_params(sd: Mapping[str, np.ndarray], cfg: DecoderConfig) -> dict:
     return _model(sd, cfg, layer)
 
 
+def mixtral_params(sd: Mapping[str, np.ndarray], cfg: DecoderConfig) -> dict:
+    """A ``MixtralForCausalLM`` state dict: Mistral's with the MoE block as ``layers.MoE``
+    (router ``gate.weight [E, d]`` transposed; ``experts.gate_up_proj [E, 2h, d]`` and
+    ``experts.down_proj [E, d, h]`` transposed in their last two axes)."""
+    def layer(sd, p):
+        moe = f"{p}.mlp"
+        return {"attn_norm": {"scale": sd[f"{p}.input_layernorm.weight"]},
+                "attn": _attention(sd, f"{p}.self_attn", cfg),
+                "mlp_norm": {"scale": sd[f"{p}.post_attention_layernorm.weight"]},
+                "mlp": {"router": {"kernel": sd[f"{moe}.gate.weight"].T},
+                        "gate_up_proj": sd[f"{moe}.experts.gate_up_proj"].transpose(0, 2, 1),
+                        "down_proj": sd[f"{moe}.experts.down_proj"].transpose(0, 2, 1)}}
+    return _model(sd, cfg, layer)
+
+
 MAPPERS: dict[str, Callable[[Mapping[str, np.ndarray], DecoderConfig], dict]] = {
     "llama3": llama3_params, "mistral": mistral_params, "qwen3": qwen3_params,
-    "gemma2": gemma2_params}
+    "gemma2": gemma2_params, "mixtral": mixtral_params}
 
 
 # --------------------------------------------------------------------------
@@ -478,6 +521,11 @@ def tiny_hf_config(family: str, *, tie: bool | None = None, window: int = 8):
             attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
             hidden_activation="gelu_pytorch_tanh",
             layer_types=["sliding_attention", "full_attention"])
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, sliding_window=window, num_local_experts=4,
+                                          num_experts_per_tok=2, router_aux_loss_coef=0.1,
+                                          rope_parameters={"rope_type": "default",
+                                                           "rope_theta": 1e6})
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -487,7 +535,8 @@ def hf_model(family: str, hf_config, seed: int, *, randomize: bool = True):
     import torch
     import transformers
     cls = {"llama3": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM}[family]
+           "qwen3": transformers.Qwen3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
+           "mixtral": transformers.MixtralForCausalLM}[family]
     torch.manual_seed(seed)
     model = cls(hf_config).float().eval()
     if randomize:
@@ -507,7 +556,7 @@ def randomize_(model, seed: int, *, offset_norms: bool, qk_gain: float = 3.0) ->
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                std = 1.0 / math.sqrt(p.shape[1])
+                std = 1.0 / math.sqrt(p.shape[-1])  # fan_in (experts: [E, out, in])
                 if name.endswith(("q_proj.weight", "k_proj.weight")):
                     std *= qk_gain
                 p.copy_(std * torch.randn(p.shape, generator=g))
@@ -519,17 +568,22 @@ def hf_state(model) -> dict[str, np.ndarray]:
 
 
 def hf_reference(model, tokens: np.ndarray, labels: np.ndarray, *, dtype: str = "float32"):
-    """transformers' logits, loss and parameter gradients (by state-dict name) in float32."""
+    """transformers' logits, loss and parameter gradients (by state-dict name) in float32, and
+    the router's load-balancing loss (None without experts; the loss includes it times
+    ``router_aux_loss_coef``)."""
     import torch
     if dtype == "bfloat16":
         model = _copy_to(model, torch.bfloat16)
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=torch.from_numpy(tokens).long(), labels=torch.from_numpy(labels).long())
+    moe = {"output_router_logits": True} if getattr(model.config, "num_local_experts", 0) else {}
+    out = model(input_ids=torch.from_numpy(tokens).long(), labels=torch.from_numpy(labels).long(),
+                **moe)
     out.loss.backward()
     grads = {name: p.grad.detach().float().numpy() for name, p in model.named_parameters()}
     logits = out.logits.detach().float().numpy()
     model.zero_grad(set_to_none=True)
-    return logits, float(out.loss.detach()), grads
+    aux = None if out.get("aux_loss") is None else float(out.aux_loss.detach())
+    return logits, float(out.loss.detach()), grads, aux
 
 
 def _copy_to(model, dtype):
@@ -542,18 +596,20 @@ def _copy_to(model, dtype):
 # --------------------------------------------------------------------------
 
 def ours(model: Decoder, tokens: np.ndarray, labels: np.ndarray):
-    """Our logits (float32 numpy), loss and gradients (pure dict of float32 numpy)."""
+    """Our logits (float32 numpy), loss, gradients (pure dict of float32 numpy) and router
+    load-balancing loss (0.0 without experts)."""
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss_and_logits(params, tokens, labels):
         m = nnx.merge(graphdef, params)
         h = m.hidden_states(tokens)  # one trace of the model serves both
-        return m.loss_of_hidden(h, labels), m.logits(h)
+        aux = m.router_aux_loss()
+        return m.loss_of_hidden(h, labels, aux), (m.logits(h), aux)
 
     run = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))
-    (loss, logits), grads = run(params, jnp.asarray(tokens), jnp.asarray(labels))
+    (loss, (logits, aux)), grads = run(params, jnp.asarray(tokens), jnp.asarray(labels))
     grads = jax.tree.map(lambda g: np.asarray(g, np.float32), grads.to_pure_dict())
-    return np.asarray(logits, np.float32), float(loss), grads
+    return np.asarray(logits, np.float32), float(loss), grads, float(aux)
 
 
 def relative_error(ours_: np.ndarray, theirs: np.ndarray) -> float:
@@ -602,12 +658,12 @@ def check_family(name: str, family: str, hf_config, data: np.ndarray, args) -> d
         batch = max(1, tokens_n // args.seq_len)
         length = min(args.seq_len, tokens_n)
         tokens, labels = text_batch(data, batch, length, args.seed)
-        ref_logits, ref_loss, ref_grads = hf_reference(model, tokens, labels)
+        ref_logits, ref_loss, ref_grads, ref_aux = hf_reference(model, tokens, labels)
         ref_tree = MAPPERS[family]({**sd, **ref_grads}, cfg)  # gradients in our layout
         for dtype in args.dtypes:
             start = time.perf_counter()
             m = build_decoder(cfg, params, implementation=impl, dtype=jnp.dtype(dtype))
-            logits, loss, grads = ours(m, tokens, labels)
+            logits, loss, grads, aux = ours(m, tokens, labels)
             seconds = time.perf_counter() - start
             row = {"model": name, "family": family, "implementation": impl, "dtype": dtype,
                    "tokens": int(tokens.size), "shape": list(tokens.shape),
@@ -616,6 +672,11 @@ def check_family(name: str, family: str, hf_config, data: np.ndarray, args) -> d
                    "logits_rel_err": relative_error(logits, ref_logits),
                    "loss": loss, "ref_loss": ref_loss,
                    "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss), "seconds": seconds}
+            if ref_aux is not None:
+                row.update(aux_loss=aux, ref_aux_loss=ref_aux,
+                           aux_rel_err=abs(aux - ref_aux) / abs(ref_aux))
+                _expect(failures, row, "aux_rel_err",
+                        LOSS_RTOL if dtype == "float32" else BF16_LOSS_RTOL)
             if dtype == "float32":
                 errs = grad_errors(grads, ref_tree)
                 worst = max(errs, key=errs.get)
@@ -624,7 +685,7 @@ def check_family(name: str, family: str, hf_config, data: np.ndarray, args) -> d
                 _expect(failures, row, "loss_rel_err", LOSS_RTOL)
                 _expect(failures, row, "grad_rel_err", GRAD_TOL)
             else:
-                ref_bf16, ref_bf16_loss, _ = hf_reference(model, tokens, labels, dtype=dtype)
+                ref_bf16, ref_bf16_loss, _, _ = hf_reference(model, tokens, labels, dtype=dtype)
                 row["ref_bf16_logits_rel_err"] = relative_error(ref_bf16, ref_logits)
                 row["ref_bf16_loss_rel_err"] = abs(ref_bf16_loss - ref_loss) / abs(ref_loss)
                 _expect(failures, row, "logits_rel_err",
@@ -772,10 +833,10 @@ def parse_args(argv=None):
         prog="python -m benchmarks.decoder",
         description=__doc__.split("\n\n")[0] + " Exits 1 if a check fails.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--models", default="llama3,llama3-tied,mistral,qwen3,gemma2",
-                   help="Comma-separated families (llama3, mistral, qwen3, gemma2), each optionally "
-                        "with -tied / -untied (the head; without: the transformers config default, "
-                        "tied for Gemma 2 only).")
+    p.add_argument("--models", default="llama3,llama3-tied,mistral,qwen3,gemma2,mixtral",
+                   help="Comma-separated families (llama3, mistral, qwen3, gemma2, mixtral), each "
+                        "optionally with -tied / -untied (the head; without: the transformers "
+                        "config default, tied for Gemma 2 only).")
     p.add_argument("--implementations", default="xla,interpret,triton",
                    help="Comma-separated implementations of our model to check.")
     p.add_argument("--dtypes", default="float32,bfloat16", help="Comma-separated dtypes.")

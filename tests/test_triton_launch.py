@@ -511,3 +511,26 @@ def test_shipped_fused_matmul_training_step(cuda):
     assert len(records) == 4
     # The element-wise dz kernel runs at twice the matmuls' warps (16: no spills on sm_90).
     assert all(k.num_warps in (4, 8, 16) for k in cuda.kernels)
+
+
+def test_paged_attention_launch(cuda):
+    """Split-KV paged decode and its merge: the page table and ranges (scalar prefetch)
+    are pointer parameters like any array."""
+    sds = jax.ShapeDtypeStruct
+    cache = sds((2, 32, 16, 64), jnp.bfloat16)
+    f = lambda *a: ops.paged_attention(*a, implementation="triton", block_sizes=(2, 2))
+    text, records = lower_for_cuda(f, sds((2, 8, 64), jnp.bfloat16), cache, cache,
+                                   sds((2, 8), jnp.int32), sds((2,), jnp.int32))
+    check_launches(cuda, text, records)
+    assert {r["name"] for r in records} == {"paged_decode_attention", "paged_decode_merge"}
+
+
+def test_update_kv_pages_launch_aliases_the_cache(cuda):
+    sds = jax.ShapeDtypeStruct
+    new = sds((4, 2, 64), jnp.bfloat16)
+    f = lambda *a: ops.update_kv_pages(*a, implementation="triton")
+    text, records = lower_for_cuda(f, sds((32, 16, 4, 64), jnp.bfloat16), new, new,
+                                   sds((4,), jnp.int32))
+    check_launches(cuda, text, records)
+    (call,) = custom_calls(text)
+    assert "output_operand_aliases" in call  # written in place: no copy of the cache

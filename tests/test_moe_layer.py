@@ -93,7 +93,7 @@ def _torch_block(p, tokens):
     return torch, mm, block
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "interpret"])
 def test_matches_transformers_mixtral_block(impl):
     p = _params()
     rng = np.random.default_rng(1)

@@ -25,10 +25,14 @@ where the family runs it, and ``xla``):
   argument's dtype and is within ``BACKWARD[dtype]`` of ``jax.vjp`` of the
   reference. Errors are relative to the reference's largest magnitude
   (:func:`tests.tolerances.assert_close`).
-- ``test_eager[impl]``: the spec's eager case without ``jit``, asked for as
-  the sequence ``(unavailable, impl)``: the implementation that has no kernel
-  raises NotImplementedError and the op falls back to ``impl``
-  (``ops._implementation``), outputs and gradients against the reference.
+- ``test_eager[impl]``: for each kernel implementation, its eager case (the
+  spec's ``eager_case`` where it runs on ``impl``, else the first case that
+  does; its first dtype) without ``jit``, asked for as the sequence
+  ``(unavailable, impl)``: the implementation that has no kernel raises
+  NotImplementedError and the op falls back to ``impl``
+  (``ops._implementation``); outputs and gradients as above. It stands in for
+  the jitted run of that case and dtype, so jit and no-jit cost one run.
+  An eager interpreter run is slower than a jitted one: pick a small case.
 - ``test_xla_is_the_reference[dtype]``: with ``xla_is_reference``, the
   ``xla`` implementation gives the reference's bits on the eager case.
 - ``test_bad_input[name]``: each bad input raises its error type, the
@@ -37,9 +41,12 @@ where the family runs it, and ``xla``):
   that fails the test); an unknown and an unavailable implementation name
   are added to every spec's list.
 
-Each case costs an interpreter compile, so cases are few and small; the
-special-purpose tests of a family (edge masks, hypothesis sweeps, lowering
-for other platforms, layers) stay beside the battery in its test module.
+Each case costs an interpreter compile, so cases are few and small: list
+the cases a family needs (a cross product of every option and dtype is
+rarely worth its compiles) and say per case which dtypes, implementations
+and whether gradients. The special-purpose tests of a family (edge masks,
+hypothesis sweeps, lowering for other platforms, layers) stay beside the
+battery in its test module.
 """
 from __future__ import annotations
 
@@ -151,6 +158,17 @@ class OpSpec:
         if name is None:
             return self.cases[0]
         return next(c for c in self.cases if c.name == name)
+
+    def runs_on(self, case: Case) -> Sequence[str]:
+        return case.implementations or self.implementations
+
+    def eager(self, implementation: str) -> tuple[Case, Any]:
+        """The case and dtype ``test_eager`` runs on ``implementation``: ``eager_case``
+        where it runs there, else the first case that does; its first dtype."""
+        named = self.case(self.eager_case)
+        case = named if implementation in self.runs_on(named) else next(
+            c for c in self.cases if implementation in self.runs_on(c))
+        return case, (case.dtypes or self.dtypes)[0]
 
     def inputs(self, case: Case, dtype) -> tuple:
         """The case's arguments; the seed depends on the case, so cases differ."""
@@ -274,17 +292,24 @@ class OpBattery:
 
     def pytest_generate_tests(self, metafunc):
         spec = self.spec
+        kernels = [i for i in spec.implementations
+                   if i != "xla" and any(i in spec.runs_on(c) for c in spec.cases)]
+        kernels += sorted({i for c in spec.cases for i in spec.runs_on(c)} - {"xla"} - set(kernels))
         if metafunc.function.__name__ == "test_matches_reference":
+            # The eager run of a kernel implementation stands in for the jitted run of
+            # its case and dtype: both compare the same outputs and gradients.
+            eager = {(i, spec.eager(i)[0].name, dtype_name(spec.eager(i)[1])) for i in kernels}
             params, ids = [], []
             for case in spec.cases:
-                for impl in case.implementations or spec.implementations:
+                for impl in spec.runs_on(case):
                     for dtype in case.dtypes or spec.dtypes:
+                        if (impl, case.name, dtype_name(dtype)) in eager:
+                            continue
                         params.append((impl, case, dtype))
                         ids.append(f"{impl}-{case.name}-{dtype_name(dtype)}")
             metafunc.parametrize("implementation, case, dtype", params, ids=ids)
         elif metafunc.function.__name__ == "test_eager":
-            kernels = [i for i in spec.implementations if i != "xla"]
-            metafunc.parametrize("implementation", kernels or ["xla"])
+            metafunc.parametrize("implementation", kernels)
         elif metafunc.function.__name__ == "test_xla_is_the_reference":
             metafunc.parametrize("dtype", spec.dtypes if spec.xla_is_reference else [],
                                  ids=dtype_name)
@@ -297,9 +322,9 @@ class OpBattery:
 
     def test_eager(self, implementation):
         spec = self.spec
+        case, dtype = spec.eager(implementation)
         impl = implementation if spec.unavailable is None else (spec.unavailable, implementation)
-        case = spec.case(spec.eager_case)
-        check_call(spec, case, impl, (case.dtypes or spec.dtypes)[0], jit=False)
+        check_call(spec, case, impl, dtype, jit=False)
 
     def test_xla_is_the_reference(self, dtype):
         spec = self.spec

@@ -1,4 +1,7 @@
-"""The op test base: one op call checked with and without ``jax.jit`` (chex variants).
+"""One op call checked with and without ``jax.jit`` (chex variants), and the fixed
+cotangent weights the op battery (tests/op_battery.py) uses too. An op family's
+tests subclass the battery; this base is for one-off checks beside it (the
+drop-in arguments of the reductions).
 
 Subclasses decorate a test with ``@chex.variants(with_jit=True, without_jit=True)``
 and call :meth:`OpTestCase.check_op`; chex runs the test once per variant, so an op

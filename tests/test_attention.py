@@ -1,14 +1,17 @@
 """ops.dot_product_attention: every option against the float32 XLA reference.
 
-The verification ladder (docs/design.md §7.2, §7.3, §7.5): the interpret backend
-(every option, forward and gradients), our Triton lowering through Triton's
-interpreter (every option at least once), and lowering for ``tpu`` / ``cuda``. Shapes never divide the
-blocks (T = 37, S = 45 against 16-row tiles). The reference is jax.nn's XLA
+The verification ladder (docs/design.md §7.2, §7.3, §7.5): the op battery
+(tests/op_battery.py) runs the interpret backend (every option, outputs,
+logsumexp and gradients) and our Triton lowering through Triton's interpreter
+(every option at least once); beside it, masking, block skipping, dropout and
+lowering for ``tpu`` / ``cuda``. Shapes never divide the blocks (T = 37, S = 45 against 16-row tiles). The reference is jax.nn's XLA
 path computed in float32 with the fully-masked-row convention of the op
 (output 0, logsumexp -inf); where no row is fully masked, jax.nn itself is
 the reference.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,7 @@ from ops.attention import dropout as dropout_lib
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
                                    masked_sides)
 from ops.attention.range_table import RANGE_FIELDS, BlockRange, RangeTable, pack
+from tests.op_battery import BadInput, Case, OpBattery, OpSpec
 from tests.tolerances import BACKWARD, FORWARD, assert_close
 
 B, T, S, N, K, H = 2, 37, 45, 4, 2, 32
@@ -29,42 +33,15 @@ BLOCKS = {"interpret": (16, 16), "triton": (16, 32)}
 
 
 def _inputs(seed=0, b=B, t=T, s=S, n=N, k=K, h=H, dtype=jnp.float32):
-    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (b, t, n, h), jnp.float32).astype(dtype)
-    key = jax.random.normal(kk, (b, s, k, h), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (b, s, k, h), jnp.float32).astype(dtype)
-    do = jax.random.normal(kc, (b, t, n, h), jnp.float32).astype(dtype)
-    return q, key, v, do
+    """q, k, v and an output cotangent, from NumPy's RNG."""
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+                 for shape in ((b, t, n, h), (b, s, k, h), (b, s, k, h), (b, t, n, h)))
 
 
 def _segments(b, length, sizes):
     ids = np.concatenate([np.full(n, i, np.int32) for i, n in enumerate(sizes)])[:length]
     return jnp.asarray(np.broadcast_to(ids, (b, length)).copy())
-
-
-def _options(name):
-    """Keyword arguments of one named option set (B, T, S of the module)."""
-    rng = jax.random.key(7)
-    return {
-        "plain": {},
-        "causal": dict(is_causal=True),
-        "window": dict(local_window_size=(5, 3)),
-        "window_causal": dict(local_window_size=4, is_causal=True),
-        "lengths": dict(query_seq_lengths=jnp.array([37, 20], jnp.int32),
-                        key_value_seq_lengths=jnp.array([9, 45], jnp.int32)),
-        "segments": dict(query_segment_ids=_segments(B, T, [10, 20, 7]),
-                         key_value_segment_ids=_segments(B, S, [12, 18, 15]), is_causal=True),
-        "soft_cap": dict(logits_soft_cap=2.0),
-        "mask": dict(mask=jax.random.bernoulli(rng, 0.7, (B, 1, T, S))),
-        "bias": dict(bias=jax.random.normal(rng, (1, N, T, S))),
-        "bias_rows": dict(bias=jax.random.normal(rng, (B, 1, 1, S))),
-        "dropout": dict(dropout_rate=0.3, dropout_rng=jax.random.key(3)),
-        "scale": dict(scale=0.3),
-    }[name]
-
-
-OPTIONS = ["plain", "causal", "window", "window_causal", "lengths", "segments", "soft_cap",
-           "mask", "bias", "bias_rows", "dropout", "scale"]
 
 
 def _attend(impl, q, k, v, bias=None, **kw):
@@ -79,52 +56,146 @@ def _loss(impl, kw, do):
     return f
 
 
-def _check_grads(impl, kw, q, k, v, do, tol):
-    bias = kw.pop("bias", None)
-    args = (q, k, v) if bias is None else (q, k, v, bias)
-    argnums = tuple(range(len(args)))
-    ours = jax.grad(_loss(impl, kw, do), argnums)(*args)
-    up = [a.astype(jnp.float32) for a in args]
-    ref = jax.grad(_loss("xla", kw, do), argnums)(*up)
-    for name, a, r in zip("qkvb", ours, ref):
-        assert a.dtype == args["qkvb".index(name)].dtype
-        assert_close(a, r, tol, f"d{name}")
-
-
 # --------------------------------------------------------------------------
-# interpret: every option, forward and gradients
+# The op battery (tests/op_battery.py): every option on interpret and on triton
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("option", OPTIONS)
-def test_interpret_forward_matches_reference(option):
+STATIC_OPTIONS = {  # option name -> static keyword arguments
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(5, 3)),
+    "window_causal": dict(local_window_size=4, is_causal=True),
+    "segments": dict(is_causal=True),
+    "soft_cap": dict(logits_soft_cap=2.0),
+    "dropout": dict(dropout_rate=0.3),
+    "scale": dict(scale=0.3),
+}
+
+
+def _option_arrays(rng, name, b, t, s, n, dtype):
+    """The array arguments of one named option set: (bias or None, keyword arrays)."""
+    if name == "lengths":
+        return None, dict(query_seq_lengths=jnp.array([t, t * 20 // 37][:b], jnp.int32),
+                          key_value_seq_lengths=jnp.array([s // 5, s][:b], jnp.int32))
+    if name == "segments":
+        return None, dict(query_segment_ids=_segments(b, t, [10, 20, 7]),
+                          key_value_segment_ids=_segments(b, s, [12, 18, 15]))
+    if name == "mask":
+        return None, dict(mask=jnp.asarray(rng.random((b, 1, t, s)) < 0.7))
+    if name == "bias":
+        return jnp.asarray(rng.standard_normal((1, n, t, s), np.float32), dtype), {}
+    if name == "full_bias":
+        return jnp.asarray(rng.standard_normal((b, n, t, s), np.float32), dtype), {}
+    if name == "bias_rows":
+        return jnp.asarray(rng.standard_normal((b, 1, 1, s), np.float32), dtype), {}
+    if name == "dropout":
+        return None, dict(dropout_rng=jax.random.key(3))
+    return None, {}
+
+
+def _battery_inputs(rng, dtype, options=(), b=B, t=T, s=S, n=N, k=K, h=H):
+    """q, k, v ([B, T, N, H], [B, S, K, H] twice), bias (or None) and the option arrays."""
+    q, key, v = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+                 for shape in ((b, t, n, h), (b, s, k, h), (b, s, k, h)))
+    bias, arrays = None, {}
+    for name in options:
+        more_bias, more = _option_arrays(rng, name, b, t, s, n, dtype)
+        bias = more_bias if more_bias is not None else bias
+        arrays.update(more)
+    return q, key, v, bias, arrays
+
+
+def _attention(q, k, v, bias=None, arrays=None, **kwargs):
+    return ops.dot_product_attention(q, k, v, bias, return_residual=True, **(arrays or {}), **kwargs)
+
+
+def _reference(q, k, v, bias, arrays, **kwargs):
+    return _attention(q, k, v, bias, arrays, implementation="xla", **kwargs)
+
+
+def _case(*options, implementations=None, dtypes=None, **inputs):
+    static = {}
+    for name in options:
+        static.update(STATIC_OPTIONS.get(name, {}))
+    return Case("_".join(options) or "plain", dict(options=options, **inputs), static,
+                dtypes=dtypes, implementations=implementations)
+
+
+OPTIONS = ["plain", "causal", "window", "window_causal", "lengths", "segments", "soft_cap",
+           "mask", "bias", "bias_rows", "dropout", "scale"]
+TRITON = ("triton",)
+
+CASES = [
+    # Every option on the interpreter (outputs, logsumexp and every gradient, the
+    # logsumexp's included): T = 37 and S = 45 divide no 16-row tile.
+    *[_case(*(() if o == "plain" else (o,))) for o in OPTIONS],
+    _case("causal", "full_bias", dtypes=(jnp.bfloat16, jnp.float16)),
+    # Our Triton lowering in Triton's CPU interpreter: every option at least once.
+    *[_case(*group, implementations=TRITON) for group in [
+        ("causal", "lengths"), ("window", "soft_cap", "scale"), ("segments",), ("mask", "bias"),
+        ("dropout", "bias_rows")]],
+    # Head dims that are not powers of two (Triton pads them).
+    *[dataclasses.replace(_case("causal", implementations=TRITON, dtypes=(jnp.bfloat16,), b=1,
+                                t=20, s=33, n=2, k=1, h=h), name=f"causal_head_dim_{h}")
+      for h in (80, 96)],
+]
+
+
+def _bad_cases():
     q, k, v, _ = _inputs()
-    kw = _options(option)
-    out, lse = _attend("interpret", q, k, v, return_residual=True, **kw)
-    ref, ref_lse = _attend("xla", q, k, v, return_residual=True, **kw)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (B, T, N) and lse.dtype == jnp.float32
-    assert_close(out, ref, FORWARD[jnp.float32], "out")
-    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
-    finite = np.isfinite(ref_lse)
-    assert np.allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=1e-5)
+    i32 = lambda *s: jnp.zeros(s, jnp.int32)
+    none = (q, k, v, None)
+    return [  # name, (q, k, v, bias), keyword arguments, error, argument[, pattern]
+        ("query_rank", (q[0, 0], k, v, None), {}, ValueError, "rank"),
+        ("value_shape", (q, k, v[:, :3], None), {}, ValueError, "same shape"),
+        ("batch", (q, k[:1], v[:1], None), {}, ValueError, "batch"),
+        ("head_dims", (q[..., :16], k, v, None), {}, ValueError, "head dims"),
+        ("heads_multiple", (q[:, :, :3], k, v, None), {}, ValueError, "multiple"),
+        ("key_dtype", (q, k.astype(jnp.bfloat16), v, None), {}, TypeError, "key"),
+        ("int_query", (q.astype(jnp.int32), k, v, None), {}, TypeError, "query"),
+        ("float_mask", none, dict(mask=jnp.ones((B, 1, T, S), jnp.float32)), TypeError, "mask"),
+        ("mask_heads", none, dict(mask=jnp.ones((B, 3, T, S), bool)), ValueError, "mask"),
+        ("bias_shape", (q, k, v, jnp.ones((T, S + 1))), {}, ValueError, "bias"),
+        ("bias_rank", (q, k, v, jnp.ones((1, 1, 1, 1, S))), {}, ValueError, "bias"),
+        ("query_lengths", none, dict(query_seq_lengths=i32(B + 1)), ValueError, "query_seq_lengths"),
+        ("float_kv_lengths", none, dict(key_value_seq_lengths=jnp.zeros(B, jnp.float32)), TypeError,
+         "key_value_seq_lengths"),
+        ("negative_window", none, dict(local_window_size=-1), ValueError, "local_window_size"),
+        ("window_triple", none, dict(local_window_size=(1, 2, 3)), TypeError, "local_window_size"),
+        ("one_segment_ids", none, dict(query_segment_ids=i32(B, T)), ValueError, "query_segment_ids"),
+        ("segment_ids_shape", none, dict(query_segment_ids=i32(B, T), key_value_segment_ids=i32(B, T)),
+         ValueError, "key_value_segment_ids"),
+        ("zero_soft_cap", none, dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+        ("dropout_one", none, dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError,
+         "dropout_rate"),
+        ("dropout_without_rng", none, dict(dropout_rate=0.1), ValueError, "dropout_rng"),
+        ("float_dropout_rng", none, dict(dropout_rate=0.1, dropout_rng=jnp.zeros(2, jnp.float32)),
+         TypeError, "dropout_rng"),
+        ("one_block_size", none, dict(implementation="interpret", block_sizes=(16,)), ValueError,
+         "block_sizes"),
+        # These three messages say "block sizes" / "key blocks", not the argument's name.
+        ("zero_block", none, dict(implementation="interpret", block_sizes=(0, 16)), ValueError,
+         "block", "must be positive"),
+        ("pallas_triton_blocks", none, dict(implementation="pallas_triton", block_sizes=(24, 16)),
+         ValueError, "block", "powers of two"),
+        ("mosaic_tpu_blocks", none, dict(implementation="mosaic_tpu", block_sizes=(16, 64)),
+         ValueError, "blocks", "multiples of 128"),
+        ("string_scale", none, dict(scale="1"), TypeError, "scale"),
+    ]
 
 
-@pytest.mark.parametrize("option", OPTIONS)
-def test_interpret_gradients_match_reference(option):
-    q, k, v, do = _inputs(1)
-    _check_grads("interpret", _options(option), q, k, v, do, BACKWARD[jnp.float32])
+ATTENTION = OpSpec(
+    name="dot_product_attention", op=_attention, reference=_reference,
+    make_inputs=_battery_inputs, cases=CASES, grad_argnums=(0, 1, 2, 3),
+    implementations=("interpret",), tiles={"interpret": dict(block_sizes=BLOCKS["interpret"]),
+                                           "triton": dict(block_sizes=BLOCKS["triton"])},
+    bad_inputs=[BadInput(*case) for case in _bad_cases()],
+    xla_is_reference=False, eager_case="causal_lengths")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_interpret_16bit(dtype):
-    q, k, v, do = _inputs(2, dtype=dtype)
-    kw = dict(is_causal=True, bias=jax.random.normal(jax.random.key(5), (B, N, T, S)).astype(dtype))
-    ref = _attend("xla", *(x.astype(jnp.float32) for x in (q, k, v)),
-                  bias=kw["bias"].astype(jnp.float32), is_causal=True)
-    out = _attend("interpret", q, k, v, **kw)
-    assert out.dtype == dtype
-    assert_close(out, ref, FORWARD[dtype], "out")
-    _check_grads("interpret", dict(kw), q, k, v, do, BACKWARD[dtype])
+class TestDotProductAttention(OpBattery):
+    """The reference is the op's own XLA path in float32 (jax.nn's math with the
+    fully-masked-row convention); test_matches_jax_nn holds that to jax.nn."""
+    spec = ATTENTION
 
 
 # --------------------------------------------------------------------------
@@ -335,35 +406,6 @@ def test_loop_strategy_on_interpret(option, monkeypatch):
 
 
 # --------------------------------------------------------------------------
-# Our Triton lowering (Triton's interpreter): every option at least once
-# --------------------------------------------------------------------------
-
-@pytest.mark.parametrize("options", [
-    ("causal", "lengths"), ("window", "soft_cap", "scale"), ("segments",), ("mask", "bias"),
-    ("dropout", "bias_rows"),
-])
-def test_triton_forward_and_gradients(options):
-    q, k, v, do = _inputs(9)
-    kw = {}
-    for o in options:
-        kw.update(_options(o))
-    out, lse = _attend("triton", q, k, v, return_residual=True, **kw)
-    ref, ref_lse = _attend("xla", q, k, v, return_residual=True, **kw)
-    assert_close(out, ref, FORWARD[jnp.float32], "out")
-    finite = np.isfinite(ref_lse)
-    assert np.allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=1e-5)
-    _check_grads("triton", kw, q, k, v, do, BACKWARD[jnp.float32])
-
-
-@pytest.mark.parametrize("h", [80, 96])
-def test_triton_head_dims_that_are_not_powers_of_two(h):
-    q, k, v, do = _inputs(10, t=20, s=33, n=2, k=1, h=h, dtype=jnp.bfloat16)
-    ref = _attend("xla", *(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
-    assert_close(_attend("triton", q, k, v, is_causal=True), ref, FORWARD[jnp.bfloat16], "out")
-    _check_grads("triton", dict(is_causal=True), q, k, v, do, BACKWARD[jnp.bfloat16])
-
-
-# --------------------------------------------------------------------------
 # jit / vmap
 # --------------------------------------------------------------------------
 
@@ -416,60 +458,6 @@ def _property_case(t, s, kv_heads, group, h, causal, window, dtype, bq, bk):
     refs = jax.grad(f("xla"), (0, 1, 2))(*up)
     for g, r in zip(grads, refs):
         assert_close(g, r, BACKWARD[dtype.type], "grad")
-
-
-# --------------------------------------------------------------------------
-# Bad input: a clear error naming the argument, before anything is traced
-# --------------------------------------------------------------------------
-
-def _bad_cases():
-    q, k, v, _ = _inputs()
-    i32 = lambda *s: jnp.zeros(s, jnp.int32)
-    return [
-        ((q[0, 0], k, v), {}, ValueError, "rank"),
-        ((q, k, v[:, :3]), {}, ValueError, "same shape"),
-        ((q, k[:1], v[:1]), {}, ValueError, "batch"),
-        ((q[..., :16], k, v), {}, ValueError, "head dims"),
-        ((q[:, :, :3], k, v), {}, ValueError, "multiple"),
-        ((q, k.astype(jnp.bfloat16), v), {}, TypeError, "key"),
-        ((q.astype(jnp.int32), k, v), {}, TypeError, "query"),
-        ((q, k, v), dict(mask=jnp.ones((B, 1, T, S), jnp.float32)), TypeError, "mask"),
-        ((q, k, v), dict(mask=jnp.ones((B, 3, T, S), bool)), ValueError, "mask"),
-        ((q, k, v), dict(bias=jnp.ones((T, S + 1))), ValueError, "bias"),
-        ((q, k, v), dict(bias=jnp.ones((1, 1, 1, 1, S))), ValueError, "bias"),
-        ((q, k, v), dict(query_seq_lengths=i32(B + 1)), ValueError, "query_seq_lengths"),
-        ((q, k, v), dict(key_value_seq_lengths=jnp.zeros(B, jnp.float32)), TypeError,
-         "key_value_seq_lengths"),
-        ((q, k, v), dict(local_window_size=-1), ValueError, "local_window_size"),
-        ((q, k, v), dict(local_window_size=(1, 2, 3)), TypeError, "local_window_size"),
-        ((q, k, v), dict(query_segment_ids=i32(B, T)), ValueError, "together"),
-        ((q, k, v), dict(query_segment_ids=i32(B, T), key_value_segment_ids=i32(B, T)),
-         ValueError, "key_value_segment_ids"),
-        ((q, k, v), dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
-        ((q, k, v), dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, "dropout_rate"),
-        ((q, k, v), dict(dropout_rate=0.1), ValueError, "dropout_rng"),
-        ((q, k, v), dict(dropout_rate=0.1, dropout_rng=jnp.zeros(2, jnp.float32)), TypeError,
-         "dropout_rng"),
-        ((q, k, v), dict(implementation="cuda"), ValueError, "implementation"),
-        ((q, k, v), dict(implementation="interpret", block_sizes=(16,)), ValueError, "block_sizes"),
-        ((q, k, v), dict(implementation="interpret", block_sizes=(0, 16)), ValueError, "block"),
-        ((q, k, v), dict(implementation="pallas_triton", block_sizes=(24, 16)), ValueError, "powers"),
-        ((q, k, v), dict(implementation="mosaic_tpu", block_sizes=(16, 64)), ValueError, "128"),
-        ((q, k, v), dict(scale="1"), TypeError, "scale"),
-    ]
-
-
-@pytest.mark.parametrize("index", range(len(_bad_cases())))
-def test_bad_input_is_rejected_before_tracing(index):
-    args, kw, error, words = _bad_cases()[index]
-    with pytest.raises(error, match=words):
-        ops.dot_product_attention(*args, **kw)
-
-
-def test_mosaic_gpu_is_not_implemented():
-    q, k, v, _ = _inputs()
-    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
-        ops.dot_product_attention(q, k, v, implementation="mosaic_gpu")
 
 
 # --------------------------------------------------------------------------

@@ -289,9 +289,10 @@ def test_property_forward_and_gradients(rows, features, lead, op, max_chunk, wit
     x, s, b = make_inputs(seed, (*lead, rows, features), with_params=with_params)
     y = run(op, x, s, b, fast, implementation="interpret", max_chunk=max_chunk)
     assert_close(y, ref32(op, x, s, b, fast), FORWARD[jnp.float32], "forward")
-    if op == "rms_norm" and features == 1:
+    if features <= (2 if OPS[op] else 1):
         # d/dx x / sqrt(x**2 + eps) = eps / (x**2 + eps)**1.5, ~1e-7 here, which both sides
-        # can only compute as 1 - xhat**2: rounding noise, nothing to compare.
+        # can only compute as 1 - xhat**2: rounding noise, nothing to compare. LayerNorm of
+        # two features is the same: its centred values are +-d/2, normalized to +-1.
         return
     names, ours, expected = grads_vs_reference(op, x, s, b, fast, max_chunk=max_chunk)
     for (name, _), g, e in zip(names, ours, expected):

@@ -134,3 +134,46 @@ def test_dot_product_attention(impl, dtype, head_dim, option):
     want = jax.grad(loss, argnums)("xla", *up(*args))
     for g, e in zip(grads, want):
         assert_close(g, e, BACKWARD[dtype])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_paged_attention_ops(impl, dtype):
+    """Paged decode (splits, int8 pages with scales, sinks) and ragged attention, then the
+    cache write, against the XLA references."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    tol = 1e-5 if dtype == jnp.float32 else FORWARD[dtype]  # online softmax over 640 keys
+    B, N, K, H, ps, pps = 5, 32, 4, 128, 16, 40
+    P = B * pps
+    q = jnp.asarray(rng.standard_normal((B, N, H)), dtype)
+    kp, vp = (jnp.asarray(rng.standard_normal((K, P, ps, H)), dtype) for _ in range(2))
+    tables = jnp.asarray(rng.permutation(P).reshape(B, pps), jnp.int32)
+    lengths = jnp.asarray([0, 1, 300, 640, 17], jnp.int32)
+    sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
+    for kw in ({}, {"sinks": sinks, "local_window_size": 100, "logits_soft_cap": 20.0}):
+        out = ops.paged_attention(q, kp, vp, tables, lengths, scale=H ** -0.5, implementation=impl,
+                                  **kw)
+        want = ops.paged_attention(*up(q, kp, vp), tables, lengths, scale=H ** -0.5,
+                                   implementation="xla", **kw)
+        assert_close(out, want, tol)
+    i8 = [jnp.asarray(rng.integers(-127, 128, (K, P, ps, H)), jnp.int8) for _ in range(2)]
+    scales = [jnp.asarray(rng.uniform(0.005, 0.02, (K, P, ps)), jnp.float32) for _ in range(2)]
+    out = ops.paged_attention(q, *i8, tables, lengths, *scales, implementation=impl)
+    # Both dequantize the pages to q's dtype (the rounding a bf16 kernel makes).
+    assert_close(out, ops.paged_attention(q, *i8, tables, lengths, *scales, implementation="xla"),
+                 tol)
+    kv = jnp.asarray(rng.standard_normal((P, ps, 2 * K, H)), dtype)
+    cu = jnp.asarray([0, 7, 8, 8, 40, 41], jnp.int32)
+    meta = (jnp.asarray([300, 9, 0, 640, 1], jnp.int32), tables, cu, jnp.asarray([5], jnp.int32))
+    q_tokens = jnp.asarray(rng.standard_normal((48, N, H)), dtype)
+    out = ops.ragged_paged_attention(q_tokens, kv, *meta, sliding_window=128, implementation=impl)
+    want = ops.ragged_paged_attention(*up(q_tokens, kv), *meta, sliding_window=128,
+                                      implementation="xla")
+    assert_close(out, want, tol)
+    if impl == "triton":  # the write has no pallas_triton kernel
+        new = jnp.asarray(rng.standard_normal((6, K, H)), dtype)
+        slots = jnp.asarray([0, 5, -1, 700, 3199, 16], jnp.int32)
+        got = jax.jit(lambda *a: ops.update_kv_pages(*a, implementation=impl),
+                      donate_argnums=0)(kv + 0, new, new, slots)
+        assert_close(got, ops.update_kv_pages(kv, new, new, slots, implementation="xla"), 0.0)

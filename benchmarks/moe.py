@@ -63,9 +63,10 @@ def group_sizes(m: int, groups: int, seed: int = 0) -> tuple[int, ...]:
 
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     """Every ragged_dot case for ``platform``: shapes x passes (fwd, fwd+bwd); ``quick``
-    keeps one tiny shape and its fwd+bwd pass (which runs all three kernels)."""
+    keeps one tiny shape and its forward (a smoke test; tests/test_ragged_dot.py checks
+    the backward kernels)."""
     ours = harness.kernel_implementations(platform)
-    passes = ("fwd+bwd",) if quick else harness.PASSES
+    passes = ("fwd",) if quick else harness.PASSES
     return [make_case(shape, dtype, pass_name, ours) for shape, dtype in shapes(platform, quick)
             for pass_name in passes]
 

@@ -45,6 +45,7 @@ SAMPLE_PER_AXIS = 4
 # per core, a seeded affine permutation beyond.
 MAX_SHUFFLE_TABLE = 1 << 16
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
 _TRACE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
                  jax.errors.TracerIntegerConversionError, jax.errors.UnexpectedTracerError)
 
@@ -154,7 +155,9 @@ def _evaluate(mapping: BlockMapping, points: np.ndarray) -> np.ndarray | None:
     rank = len(mapping.array_shape)
     count, grid_rank = points.shape
     try:
-        with jax.ensure_compile_time_eval():
+        # Outside any mesh: inside shard_map the context mesh has manual axes, under which
+        # JAX cannot make the concrete arrays this evaluation needs.
+        with jax.ensure_compile_time_eval(), jax.sharding.use_abstract_mesh(_NO_MESH):
             columns = [jnp.asarray(points[:, a].astype(np.int32)) for a in range(grid_rank)]
             if grid_rank:
                 out = jax.vmap(lambda *ids: tuple(jnp.asarray(v) for v in mapping.index_map(*ids)))(
@@ -165,6 +168,10 @@ def _evaluate(mapping: BlockMapping, points: np.ndarray) -> np.ndarray | None:
                 if rank else np.zeros((count, 0), np.int64)
     except _TRACE_ERRORS:
         return None
+    except ValueError as e:  # a value traced under shard_map's mesh: known only at run time
+        if "mesh" in str(e).lower():
+            return None
+        raise
     if not np.issubdtype(table.dtype, np.integer):
         raise TypeError(f"{mapping.origin}: index_map must return integers, got "
                         f"dtype {table.dtype}.")

@@ -20,7 +20,7 @@ from benchmarks.harness import ACCURACY_ROW_KEYS, OPTIONAL_ROW_KEYS, ROW_KEYS
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPS = {"fused_matmul", "layer_norm", "rms_norm", "softmax", "log_softmax", "logsumexp", "sum",
        "max", "cross_entropy", "linear_cross_entropy", "dot_product_attention",
-       "apply_rotary_embedding", "gated_linear_unit"}
+       "apply_rotary_embedding", "gated_linear_unit", "paged_attention"}
 
 
 def test_quick_run_on_a_cpu_checks_accuracy_and_compiles_for_sm90(tmp_path):

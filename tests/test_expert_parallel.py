@@ -19,8 +19,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import layers
-from layers.moe import collect_router_stats, load_balancing_loss
 from ops.moe.expert_parallel import ragged_exchange
+from tests.test_moe_layer import loss_and_grads
 from tests.tolerances import BACKWARD, FORWARD, assert_close
 
 D, H, E, K = 16, 24, 8, 2
@@ -93,15 +93,7 @@ def _grads_fn(make_layer, weights, cot):
     layer = make_layer()
     layer.router.kernel[...], layer.gate_up_proj[...], layer.down_proj[...] = map(jnp.asarray,
                                                                                 weights)
-    graphdef, params = nnx.split(layer, nnx.Param)
-
-    def f(params, x):
-        m = nnx.merge(graphdef, params)
-        y = m(x)
-        aux = load_balancing_loss(collect_router_stats(nnx.pop(m, nnx.Intermediate)))
-        return jnp.sum(y * cot) + aux, (y, aux)
-
-    return jax.value_and_grad(f, argnums=(0, 1), has_aux=True), params
+    return loss_and_grads(layer, cot)
 
 
 @pytest.mark.parametrize("impl,shape,names", [

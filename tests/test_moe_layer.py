@@ -37,17 +37,24 @@ def _layer(p, **kw):
     return m
 
 
-def _ours(m, x, cot):
-    """Output, the load-balancing loss, and the gradients of sum(y * cot) + aux."""
-    graphdef, params = nnx.split(m, nnx.Param)
+def loss_and_grads(layer, cot):
+    """``(fn, params)``: ``fn(params, x)`` is the value and gradients (params, x) of
+    ``sum(y * cot) + load-balancing loss``, with ``(y, loss)`` as aux."""
+    graphdef, params = nnx.split(layer, nnx.Param)
 
     def f(params, x):
-        mm = nnx.merge(graphdef, params)
-        y = mm(x)
-        aux = load_balancing_loss(collect_router_stats(nnx.pop(mm, nnx.Intermediate)))
+        m = nnx.merge(graphdef, params)
+        y = m(x)
+        aux = load_balancing_loss(collect_router_stats(nnx.pop(m, nnx.Intermediate)))
         return jnp.sum(y * cot) + aux, (y, aux)
 
-    (_, (y, aux)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
+    return jax.value_and_grad(f, argnums=(0, 1), has_aux=True), params
+
+
+def _ours(m, x, cot):
+    """Output, the load-balancing loss, and the gradients of sum(y * cot) + aux."""
+    fn, params = loss_and_grads(m, cot)
+    (_, (y, aux)), grads = jax.jit(fn)(params, x)
     return y, aux, grads
 
 

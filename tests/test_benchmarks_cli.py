@@ -20,7 +20,7 @@ from benchmarks.harness import ACCURACY_ROW_KEYS, OPTIONAL_ROW_KEYS, ROW_KEYS
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OPS = {"fused_matmul", "layer_norm", "rms_norm", "softmax", "log_softmax", "logsumexp", "sum",
        "max", "cross_entropy", "linear_cross_entropy", "dot_product_attention",
-       "apply_rotary_embedding", "gated_linear_unit", "paged_attention"}
+       "apply_rotary_embedding", "gated_linear_unit", "paged_attention", "ragged_dot"}
 
 
 def test_quick_run_on_a_cpu_checks_accuracy_and_compiles_for_sm90(tmp_path):
@@ -56,7 +56,8 @@ def test_quick_run_on_a_cpu_checks_accuracy_and_compiles_for_sm90(tmp_path):
     for row in rows:
         by_case.setdefault(row["case"], set()).add(row["implementation"])
     expected = {"xla", *harness.kernel_implementations("cpu")}
-    assert all(impls == expected for impls in by_case.values()), by_case
+    second_baselines = {"dense_loop"}  # benchmarks.moe: a per-expert loop beside jax.lax's
+    assert all(impls - second_baselines == expected for impls in by_case.values()), by_case
     assert {row["pass"] for row in rows} == {"fwd", "fwd+bwd"}
     ops_run = {row["op"] for row in rows}
     assert ops_run <= OPS and {"fused_matmul", "layer_norm", "dot_product_attention"} <= ops_run

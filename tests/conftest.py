@@ -1,5 +1,6 @@
 """Shared test set-up: GPU-only tests are skipped on machines without one, and
-long sweeps (marked ``slow``) unless ``--slow`` is given or ``-m`` selects them."""
+long sweeps (marked ``slow``) unless ``--slow`` is given or ``-m`` selects them;
+hypothesis draws the same examples every run unless HYPOTHESIS_PROFILE=explore."""
 import os
 
 # numpy's BLAS on one thread, set before numpy loads here and in every pytest-xdist
@@ -17,6 +18,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run (a red CI is reproducible, never a
+# lucky draw); HYPOTHESIS_PROFILE=explore draws fresh ones, to hunt for new failures.
+settings.register_profile("reproducible", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))
 
 
 def pytest_addoption(parser):

@@ -200,6 +200,12 @@ def sharded_moe(x, router, gate_up, down, *, expert_axis: str,
 
     spec = P(token_axes if len(token_axes) > 1 else token_axes[0])
     stats_spec = routing.RouterStats(P(), P(), P())
-    return jax.shard_map(local, in_specs=(spec, P(), P(expert_axis), P(expert_axis)),
-                         out_specs=(spec, stats_spec), check_vma=False)(x, router, gate_up, down)
+    in_specs = (spec, P(), P(expert_axis), P(expert_axis))
+    args = (x, router, gate_up, down)
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        # Explicit axes: shard_map takes arguments already in its in_specs (a no-op when
+        # they are: tokens sharded over the token axes, experts over the expert axis).
+        args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
+    return jax.shard_map(local, in_specs=in_specs, out_specs=(spec, stats_spec),
+                         check_vma=False)(*args)
 

@@ -288,13 +288,21 @@ class DenseGenerator:
 
 class PagedGenerator:
     """Greedy steps over a paged cache ``[total_pages, page_size, 2 * K, H]`` per layer, each
-    sequence owning ``ceil(capacity / page_size)`` pages drawn at random from the pool."""
+    sequence owning ``ceil(capacity / page_size)`` pages drawn at random from the pool.
+
+    ``token_budget``: None (each step's ragged batch as long as its tokens: prefill and
+    decode compile apart) or a fixed length every step is padded to (padding tokens
+    have slot -1, which ``ops.update_kv_pages`` skips, and lie past ``cu_q_lens[-1]``,
+    where ``ops.ragged_paged_attention`` writes zeros): one compiled step, as a serving
+    engine's fixed token budget.
+    """
 
     def __init__(self, model: decoder.Decoder, batch: int, capacity: int, implementation,
-                 k_splits=None, *, page_size: int, seed: int):
+                 k_splits=None, *, page_size: int, seed: int, token_budget: int | None = None):
         cfg = model.cfg
         self.graphdef, self.params = nnx.split(model)
         self.options, self.page_size = (implementation, k_splits), page_size
+        self.token_budget = token_budget
         per_seq = -(-capacity // page_size)
         pool = np.random.default_rng(seed).permutation(batch * per_seq).astype(np.int32)
         self.page_indices = pool.reshape(batch, per_seq)
@@ -311,6 +319,13 @@ class PagedGenerator:
         slots = (self.page_indices[seq, positions // self.page_size] * self.page_size
                  + positions % self.page_size).astype(np.int32)
         kv_lens = (self.lengths + q_lens).astype(np.int32)
+        if self.token_budget is not None:
+            if len(tokens) > self.token_budget:
+                raise ValueError(f"a step of {len(tokens)} tokens exceeds token_budget="
+                                 f"{self.token_budget}")
+            pad = self.token_budget - len(tokens)
+            tokens, positions = np.pad(tokens, (0, pad)), np.pad(positions, (0, pad))
+            slots = np.pad(slots, (0, pad), constant_values=-1)
         meta = {"slots": slots, "kv_lens": kv_lens, "page_indices": self.page_indices,
                 "cu_q_lens": cu, "num_seqs": np.array([len(q_lens)], np.int32)}
         logits, self.pages = _PAGED_STEP(
@@ -330,7 +345,8 @@ class PagedGenerator:
 
 def generate(model: decoder.Decoder, prompts: list[np.ndarray], new_tokens: int, *,
              cache: str = "dense", page_size: int = 16, seed: int = 0,
-             implementation=None, k_splits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+             implementation=None, k_splits: int | None = None,
+             token_budget: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Greedy generation: tokens ``[B, new_tokens]`` and the float32 logits they were picked
     from ``[new_tokens, B, V]``.
 
@@ -346,9 +362,12 @@ def generate(model: decoder.Decoder, prompts: list[np.ndarray], new_tokens: int,
       k_splits: None (each op's heuristic) or the split-KV splits of the attention over
         the cache: the dense cache's decode steps (key tiles of 16) and every paged step
         (one page per grid step).
+      token_budget: the paged cache's fixed step length (:class:`PagedGenerator`; at least
+        the prompts' total length); None: unpadded steps.
 
     Raises:
-      ValueError: an unknown cache, no prompts or an empty one, new_tokens or page_size < 1.
+      ValueError: an unknown cache, no prompts or an empty one, new_tokens or page_size < 1,
+        a token_budget below the prompts' total length.
     """
     if cache not in CACHES:
         raise ValueError(f"generate: cache={cache!r}; expected one of {CACHES}")
@@ -357,11 +376,15 @@ def generate(model: decoder.Decoder, prompts: list[np.ndarray], new_tokens: int,
     if new_tokens < 1 or page_size < 1:
         raise ValueError(f"generate: new_tokens ({new_tokens}) and page_size ({page_size}) "
                          "must be >= 1")
+    total = sum(len(p) for p in prompts)
+    if token_budget is not None and token_budget < total:
+        raise ValueError(f"generate: token_budget={token_budget} is below the prompts' "
+                         f"{total} tokens")
     impl = model.implementation if implementation is None else implementation
     capacity = max(len(p) for p in prompts) + new_tokens
     gen = (DenseGenerator(model, len(prompts), capacity, impl, k_splits) if cache == "dense"
            else PagedGenerator(model, len(prompts), capacity, impl, k_splits,
-                               page_size=page_size, seed=seed))
+                               page_size=page_size, seed=seed, token_budget=token_budget))
     steps = [gen.prefill(prompts)]
     for _ in range(1, new_tokens):
         steps.append(gen.decode(steps[-1].argmax(-1).astype(np.int32)))
@@ -410,8 +433,8 @@ def _failure(row: dict) -> str | None:
         return (f"{where}: prompt {d['prompt']} step {d['step']}: token {d['ours']} vs "
                 f"transformers' {d['theirs']} (our margin {d['ours_margin']:.3g} between "
                 f"{d['ours_top2']}, theirs {d['theirs_margin']:.3g} between {d['theirs_top2']}; "
-                f"logits error there {d['logits_rel_err_there']:.2e}, before it "
-                f"{row['logits_rel_err']:.2e})")
+                f"logits error there {d['logits_rel_err_there']:.2e}, over the equal tokens "
+                f"before each sequence's first difference {row['logits_rel_err']:.2e})")
     if not row["logits_rel_err"] <= LOGITS_TOL:
         return f"{where}: logits error {row['logits_rel_err']:.3e} > {LOGITS_TOL:g}"
     return None
@@ -423,13 +446,15 @@ def _failure(row: dict) -> str | None:
 
 def markdown(result: dict) -> str:
     a = result["args"]
+    layers_impl = a["layers_implementation"] or "as the caches'"
     lines = ["# Greedy generation with our caches vs transformers", "",
              f"{result['date']}, JAX {result['jax']}, transformers {result['transformers']}, "
              f"torch {result['torch']}, backend {result['backend']}. {a['family']} (tiny config, "
              f"seeded random weights), float32; prompts of {a['prompt_lengths']} bytes of "
              f"stdlib source; transformers "
              + ("one prompt at a time" if a["hf_one_at_a_time"] else "left-padded in one batch")
-             + f"; page size {a['page_size']}, k_splits {a['k_splits']}.", "",
+             + f"; page size {a['page_size']}, k_splits {a['k_splits']}, token budget "
+             f"{a['token_budget'] or 'none'}; the model's layers {layers_impl}.", "",
              "| impl | cache | prompts | new tokens | tokens equal | logits err | "
              "first difference | s |", "|---|---|---:|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
@@ -481,6 +506,12 @@ def parse_args(argv=None):
     p.add_argument("--k-splits", type=int, default=2,
                    help="Split-KV splits of the attention over the caches (0: each op's "
                         "heuristic, which keeps caches of a few dozen keys unsplit).")
+    p.add_argument("--layers-implementation", default=None,
+                   help="The implementation of the model's own layers (projections, norms, "
+                        "rotary, MLP, head); default: each of --implementations, as the caches'.")
+    p.add_argument("--token-budget", type=int, default=0,
+                   help="Pad every paged step to this many tokens (one compiled step; at least "
+                        "the prompts' total length); 0: unpadded steps.")
     p.add_argument("--hf-one-at-a-time", action="store_true",
                    help="Run transformers on each prompt alone instead of one left-padded batch.")
     p.add_argument("--seed", type=int, default=0, help="Weights, prompts and page assignment.")
@@ -490,7 +521,7 @@ def parse_args(argv=None):
                    help="Where generate.json and generate.md go.")
     args = p.parse_args(argv)
     args.implementations = [s.strip() for s in args.implementations.split(",") if s.strip()]
-    for impl in args.implementations:
+    for impl in args.implementations + [args.layers_implementation or "xla"]:
         if impl not in ops.IMPLEMENTATIONS:
             p.error(f"unknown implementation {impl!r}; expected one of {ops.IMPLEMENTATIONS}")
     args.caches = [s.strip() for s in args.caches.split(",") if s.strip()]
@@ -506,6 +537,9 @@ def parse_args(argv=None):
         p.error("--prompt-lengths needs at least one length, each >= 1")
     if args.new_tokens < 1 or args.page_size < 1 or args.k_splits < 0:
         p.error("--new-tokens and --page-size must be >= 1, --k-splits >= 0")
+    if args.token_budget and args.token_budget < sum(args.prompt_lengths):
+        p.error(f"--token-budget {args.token_budget} is below the prompts' "
+                f"{sum(args.prompt_lengths)} tokens")
     return args
 
 
@@ -526,14 +560,17 @@ def run(args) -> dict:
               "torch": torch.__version__, "backend": jax.default_backend(),
               "args": vars(args), "rows": [], "failures": []}
     for impl in args.implementations:
-        model = decoder.build_decoder(cfg, params, implementation=impl)
+        model = decoder.build_decoder(cfg, params,
+                                      implementation=args.layers_implementation or impl)
         n = args.new_tokens_for.get(impl, args.new_tokens)
         b = args.prompts_for.get(impl, len(prompts))
         for cache in args.caches:
             start = time.perf_counter()
             tokens, logits = generate(model, prompts[:b], n, cache=cache,
                                       page_size=args.page_size, seed=args.seed,
-                                      k_splits=args.k_splits or None)
+                                      implementation=impl, k_splits=args.k_splits or None,
+                                      token_budget=(args.token_budget or None)
+                                      if cache == "paged" else None)
             row = {"implementation": impl, "cache": cache, "prompts": b, "new_tokens": n,
                    "seconds": time.perf_counter() - start,
                    **compare(tokens, logits, ref_tokens[:b, :n], ref_logits[:n, :b])}

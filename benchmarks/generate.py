@@ -504,8 +504,9 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16,
                    help="Tokens per page of the paged cache (triton: >= 16).")
     p.add_argument("--k-splits", type=int, default=2,
-                   help="Split-KV splits of the attention over the caches (0: each op's "
-                        "heuristic, which keeps caches of a few dozen keys unsplit).")
+                   help="Split-KV splits of the attention over the caches, forced (the dense "
+                        "cache's decode steps with key tiles of 16: on mosaic_tpu pass 0); 0: "
+                        "each op's heuristic, which keeps caches of a few dozen keys unsplit.")
     p.add_argument("--layers-implementation", default=None,
                    help="The implementation of the model's own layers (projections, norms, "
                         "rotary, MLP, head); default: each of --implementations, as the caches'.")

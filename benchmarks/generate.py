@@ -47,7 +47,13 @@ What it does:
    the projected, normed and rotated query, key and value heads ``[B, T, heads, H]``
    (:meth:`layers.MultiHeadAttention.attend`) and returns the attention output; the
    positions of the new tokens go to :meth:`Decoder.hidden_states`, which hands them to
-   the rotary embedding. Prefill and decode are one jitted function each, traced once.
+   the rotary embedding. Every sequence keeps its own length and positions (nnx's
+   ``init_cache`` holds one index for the whole batch, which prompts of different
+   lengths cannot share). Prefill and decode are one jitted function each, traced
+   once (``--token-budget``: one for both, paged). ``--k-splits`` (default 2) forces
+   the split-KV splits of the attention over either cache, since the ops' heuristics
+   leave caches of a few dozen keys unsplit; ``--layers-implementation`` runs the
+   model's other layers on another implementation than the caches (CI: XLA).
 
 5. Checks: every new token equals transformers', and until a sequence's first
    differing token its logits agree with transformers' within
@@ -63,7 +69,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 import time

@@ -392,9 +392,11 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     With these options ``mask`` must be boolean-like and broadcast to
     ``[B, heads, T, S]``, ``sow_weights`` and a custom ``attention_fn`` combined
     with ``scale`` / ``local_window_size`` / ``logits_soft_cap`` raise a
-    ``ValueError``, and ``decode=True`` raises ``NotImplementedError``: the
-    key/value cache of generation plugs in at :meth:`attend` (a dense or paged
-    cache stores the rotated keys and passes ``positions`` of the new tokens).
+    ``ValueError``. ``decode=True`` (after nnx's ``init_cache``) uses the dense
+    cache of :meth:`attend_cached`: rotated keys are cached, new tokens take
+    the positions after the cached ones (or ``positions``), any number of new
+    tokens per call (a prompt, then one token at a time); a paged cache or a
+    split-KV decode kernel replaces that method.
 
     Args:
       implementation: keyword-only. None (the platform's default: "xla" on
@@ -455,11 +457,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         if sow_weights:
             raise ValueError("layers.MultiHeadAttention: sow_weights=True needs Flax's attention, "
                              "which has no rotary embedding, q/k RMS norm, window or soft cap.")
-        if decode or (decode is None and self.decode):
-            raise NotImplementedError(
-                "layers.MultiHeadAttention: decode=True with the decoder options (rotary, "
-                "qk_norm, scale, local_window_size, logits_soft_cap) needs a key/value cache "
-                "that stores rotated keys, not built yet.")
+        decode = self.decode if decode is None else decode
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
         if inputs_q.shape[-1] != self.in_features:
@@ -473,13 +471,55 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
             query, key = self.query_ln(query), self.key_ln(key)
         if self.query_norm is not None:
             query, key = self.query_norm(query), self.key_norm(key)
+        if decode and positions is None:  # the new tokens follow the cached ones
+            if self.cache_index is None:
+                raise ValueError("layers.MultiHeadAttention: decode=True needs a cache; call "
+                                 "init_cache first.")
+            positions = self.cache_index[...] + jnp.arange(query.shape[-3], dtype=jnp.int32)
         if self.rotary is not None:
             if positions is None:
                 positions = jnp.arange(query.shape[-3], dtype=jnp.int32)
             query, key = self.rotary(query, positions), self.rotary(key, positions)
-        out = self.attend(query, key, value, mask=mask, is_causal=is_causal,
-                          dropout_rng=self._dropout_rng(deterministic, rngs))
+        if decode:
+            out = self.attend_cached(query, key, value, positions=positions, mask=mask)
+        else:
+            out = self.attend(query, key, value, mask=mask, is_causal=is_causal,
+                              dropout_rng=self._dropout_rng(deterministic, rngs))
         return self.out(out, out_sharding=kwargs.pop("out_sharding", None))
+
+    def attend_cached(self, query, key, value, *, positions, mask=None):
+        """Decoding with the dense cache of ``init_cache``: the new rotated keys and values
+        ``[B, T, K, H]`` are written at ``cache_index`` (advanced by ``T``), and the queries
+        attend over the cache, query ``i`` at position ``positions[i]`` seeing the cached keys
+        at positions ``<= positions[i]`` (within the sliding window, if any). A paged cache
+        replaces this method.
+        """
+        if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+            raise ValueError("layers.MultiHeadAttention: decode=True needs a cache; call "
+                             "init_cache first.")
+        cached_key, cached_value = self.cached_key[...], self.cached_value[...]
+        start = self.cache_index[...]
+        zero = jnp.zeros((), start.dtype)
+        at = (zero,) * (key.ndim - 3) + (start, zero, zero)
+        cached_key = lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype), at)
+        cached_value = lax.dynamic_update_slice(cached_value, value.astype(cached_value.dtype), at)
+        self.cached_key[...], self.cached_value[...] = cached_key, cached_value
+        self.cache_index[...] = start + key.shape[-3]
+        q_pos = jnp.asarray(positions, jnp.int32)[..., :, None]  # [(B,) T, 1]
+        k_pos = jnp.arange(cached_key.shape[-3], dtype=jnp.int32)
+        visible = k_pos <= q_pos
+        window = self.decoder_options.local_window_size
+        if window is not None:
+            left, right = (window, window) if isinstance(window, int) else window
+            visible &= (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+        visible = visible[..., None, :, :] if visible.ndim == 3 else visible[None, None]
+        if mask is not None:
+            visible = jnp.logical_and(visible, jnp.asarray(mask).astype(jnp.bool_))
+        opts = self.decoder_options
+        return _flash_attention(query.astype(cached_key.dtype), cached_key, cached_value,
+                                mask=visible, scale=opts.scale,
+                                logits_soft_cap=opts.logits_soft_cap,
+                                implementation=self.implementation)
 
     def attend(self, query, key, value, *, mask, is_causal, dropout_rng):
         """The decoder path's attention of projected, normed, rotated heads ``[B, T, N, H]``.

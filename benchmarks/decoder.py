@@ -61,7 +61,16 @@ What it does, per family:
      loss itself within the same bound);
    * the gradient of every parameter against torch autograd of the same
      loss: per parameter ``max |ours - theirs| / max |theirs| <=``
-     :data:`GRAD_TOL`.
+     :data:`GRAD_TOL`;
+   * greedy generation (``--generate-tokens``, 32): two 16-byte prompts
+     through :meth:`Decoder.generate` (dense key/value caches of rotated keys,
+     the prompt in one call, then one token per call) must give exactly the
+     greedy sequence of transformers' full forward pass (each token the
+     argmax of its logits on the whole sequence so far). transformers' own
+     ``generate(do_sample=False)`` (its cache, no end-of-sequence token) is
+     reported beside it: it leaves that sequence for the sliding-window
+     Mistral and Mixtral (window 8, 48 tokens; from step 11 and 22 of seed
+     0's prompts) and agrees for the other families.
 
 6. Training (``--train-steps`` > 0, models of ``--train-models``): the model
    mapped from transformers' own initialisation (it starts near ln 256 nats,
@@ -87,17 +96,17 @@ Extension points, for what is not built here:
   (Mixtral: the router and experts' parameters under ``layers.<i>.mlp``).
   The block calls ``mlp(h)`` only; an MoE sows its router statistics, which
   :meth:`Decoder.router_aux_loss` collects.
-* Generation: attention goes through ``layers.MultiHeadAttention.attend``,
-  the one place a key/value cache plugs in. A dense or paged cache object
-  per layer receives the rotated keys and values of the new tokens and
-  attends over the cache; :meth:`Decoder.hidden_states` already takes the
-  tokens' ``positions`` (for a decode step, the cache length), and greedy
-  decoding is then ``argmax(model.logits(hidden[:, -1]))`` in a loop, to
-  compare with transformers' ``generate(do_sample=False)``.
+* Paged caches: decoding goes through
+  ``layers.MultiHeadAttention.attend_cached`` (the dense cache of nnx's
+  ``init_cache``: rotated keys written at the cache index, queries masked by
+  position and window); a paged cache replaces that one method (pages
+  written with ``ops.update_kv_pages``, attention by ``ops.paged_attention``),
+  and :meth:`Decoder.generate` stays as it is.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import json
@@ -276,9 +285,9 @@ class Block(nnx.Module):
         self.mlp = mlp_factory(cfg, layer, rngs=rngs, **common)
         self.post_mlp_norm = norm() if cfg.post_norms else nnx.data(None)
 
-    def __call__(self, delta, stream, positions):
+    def __call__(self, delta, stream, positions, decode=False):
         h, stream = _add_norm(self.attn_norm, delta, stream)
-        a = self.attn(h, positions=positions, is_causal=True)
+        a = self.attn(h, positions=positions, is_causal=True, decode=decode)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         h, stream = _add_norm(self.mlp_norm, a, stream)
@@ -331,21 +340,50 @@ class Decoder(nnx.Module):
                                      param_dtype=param_dtype, implementation=implementation,
                                      rngs=rngs))
 
-    def hidden_states(self, tokens, positions=None):
+    def hidden_states(self, tokens, positions=None, *, decode: bool = False):
         """The final-normed hidden states ``[B, T, width]`` of ``tokens [B, T]``.
 
-        ``positions``: int32 ``[B, T]`` or ``[T]`` (None: ``0 .. T - 1``).
+        ``positions``: int32 ``[B, T]`` or ``[T]`` (None: ``0 .. T - 1``, or with
+        ``decode`` the positions after the cached tokens). ``decode``: attend over and
+        extend the key/value caches of :meth:`init_cache`.
         """
-        if positions is None:
+        if positions is None and not decode:
             positions = jnp.arange(tokens.shape[-1], dtype=jnp.int32)
         x = self.embed(tokens)
         if self.cfg.scale_embeddings:  # Gemma: the normaliser rounded to the activations' dtype
             x = x * jnp.asarray(math.sqrt(self.cfg.width), x.dtype)
         delta, stream = x, None
         for block in self.layers:
-            delta, stream = block(delta, stream, positions)
+            delta, stream = block(delta, stream, positions, decode)
         h, _ = _add_norm(self.final_norm, delta, stream)
         return h
+
+    def init_cache(self, batch: int, max_length: int, dtype=None):
+        """Empty dense key/value caches of ``max_length`` positions in every layer."""
+        dtype = dtype or self.dtype or self.embed.embedding.dtype
+        for block in self.layers:
+            block.attn.init_cache((batch, max_length, self.cfg.width), dtype=dtype)
+
+    def generate(self, prompt, steps: int):
+        """Greedy decoding: ``prompt [B, P]`` int32 -> the ``[B, steps]`` next tokens.
+
+        The prompt fills fresh caches in one call, then each step feeds the last token
+        (each call jitted once per shape).
+        """
+        self.init_cache(prompt.shape[0], prompt.shape[1] + steps)
+
+        @nnx.jit
+        def step(model, tokens):
+            logits = model.logits(model.hidden_states(tokens, decode=True)[:, -1])
+            nnx.pop(model, nnx.Intermediate)  # an MoE's router statistics
+            return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+        token, out = step(self, jnp.asarray(prompt, jnp.int32)), []
+        for _ in range(steps):
+            out.append(token)
+            if len(out) < steps:
+                token = step(self, token[:, None])
+        return jnp.stack(out, axis=1)
 
     def head(self):
         """The unembedding ``[width, V]`` in the compute dtype."""
@@ -587,7 +625,6 @@ def hf_reference(model, tokens: np.ndarray, labels: np.ndarray, *, dtype: str = 
 
 
 def _copy_to(model, dtype):
-    import copy
     return copy.deepcopy(model).to(dtype)
 
 
@@ -693,7 +730,48 @@ def check_family(name: str, family: str, hf_config, data: np.ndarray, args) -> d
                 _expect(failures, row, "loss_rel_err", BF16_LOSS_RTOL)
             rows.append(row)
             print(_row_line(row), flush=True)
-    return {"rows": rows, "failures": failures, "config": dataclasses.asdict(cfg)}
+    generation = [check_generation(name, model, cfg, params, data, impl, args, failures)
+                  for impl in args.implementations] if args.generate_tokens else []
+    return {"rows": rows, "failures": failures, "config": dataclasses.asdict(cfg),
+            "generation": generation}
+
+
+def check_generation(name: str, hf, cfg: DecoderConfig, params: dict, data: np.ndarray, impl,
+                     args, failures: list) -> dict:
+    """Greedy decoding of ``--generate-tokens`` after a 16-byte prompt (2 prompts): our dense
+    key/value caches against the greedy sequence of transformers' full forward, token for
+    token (transformers' cached ``generate`` reported beside it)."""
+    import torch
+    prompt, _ = text_batch(data, 2, 16, args.seed + 2)
+    ids = torch.from_numpy(prompt).long()
+    with torch.no_grad():  # the definition: argmax of transformers' full forward, step by step
+        seq = ids
+        for _ in range(args.generate_tokens):
+            seq = torch.cat([seq, hf(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        config = copy.deepcopy(hf.generation_config)
+        config.eos_token_id = None  # byte 2 is no end of text here: never stop, never suppress
+        config.pad_token_id = 0
+        cached = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                             do_sample=False, max_new_tokens=args.generate_tokens).numpy()
+    ref = seq.numpy()[:, prompt.shape[1]:]
+    hf_generate_same = float(np.mean(cached[:, prompt.shape[1]:] == ref))
+    start = time.perf_counter()
+    ours_ = np.asarray(build_decoder(cfg, params, implementation=impl).generate(
+        prompt, args.generate_tokens))
+    same = ours_ == ref
+    first = int(np.argmin(np.all(same, axis=0))) if not same.all() else None
+    result = {"model": name, "implementation": impl, "tokens": args.generate_tokens,
+              "prompts": int(prompt.shape[0]), "same_fraction": float(same.mean()),
+              "first_difference": first, "seconds": time.perf_counter() - start,
+              "transformers_generate_same_fraction": hf_generate_same}
+    if first is not None:
+        failures.append(f"{name} {impl}: greedy generation differs from transformers' forward from "
+                        f"step {first} ({same.mean():.0%} of the tokens equal)")
+    print(f"{name:<13} {impl:<9} greedy {args.generate_tokens} tokens x {prompt.shape[0]}: "
+          f"{same.mean():.0%} equal to transformers' greedy forward (its cached generate: "
+          f"{hf_generate_same:.0%})  {result['seconds']:.1f} s",
+          flush=True)
+    return result
 
 
 def _expect(failures: list, row: dict, key: str, tol: float) -> None:
@@ -795,6 +873,12 @@ def markdown(result: dict) -> str:
     lines += ["", f"Tolerances: float32 logits {LOGITS_TOL:g}, loss {LOSS_RTOL:g} (relative), "
               f"gradients {GRAD_TOL:g}; bfloat16 logits {BF16_FACTOR:g} x transformers' own "
               f"bfloat16 error (at least {BF16_FLOOR:g}), loss {BF16_LOSS_RTOL:g}.", ""]
+    for g in result["generation"]:
+        lines.append(f"Greedy generation {g['model']} on {g['implementation']}: {g['tokens']} "
+                     f"tokens x {g['prompts']} prompts, {g['same_fraction']:.0%} equal to "
+                     "transformers' greedy forward (its cached generate: "
+                     f"{g['transformers_generate_same_fraction']:.0%}).")
+    lines.append("")
     for t in result["training"]:
         lines.append(f"Training {t['model']} ({t['steps']} AdamW steps of "
                      f"{t['batch'][0]}x{t['batch'][1]} bytes): xla {t['xla'][0]:.4f} -> "
@@ -848,6 +932,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="Weights, text windows and ignored labels.")
     p.add_argument("--data-bytes", type=int, default=1_000_000,
                    help="Bytes of standard-library source to read.")
+    p.add_argument("--generate-tokens", type=int, default=32,
+                   help="Greedy tokens generated with the key/value caches and compared with "
+                        "transformers' generate, on every implementation (0: no generation).")
     p.add_argument("--train-models", default="llama3,gemma2",
                    help="Comma-separated models (as --models) to train; empty: none.")
     p.add_argument("--train-steps", type=int, default=60, help="Training steps (0: no training).")
@@ -894,12 +981,14 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "backend": jax.default_backend(),
               "args": {k: v for k, v in vars(args).items() if k not in ("models", "train_models")},
               "models": [m[0] for m in args.models], "rows": [], "configs": {}, "training": [],
+              "generation": [],
               "failures": []}
     for name, family, tie in args.models:
         checked = check_family(name, family, tiny_hf_config(family, tie=tie), data, args)
         result["rows"] += checked["rows"]
         result["failures"] += checked["failures"]
         result["configs"][name] = checked["config"]
+        result["generation"] += checked["generation"]
     if args.train_steps > 0:
         for name, family, tie in args.train_models:
             trained = train_family(name, family, tiny_hf_config(family, tie=tie), data, args)

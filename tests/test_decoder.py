@@ -29,7 +29,7 @@ def _run(tmp_path, *args):
 def test_gemma2_on_triton_matches_transformers(tmp_path):
     result = _run(tmp_path, "--models", "gemma2", "--implementations", "triton",
                   "--dtypes", "float32", "--tokens", "32", "--seq-len", "32",
-                  "--train-steps", "0", "--data-bytes", "200000")
+                  "--train-steps", "0", "--generate-tokens", "0", "--data-bytes", "200000")
     (row,) = result["rows"]
     assert row["implementation"] == "triton" and row["tokens"] == 32
     assert row["logits_rel_err"] <= decoder.LOGITS_TOL

@@ -249,11 +249,21 @@ def test_attention_rejects(kwargs, error, match):
         layers.MultiHeadAttention(N, D, decode=False, rngs=nnx.Rngs(0), **kwargs)
 
 
-def test_attention_decode_with_options_is_not_built():
-    attn = layers.MultiHeadAttention(N, D, decode=True, rotary=layers.RotaryEmbedding(H),
-                                     rngs=nnx.Rngs(0))
-    with pytest.raises(NotImplementedError, match="cache"):
-        attn(jnp.ones((B, 1, D)))
+def test_attention_decode_with_cache_equals_full_sequence():
+    """Prompt then one token at a time through the dense cache (rotated keys, sliding
+    window) gives the outputs of the whole sequence at once."""
+    attn = layers.MultiHeadAttention(N, D, num_kv_heads=K, use_bias=False, decode=False,
+                                     rotary=layers.RotaryEmbedding(H), local_window_size=(3, 0),
+                                     logits_soft_cap=5.0, rngs=nnx.Rngs(0))
+    x = jnp.asarray(_x(12, (B, T, D)))
+    full = attn(x, is_causal=True)
+    with pytest.raises(ValueError, match="init_cache"):
+        attn(x[:, :1], decode=True)
+    attn.init_cache((B, T, D))
+    steps = [attn(x[:, :6], decode=True)] + [attn(x[:, t:t + 1], decode=True)
+                                             for t in range(6, T)]
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_linen_gated_mlp_rejects_at_construction():

@@ -995,11 +995,17 @@ def main(argv=None) -> int:
             result["training"].append(trained)
             result["failures"] += trained["failures"]
     result["passed"] = not result["failures"]
-    out = Path(args.out_dir)
+    return write_report(result, args.out_dir, "decoder", markdown(result))
+
+
+def write_report(result: dict, out_dir, stem: str, md: str) -> int:
+    """Writes ``<stem>.json`` and ``<stem>.md`` to ``out_dir``, prints the failures; the exit
+    status (0 when ``result["passed"]``)."""
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decoder.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / "decoder.md").write_text(markdown(result))
-    print(f"wrote {out / 'decoder.json'} and {out / 'decoder.md'}")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"{stem}.md").write_text(md)
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
     for f in result["failures"]:
         print(f"FAIL: {f}", file=sys.stderr)
     if result["passed"]:

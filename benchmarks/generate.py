@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -596,16 +595,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     result = run(args)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "generate.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / "generate.md").write_text(markdown(result))
-    print(f"wrote {out / 'generate.json'} and {out / 'generate.md'}")
-    for f in result["failures"]:
-        print(f"FAIL: {f}", file=sys.stderr)
-    if result["passed"]:
-        print("OK: every check passed")
-    return 0 if result["passed"] else 1
+    return decoder.write_report(result, args.out_dir, "generate", markdown(result))
 
 
 if __name__ == "__main__":

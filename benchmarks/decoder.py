@@ -68,9 +68,10 @@ What it does, per family:
      greedy sequence of transformers' full forward pass (each token the
      argmax of its logits on the whole sequence so far). transformers' own
      ``generate(do_sample=False)`` (its cache, no end-of-sequence token) is
-     reported beside it: it leaves that sequence for the sliding-window
-     Mistral and Mixtral (window 8, 48 tokens; from step 11 and 22 of seed
-     0's prompts) and agrees for the other families.
+     reported beside it and agrees for every family. (``generate`` fills a
+     ``None`` of the config it is given from the model's own generation config,
+     whose ``eos_token_id`` is 2, a byte here: the model's is cleared for the
+     call, else it stops at byte 2, as Mistral's and Mixtral's sequences did.)
 
 6. Training (``--train-steps`` > 0, models of ``--train-models``): the model
    mapped from transformers' own initialisation (it starts near ln 256 nats,
@@ -751,8 +752,13 @@ def check_generation(name: str, hf, cfg: DecoderConfig, params: dict, data: np.n
         config = copy.deepcopy(hf.generation_config)
         config.eos_token_id = None  # byte 2 is no end of text here: never stop, never suppress
         config.pad_token_id = 0
-        cached = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             do_sample=False, max_new_tokens=args.generate_tokens).numpy()
+        # generate() refills a None from the model's own config (eos_token_id=2): clear it there.
+        eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
+        try:
+            cached = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                 do_sample=False, max_new_tokens=args.generate_tokens).numpy()
+        finally:
+            hf.generation_config.eos_token_id = eos
     ref = seq.numpy()[:, prompt.shape[1]:]
     hf_generate_same = float(np.mean(cached[:, prompt.shape[1]:] == ref))
     start = time.perf_counter()

@@ -256,12 +256,12 @@ def test_attention_decode_with_cache_equals_full_sequence():
                                      rotary=layers.RotaryEmbedding(H), local_window_size=(3, 0),
                                      logits_soft_cap=5.0, rngs=nnx.Rngs(0))
     x = jnp.asarray(_x(12, (B, T, D)))
-    full = attn(x, is_causal=True)
+    full = nnx.jit(lambda m, x: m(x, is_causal=True))(attn, x)
     with pytest.raises(ValueError, match="init_cache"):
         attn(x[:, :1], decode=True)
     attn.init_cache((B, T, D))
-    steps = [attn(x[:, :6], decode=True)] + [attn(x[:, t:t + 1], decode=True)
-                                             for t in range(6, T)]
+    step = nnx.jit(lambda m, x: m(x, decode=True))  # one compile per new-token count
+    steps = [step(attn, x[:, :6])] + [step(attn, x[:, t:t + 1]) for t in range(6, T)]
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full),
                                rtol=1e-5, atol=1e-5)
 

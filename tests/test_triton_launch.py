@@ -498,7 +498,7 @@ def test_reduction_ops_forward_and_gradient(cuda, name):
 # Kernels of ops other than "<op>_fwd" and "<op>_bwd". sum / mean / max differentiate in XLA.
 KERNELS = {"sum": {"reduce_sum"}, "mean": {"reduce_sum"}, "max": {"reduce_max"},
            "linear_cross_entropy": {"linear_cross_entropy_fwd", "linear_cross_entropy_dz",
-                                    "fused_matmul"}}
+                                    "linear_cross_entropy_dx", "linear_cross_entropy_dw"}}
 
 
 def test_shipped_fused_matmul_training_step(cuda):

@@ -35,6 +35,12 @@ class MatmulConfig(_op.KernelConfig):
         a caller's config may leave it): the backend's
         (:func:`ops.matmul.tiled.strategy`: ``"loop"`` on pallas_triton, ``"grid"``
         elsewhere). Not tuned.
+      epilogue_subtile: 1, 2 or 4: the accumulator is split along N into that
+        many ``block_m x block_n / epilogue_subtile`` pieces, each run through
+        the epilogue (bias, activation, ...) and stored before the next
+        (:func:`ops.matmul.tiled.matmul_call`); fewer live registers and a
+        smaller shared-memory buffer for the store's layout conversion at wide
+        tiles. None or 1: the whole tile at once. Results do not depend on it.
     """
 
     block_m: int = _op.tunable()
@@ -44,6 +50,7 @@ class MatmulConfig(_op.KernelConfig):
     num_stages: int | None = _op.tunable(None)
     group_size: int | None = _op.tunable(None)
     walk: str | None = None
+    epilogue_subtile: int | None = _op.tunable(None)
 
     @property
     def blocks(self) -> tuple[int, int, int]:
@@ -51,7 +58,8 @@ class MatmulConfig(_op.KernelConfig):
 
     def check(self, op: str) -> None:
         """Raises ValueError naming ``block_sizes`` when a tile is not a positive int, a
-        launch parameter neither None nor a positive int, or ``walk`` unknown."""
+        launch parameter neither None nor a positive int, ``walk`` unknown, or
+        ``epilogue_subtile`` not None, 1, 2 or 4 dividing ``block_n``."""
         for name in self.tunable_fields():
             value = getattr(self, name)
             required = name.startswith("block_")
@@ -63,6 +71,10 @@ class MatmulConfig(_op.KernelConfig):
         if self.walk not in (None, tiled.GRID, tiled.LOOP):
             raise ValueError(f"{op}: block_sizes.walk must be None, {tiled.GRID!r} or "
                              f"{tiled.LOOP!r}, got {self.walk!r}.")
+        parts = self.epilogue_subtile
+        if parts is not None and (parts not in tiled.SUBTILES or self.block_n % parts):
+            raise ValueError(f"{op}: block_sizes.epilogue_subtile must be None or one of "
+                             f"{tiled.SUBTILES} dividing block_n = {self.block_n}, got {parts!r}.")
 
     @classmethod
     def from_blocks(cls, blocks, backend: str) -> "MatmulConfig":

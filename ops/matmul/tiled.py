@@ -61,6 +61,9 @@ LOOP = "loop"
 ROWS = "rows"  # an [M, w] array: block (block_m, w) at (i, 0)
 COLS = "cols"  # an [h, N] array: block (h, block_n) at (0, j)
 
+# How many pieces an output tile's epilogue may be split into along N (matmul_call).
+SUBTILES = (1, 2, 4)
+
 
 def strategy(backend: str) -> str:
     """How the contraction is walked on ``backend``: ``"loop"`` on pallas_triton

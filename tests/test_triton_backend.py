@@ -422,6 +422,41 @@ def test_reshape_that_would_mix_padding_is_refused():
                        in_specs=[pl.BlockSpec((8, 36), lambda: (0, 0))])(jnp.ones((8, 36)))
 
 
+def test_split_into_equal_power_of_two_pieces():
+    """jnp.split of a value (Triton has no value slicing): halves and quarters of the
+    columns with padded rows (12 of 16) beside them, halves of the rows; splits of a
+    non-power-of-two dim or into unequal pieces are refused."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((12, 32)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+
+    def kernel(x_ref, y_ref, o_ref, r_ref):
+        v = x_ref[...]
+        a, b = jnp.split(v, 2, axis=1)
+        q = jnp.split(v, 4, axis=1)
+        o_ref[:, 0:16] = b * 2 + a
+        o_ref[:, 16:24] = q[3] - q[1]
+        o_ref[:, 24:32] = q[0] * q[2]
+        top, bottom = jnp.split(y_ref[...], 2, axis=0)
+        r_ref[...] = top + 3 * bottom
+
+    q = [x[:, 8 * i:8 * (i + 1)] for i in range(4)]
+    want = (jnp.concatenate([x[:, 16:] * 2 + x[:, :16], q[3] - q[1], q[0] * q[2]], axis=1),
+            y[:8] + 3 * y[8:])
+    out = (jax.ShapeDtypeStruct((12, 32), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32))
+    for got in both(kernel, out, x, y):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+
+    for width, pieces in ((48, 2), (32, [8])):  # a padded dim; unequal pieces
+        def bad(x_ref, o_ref, pieces=pieces):
+            o_ref[...] = jnp.split(x_ref[...], pieces, axis=1)[0]
+
+        out = jax.ShapeDtypeStruct((8, 24 if width == 48 else 8), jnp.float32)
+        with pytest.raises(NotImplementedError, match="equal power-of-two pieces"):
+            pl.pallas_call(bad, out, backend="triton")(jnp.ones((8, width)))
+
+
 def test_unsupported_primitive_names_kernel_and_line():
     def kernel(x_ref, o_ref):
         o_ref[...] = jax.lax.erf_inv(x_ref[...])

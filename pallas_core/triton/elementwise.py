@@ -322,7 +322,34 @@ class ElementwiseWriter:
         return self.assign(f"tl.permute({as_code(x)}, {perm})", aval.shape, aval.dtype)
 
     def _p_slice(self, eqn, env, x):
-        self.unsupported(eqn, "slicing a value (slice the Ref instead)")
+        self.unsupported(eqn, "slicing a value (slice the Ref instead, or jnp.split it into "
+                              "equal power-of-two pieces)")
+
+    def _p_split(self, eqn, env, x):
+        """``jnp.split`` into equal pieces: Triton has no value slicing, so the value is
+        halved in turn (the dim reshaped to ``(2, n / 2)``, that pair moved last,
+        ``tl.split``), as JAX's Pallas Triton lowering does. The dim and the number
+        of pieces must be powers of two (a padded dim would mix padding into pieces)."""
+        axis, sizes = eqn.params["axis"], tuple(int(s) for s in eqn.params["sizes"])
+        n, parts = x.shape[axis], len(sizes)
+        if len(set(sizes)) != 1 or next_power_of_2(parts) != parts or next_power_of_2(n) != n:
+            self.unsupported(eqn, f"splitting a dim of {n} into {sizes} (only equal power-of-two "
+                                  "pieces of a power-of-two dim)")
+        pieces = [x]
+        while len(pieces) < parts:
+            pieces = [half for piece in pieces for half in self._halves(piece, axis)]
+        return pieces
+
+    def _halves(self, x: Val, axis: int) -> tuple[Val, Val]:
+        """The two halves of ``x`` along ``axis`` (a power-of-two dim)."""
+        shape = padded(x.shape)
+        pair = (*shape[:axis], 2, shape[axis] // 2, *shape[axis + 1:])
+        perm = tuple(d for d in range(len(pair)) if d != axis) + (axis,)
+        lo, hi = self.fresh("v"), self.fresh("v")
+        self.emit(f"{lo}, {hi} = tl.split(tl.permute(tl.reshape({as_code(x)}, {tl_shape(pair)}), "
+                  f"{perm}))")
+        half = (*x.shape[:axis], x.shape[axis] // 2, *x.shape[axis + 1:])
+        return (Val(lo, half, x.dtype, x.zero_padding), Val(hi, half, x.dtype, x.zero_padding))
 
     def _reduce(self, eqn, x, combiner):
         aval = eqn.outvars[0].aval

@@ -163,14 +163,16 @@ def _epilogue(acc, refs: tiled.TileRefs, *, has_bias, want_preact, activation):
 
 def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, walk, out_dtype, bias=None,
                  activation=None, want_preact=False, num_warps=None, num_stages=None,
-                 group_size=None, name=None):
+                 group_size=None, epilogue_subtile=None, name=None):
     """``act(A @ B + bias)`` with A = a contracting dim ca, B = b contracting dim cb,
     on the tiled-matmul core (:func:`ops.matmul.tiled.matmul_call`).
 
     ``blocks = (block_rows, block_cols, block_k)`` for the output's two dims
     and the contraction, ``walk`` the contraction's (the config's); ``num_warps``
     / ``num_stages`` / ``group_size`` (Triton
-    backends; the last on ``triton`` only) None for the heuristic's. The
+    backends; the last on ``triton`` only) None for the heuristic's;
+    ``epilogue_subtile`` the column pieces the epilogue runs in (None: whole
+    tiles; :func:`ops.matmul.tiled.subtiled`). The
     contraction dim is zero-padded to a multiple of block_k (exact for a sum; a
     copy only when K does not divide); the free dims use edge blocks, whose
     out-of-bounds rows are discarded. ``name`` names the kernel (None: from the
@@ -186,7 +188,7 @@ def _matmul_call(a, b, *, ca: int, cb: int, blocks, backend, walk, out_dtype, bi
                                  activation=activation)
     outs = tiled.matmul_call(a, b, ca=ca, cb=cb, blocks=blocks, backend=backend,
                              out_shape=out_shapes, epilogue=epilogue, extras=extras, walk=walk,
-                             compiler_params=params, name=name)
+                             compiler_params=params, epilogue_subtile=epilogue_subtile, name=name)
     return tuple(outs) if want_preact else outs[0]
 
 
@@ -301,7 +303,8 @@ def _partitioned_forward(x, w, bias, config: _Config, activation, *, want_preact
                              config.block_sizes)
         partial = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
                                walk=tiles.walk, out_dtype=jnp.float32, num_warps=tiles.num_warps,
-                               num_stages=tiles.num_stages, group_size=tiles.group_size)
+                               num_stages=tiles.num_stages, group_size=tiles.group_size,
+                               epilogue_subtile=tiles.epilogue_subtile)
         z = psum(partial, reduced, "k")
         if bias is not None:
             z = z + bias.astype(jnp.float32)
@@ -319,7 +322,8 @@ def _forward(x, w, bias, config: _Config, activation, *, want_preact: bool) -> t
     outs = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
                         walk=tiles.walk, out_dtype=x.dtype, bias=bias, activation=activation,
                         want_preact=want_preact, num_warps=tiles.num_warps,
-                        num_stages=tiles.num_stages, group_size=tiles.group_size)
+                        num_stages=tiles.num_stages, group_size=tiles.group_size,
+                        epilogue_subtile=tiles.epilogue_subtile)
     return tuple(outs) if want_preact else (outs,)
 
 
@@ -340,10 +344,12 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
     # dx[M, K] = dz[M, N] @ w[K, N]^T: output tiles (bm, bk), contraction over N by bn.
     # Distinct kernel names, so the static gate budgets the two K loops apart.
     dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, bn), backend=backend, walk=walk,
-                      out_dtype=x.dtype, name="fused_matmul_dx")
+                      out_dtype=x.dtype, epilogue_subtile=tiles.epilogue_subtile,
+                      name="fused_matmul_dx")
     # dw[K, N] = x[M, K]^T @ dz[M, N]: output tiles (bk, bn), contraction over M by bm.
     dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, bm), backend=backend, walk=walk,
-                      out_dtype=w.dtype, name="fused_matmul_dw")
+                      out_dtype=w.dtype, epilogue_subtile=tiles.epilogue_subtile,
+                      name="fused_matmul_dw")
     return dx, dw, dbias
 
 

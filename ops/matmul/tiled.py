@@ -191,6 +191,49 @@ def grid_accumulate(a_ref, b_ref, acc_ref, finish: Callable[[Any], None], *, ca:
 
 
 # --------------------------------------------------------------------------
+# Epilogue subtiles: the accumulator's columns in pieces
+# --------------------------------------------------------------------------
+
+def subtile_parts(parts: int | None, block_n: int, backend: str) -> int:
+    """How many column pieces the epilogue of a ``block_n``-wide tile runs in on
+    ``backend`` when ``parts`` (None or one of :data:`SUBTILES`) are asked for: the
+    whole tile (1) unless ``parts`` divides ``block_n`` into pieces the backend
+    slices without copies: powers of two on the Triton backends (``tl.split``
+    halves), multiples of 128 lanes on mosaic_tpu."""
+    parts = parts or 1
+    if parts == 1 or block_n % parts:
+        return 1
+    piece = block_n // parts
+    if backend in pl.TRITON_BACKENDS and pl.next_power_of_2(block_n) != block_n:
+        return 1
+    if backend == "mosaic_tpu" and piece % 128:
+        return 1
+    return parts
+
+
+def subtiled(epilogue: Callable[[Any, TileRefs], None], parts: int, roles: Sequence[str]):
+    """``epilogue`` run on ``parts`` column pieces of the tile in turn: the float32
+    accumulator split along N (``jnp.split``: register pieces on Triton, as the
+    ``EPILOGUE_SUBTILE`` option of Triton's persistent matmul tutorial), the
+    outputs and the :data:`COLS` operands (``roles``: each extra's) narrowed to the
+    piece's columns (``Ref.at``), :attr:`TileRefs.col_offset` set. Each piece is
+    stored before the next is computed, so fewer values are live and the store's
+    layout conversion needs a piece's shared memory, not the tile's."""
+    if parts == 1:
+        return epilogue
+
+    def run(acc, refs: TileRefs):
+        width = acc.shape[1] // parts
+        for p, piece in enumerate(jnp.split(acc, parts, axis=1)):
+            cols = pl.ds(p * width, width)
+            extras = tuple(r.at[:, cols] if role == COLS else r for r, role in zip(refs.extras, roles))
+            outs = tuple(r.at[:, cols] for r in refs.outs)
+            epilogue(piece, dataclasses.replace(refs, extras=extras, outs=outs,
+                                                col_offset=refs.col_offset + p * width))
+    return run
+
+
+# --------------------------------------------------------------------------
 # The pallas_call: A @ B tiled over (rows, columns[, K]) with an epilogue
 # --------------------------------------------------------------------------
 
@@ -222,12 +265,19 @@ class RowTable:
 class TileRefs:
     """What an epilogue sees besides the accumulator: the scalar-prefetch
     Refs (a :class:`RowTable`'s tables), the epilogue operands' Refs (in the
-    order given) and the output Refs."""
+    order given) and the output Refs.
+
+    With an epilogue subtile (:func:`matmul_call`'s ``epilogue_subtile``) the
+    epilogue runs once per piece of the tile's columns: the output Refs and the
+    :data:`COLS` operands' Refs are then views of that piece's columns, and
+    ``col_offset`` is the piece's first column within the tile (0 for a whole
+    tile): an epilogue that computes column indices adds it."""
 
     scalars: tuple
     extras: tuple
     outs: tuple
     row_axis: int = 0  # the grid axis of the row tiles (visits): pl.program_id(row_axis)
+    col_offset: int = 0
 
 
 def _grid_kernel(*refs, ca, cb, block_k, k_size, num_scalars, num_extras, num_outs, epilogue,
@@ -292,7 +342,8 @@ def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend
                 epilogue: Callable[[Any, TileRefs], None],
                 extras: Sequence[tuple[Any, str]] = (), walk: str | None = None,
                 k_edge: str = "pad", compiler_params=None, rows: RowTable | None = None,
-                cols_outer: bool = False, name: str = "matmul"):
+                cols_outer: bool = False, epilogue_subtile: int | None = None,
+                name: str = "matmul"):
     """``A @ B`` tiled into ``block_m x block_n`` outputs, each handed to ``epilogue``.
 
     Args:
@@ -321,6 +372,10 @@ def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend
         tiles, column tiles[, K]): consecutive row visits of one column then
         revisit an output block back to back (a sequential grid keeps it,
         so visits of one tile can each store their own rows into it).
+      epilogue_subtile: None or 1 (the epilogue sees the whole tile), 2 or 4:
+        the epilogue runs on that many column pieces of the tile in turn
+        (:func:`subtiled`), where the backend can split ``block_n`` so
+        (:func:`subtile_parts`; else the whole tile). Results do not depend on it.
       name: the kernel's name.
 
     Returns:
@@ -384,6 +439,8 @@ def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend
         raise ValueError(f"extras: role must be {ROWS!r} or {COLS!r}, got {role!r}.")
 
     out_spec = pl.BlockSpec((bm, bn), indexed(lambda i, j, ks, ss: (row_of(i, *ss), j)))
+    epilogue = subtiled(epilogue, subtile_parts(epilogue_subtile, bn, backend),
+                        [role for _, role in extras])
     kw = dict(ca=ca, cb=cb, block_k=bk, k_size=k_size, num_scalars=len(scalars),
               num_extras=len(extras), num_outs=len(out_shape), epilogue=epilogue,
               active=rows.active if rows is not None else None, row_axis=row_axis)

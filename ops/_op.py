@@ -81,6 +81,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+import pallas_core as pl
 from ops._implementation import KERNEL_BACKENDS, run_implementation
 from ops.tuning import cache
 from pallas_core.triton import backend as triton_backend
@@ -113,6 +114,13 @@ class Device:
     backend: str
     kind: str = ""
     interpreter: bool = False
+
+    @property
+    def traits(self) -> pl.BackendTraits:
+        """What the backend declared about itself (:func:`pallas_core.backend_traits`):
+        what heuristics ask (``device.traits.tile``, ``.triton``, ``.walk``, ...)
+        instead of comparing backend names."""
+        return pl.backend_traits(self.backend)
 
     @classmethod
     def current(cls, backend: str) -> "Device":

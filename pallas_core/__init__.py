@@ -11,6 +11,10 @@ JAX 0.10.2's other names: block dims ``pl.Element``, ``pl.Squeezed`` / ``pl.sque
 ``pl.CostEstimate``, ``pl.ANY`` / ``pl.MemorySpace``, ``pl.no_block_spec``,
 ``pl.debug_print``, ``pl.semaphore_signal`` / ``semaphore_wait`` / ``semaphore_read``.
 
+Ours: ``pl.backend_traits(name)`` (a :class:`pl.BackendTraits`): what a backend
+declared about itself (block rules, tiling, grid order, scalar memory), which
+kernels ask instead of comparing backend names (docs/design.md §10).
+
 Backend-specific modules: ``pallas_core.tpu`` (VMEM, SMEM, HBM, CompilerParams,
 PrefetchScalarGridSpec, roll, prng_seed / prng_random_bits, make_async_copy /
 async_copy / sync_copy, SemaphoreType), ``pallas_core.triton`` (CompilerParams,
@@ -24,7 +28,7 @@ from pallas_core import gpu, tpu, triton
 from pallas_core.backends import interpret as _interpret_backend, jax_pallas as _jax_pallas_backends
 from pallas_core.triton import backend as _triton_backend, markers as _triton_markers
 from pallas_core.arith import align_to, reciprocal
-from pallas_core.backends import BACKENDS, TRITON_BACKENDS, default_backend
+from pallas_core.backends import BACKENDS, TRITON_BACKENDS, backend_traits, default_backend
 from pallas_core.block_dims import BoundedSlice, Buffered, Element, RevisitMode, Squeezed, squeezed
 from pallas_core.call import pallas_call
 from pallas_core.cost import CostEstimate
@@ -36,17 +40,18 @@ from pallas_core.primitives import (cdiv, dot, ds, dslice, load, loop, multiple_
 from pallas_core.memory import ANY, MemorySpace, empty, empty_like
 from pallas_core.primitives import _RefSlice as Slice  # what pl.ds makes: JAX's own Slice
 from pallas_core.specs import BlockDim, Blocked, BlockSpec, GridSpec, Unblocked
+from pallas_core.traits import BackendTraits
 
 # JAX's ``pl.no_block_spec`` (the default of every in/out spec): the whole array,
 # which is what a None spec means here.
 no_block_spec = None
 
 __all__ = [
-    "ANY", "BlockDim", "BoundedSlice", "Buffered", "CostEstimate", "Element", "MemorySpace", "RevisitMode", "Squeezed",
+    "ANY", "BackendTraits", "BlockDim", "BoundedSlice", "Buffered", "CostEstimate", "Element", "MemorySpace", "RevisitMode", "Squeezed",
     "align_to", "debug_print", "empty", "empty_like", "no_block_spec", "reciprocal",
     "semaphore_read", "semaphore_signal", "semaphore_wait",
     "Slice", "squeezed",
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
-    "Unblocked", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",
+    "Unblocked", "backend_traits", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",
     "multiple_of", "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
 ]

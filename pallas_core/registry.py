@@ -7,6 +7,8 @@ module registers, when it is imported,
 * its runner (:func:`register_backend`): ``run(call, args)``, which lowers a
   resolved call and runs it; ``batch_grid=True`` when vmap should add a batch
   grid axis (:mod:`pallas_core.batching`) rather than batch what it emits;
+  and its :class:`pallas_core.traits.BackendTraits`, the facts ops choose
+  tiles and launch parameters by (:func:`traits`);
 * its rules for primitives whose meaning it must carry itself
   (:func:`register_rule`): a primitive (``"load"``, ``"store"``,
   ``"multiple_of"``, ``"roll"``, ``"debug_print"``, ``"elementwise_inline_asm"``) with a rule on the current backend calls the
@@ -25,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from pallas_core.traits import BackendTraits
+
 
 @dataclasses.dataclass(frozen=True)
 class Runner:
@@ -35,13 +39,23 @@ class Runner:
 
 
 _RUNNERS: dict[str, Runner] = {}
+_TRAITS: dict[str, BackendTraits] = {}
 _RULES: dict[tuple[str, str], Callable] = {}
 _ATOMIC_PREFIXES: list[str] = []
 
 
-def register_backend(name: str, run: Callable, *, batch_grid: bool = False) -> None:
-    """Makes ``run(call, args)`` the way calls resolved for backend ``name`` run."""
+def register_backend(name: str, run: Callable, *, traits: BackendTraits,
+                     batch_grid: bool = False) -> None:
+    """Makes ``run(call, args)`` the way calls resolved for backend ``name`` run, and
+    ``traits`` what :func:`traits` answers for it.
+
+    Raises:
+      ValueError: ``traits`` is not a BackendTraits named ``name``.
+    """
+    if not isinstance(traits, BackendTraits) or traits.name != name:
+        raise ValueError(f"traits: expected BackendTraits(name={name!r}, ...), got {traits!r}.")
     _RUNNERS[name] = Runner(run, batch_grid)
+    _TRAITS[name] = traits
 
 
 def runner(name: str) -> Runner:
@@ -55,6 +69,19 @@ def runner(name: str) -> Runner:
     except KeyError:
         raise NotImplementedError(f"backend {name!r}: no runner registered; registered: "
                                   f"{sorted(_RUNNERS)}.") from None
+
+
+def traits(name: str) -> BackendTraits:
+    """The traits backend ``name`` declared when it registered.
+
+    Raises:
+      NotImplementedError: no backend module registered ``name``.
+    """
+    try:
+        return _TRAITS[name]
+    except KeyError:
+        raise NotImplementedError(f"backend {name!r}: no traits registered; registered: "
+                                  f"{sorted(_TRAITS)}.") from None
 
 
 def register_rule(primitive: str, backend: str, rule: Callable) -> None:

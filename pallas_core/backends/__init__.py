@@ -4,10 +4,12 @@ from __future__ import annotations
 import jax
 
 from pallas_core import batching, registry
+from pallas_core.traits import BackendTraits
 
 BACKENDS = ("interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton")
 JAX_PALLAS_BACKENDS = ("mosaic_tpu", "mosaic_gpu", "pallas_triton")
-# Backends whose kernels become Triton: power-of-two tiles, num_warps / num_stages.
+# Backends whose kernels become Triton: power-of-two tiles, num_warps / num_stages
+# (the same as backend_traits(name).triton, which the ops ask instead).
 TRITON_BACKENDS = ("triton", "pallas_triton")
 
 # GPUs default to our own Triton lowering; JAX's ("pallas_triton") is the yardstick.
@@ -25,6 +27,17 @@ def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}.")
     return backend
+
+
+def backend_traits(backend: str) -> BackendTraits:
+    """What ``backend`` declared about itself when it registered
+    (:class:`pallas_core.traits.BackendTraits`): the facts the ops choose tiles,
+    walks and launch parameters by, rather than comparing backend names.
+
+    Raises:
+      ValueError: ``backend`` is not one of :data:`BACKENDS`.
+    """
+    return registry.traits(check_backend(backend))
 
 
 def choose(backend: str | None, interpret) -> str:

@@ -30,6 +30,7 @@ from jax import lax
 from pallas_core import _jax_internals, context, grid_analysis, named_axes, registry
 from pallas_core.memory import ScratchShape, as_scratch_shape, garbage_fill_value
 from pallas_core.specs import BlockMapping, dynamic_axes
+from pallas_core.traits import BackendTraits
 
 
 class InterpretContext(context.KernelContext):
@@ -237,4 +238,7 @@ def run(call, args):
     return [_crop(o, m) for o, m in zip(outs, call.out_mappings)]
 
 
-registry.register_backend("interpret", run, batch_grid=True)
+# The kernel runs as JAX operations on any device, its grid walked in order;
+# every block shape is taken (edge blocks are padded and cropped).
+registry.register_backend("interpret", run, batch_grid=True, traits=BackendTraits(
+    "interpret", hardware="any", interpreted=True))

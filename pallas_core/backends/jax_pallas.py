@@ -19,8 +19,9 @@ from pallas_core import context, registry
 from pallas_core.backends import edge_masks
 from pallas_core.cost import as_cost_estimate
 from pallas_core.dma import SemaphoreType, is_semaphore
-from pallas_core.memory import ScratchShape, as_scratch_shape
+from pallas_core.memory import TPU_SMEM, ScratchShape, as_scratch_shape
 from pallas_core.specs import BlockMapping
+from pallas_core.traits import LOOP, BackendTraits
 
 
 def _jpl():
@@ -184,5 +185,20 @@ def run(call, args, backend):
     return list(fn(*args))
 
 
-for _backend in ("mosaic_tpu", "mosaic_gpu", "pallas_triton"):
-    registry.register_backend(_backend, functools.partial(run, backend=_backend))
+_TRAITS = (
+    # Mosaic TPU: (8, 128) vector-register tiles, the grid in order on a core,
+    # scalar prefetch into SMEM (vector memory is not read as scalars).
+    BackendTraits("mosaic_tpu", hardware="tpu", tile=(8, 128), scalar_memory=TPU_SMEM,
+                  through_jax=True),
+    # Mosaic GPU: no op has kernels for it; its lowering reports its own block
+    # limits. Sequential axes are pipelined in order; no scalar prefetch.
+    BackendTraits("mosaic_gpu", hardware="gpu", scalar_prefetch=False, through_jax=True),
+    # JAX's Triton lowering: power-of-two tensors only, every grid point
+    # concurrent (no accumulation across grid steps), no scalar prefetch.
+    BackendTraits("pallas_triton", hardware="gpu", triton=True, power_of_two_blocks=True,
+                  sequential_grid=False, walk=LOOP, scalar_prefetch=False, through_jax=True),
+)
+
+for _traits in _TRAITS:
+    registry.register_backend(_traits.name, functools.partial(run, backend=_traits.name),
+                              traits=_traits)

@@ -10,6 +10,7 @@ import numpy as np
 
 from pallas_core import registry
 from pallas_core.params import PARALLEL
+from pallas_core.traits import LOOP, BackendTraits
 from pallas_core.triton import codegen, inline_asm, program_order, runtime
 from pallas_core.triton.params import schedule_options
 
@@ -122,7 +123,11 @@ def run(call, args):
     return list(outs)[:len(out_avals)]
 
 
-registry.register_backend("triton", run, batch_grid=True)
+# Our Triton lowering pads blocks to powers of two and masks them (any block
+# shape), refuses dots under 16 (tl.dot's minimum), runs "arbitrary" grid axes
+# as loops inside each program and passes scalar-prefetch tables as pointers.
+registry.register_backend("triton", run, batch_grid=True, traits=BackendTraits(
+    "triton", hardware="gpu", triton=True, min_dot=16, walk=LOOP))
 # Assembly is emitted when the kernel is for a GPU (launched there, or captured by
 # source / compile); Triton's CPU interpreter cannot run it.
 registry.register_rule("elementwise_inline_asm", "triton",

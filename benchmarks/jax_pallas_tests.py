@@ -21,7 +21,10 @@ tpu_splash_attention_kernel_test.py --interpret-class SplashAttentionTest``,
 DIR holding that file of ``tests/pallas/`` too): on pallas_core their imports
 of the op library's kernels are swapped to the kernels loaded by
 :func:`load_on_pallas_core`, the installed jax package's own source with only
-its Pallas imports swapped.
+its Pallas imports swapped. The GPU op library loads the same way
+(``load_on_pallas_core("jax.experimental.pallas.ops.gpu.paged_attention")`` runs
+JAX's paged attention kernel on pallas_core, e.g. on its interpreter with
+``interpret=True``).
 
 Exit status 0 when every test that passes on JAX passes on pallas_core,
 except those named with ``--expect-differ`` (the differences
@@ -60,6 +63,11 @@ PALLAS_CORE_IMPORTS = {
         "from pallas_core import gpu as plmgpu",
     "from jax._src.pallas import pallas_call as pl_lib": "import pallas_core as pl_lib",
 }
+# Pallas's backend modules under any alias (JAX's GPU op library imports ``triton as
+# plgpu``): each becomes pallas_core's module of that name.
+_BACKEND_IMPORT = re.compile(
+    r"^from jax\.experimental\.pallas import (tpu|triton|mosaic_gpu) as (\w+)$", re.MULTILINE)
+_BACKEND_MODULES = {"tpu": "tpu", "triton": "triton", "mosaic_gpu": "gpu"}
 # Tests that differ on purpose, with the reason in docs/pallas_core.md section 14.
 DOCUMENTED_DIFFERENCES = (
     "PallasCallInterpretTest::test_const_args",
@@ -75,6 +83,18 @@ def swap_imports(source: str, swaps: dict[str, str]) -> str:
     return source
 
 
+def to_pallas_core(source: str) -> str:
+    """``source`` with its Pallas imports swapped to pallas_core: the lines of
+    :data:`PALLAS_CORE_IMPORTS`, and a backend module (``tpu``, ``triton``,
+    ``mosaic_gpu``) imported under any alias."""
+    return _BACKEND_IMPORT.sub(lambda m: f"from pallas_core import {_BACKEND_MODULES[m[1]]} as {m[2]}",
+                               swap_imports(source, PALLAS_CORE_IMPORTS))
+
+
+def _imports_pallas(source: str) -> bool:
+    return any(old in source for old in PALLAS_CORE_IMPORTS) or bool(_BACKEND_IMPORT.search(source))
+
+
 # An import of another module of JAX's Pallas op library, in one of the two forms its
 # modules use: ``from PACKAGE import MODULE [as NAME]`` or ``from MODULE import NAMES``.
 _OPS_IMPORT = re.compile(r"^from (jax\.experimental\.pallas\.ops\.[\w.]+) import (\w+)( as \w+)?$",
@@ -88,8 +108,8 @@ def _uses_pallas(module: str) -> bool:
         spec = importlib.util.find_spec(module)
     except ModuleNotFoundError:  # a function or class of a module, not a module
         return False
-    return spec is not None and spec.origin is not None and spec.origin.endswith(".py") and any(
-        old in Path(spec.origin).read_text() for old in PALLAS_CORE_IMPORTS)
+    return (spec is not None and spec.origin is not None and spec.origin.endswith(".py")
+            and _imports_pallas(Path(spec.origin).read_text()))
 
 
 def _ported_name(module: str) -> str:
@@ -115,7 +135,7 @@ def load_on_pallas_core(module: str) -> types.ModuleType:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(f"{module}: not in the installed jax.")
-    source = port_ops_imports(swap_imports(Path(spec.origin).read_text(), PALLAS_CORE_IMPORTS))
+    source = port_ops_imports(to_pallas_core(Path(spec.origin).read_text()))
     ported = types.ModuleType(name)
     ported.__file__ = spec.origin
     sys.modules[name] = ported
@@ -177,7 +197,7 @@ def prepare(src: Path, dest: Path, on_pallas_core: bool, files=TEST_FILES,
     for f in files:
         source = swap_imports((src / f).read_text(), swaps)
         if on_pallas_core:
-            source = port_ops_imports(source, by_loader=True)
+            source = port_ops_imports(to_pallas_core(source), by_loader=True)
         (dest / f).write_text(with_interpret_classes(source, interpret_classes))
     for f, module in HELPERS.items():
         (dest / f"{module}.py").write_text(swap_imports((src / f).read_text(), swaps))

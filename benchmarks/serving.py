@@ -11,7 +11,11 @@ Triton's CPU interpreter on CPUs) against:
 * ``jax_pallas``: JAX's own GPU kernel, ``jax.experimental.pallas.ops.gpu.
   paged_attention`` (its defaults: ``k_splits=16``, 8 pages per step,
   ``block_h=16``), on JAX's Pallas Triton lowering on GPUs and on JAX's
-  interpreter (``interpret=True``) on CPUs.
+  interpreter (``interpret=True``) on CPUs;
+* ``jax_pallas_on_pallas_core``: the same kernel's source run on pallas_core
+  (:func:`benchmarks.jax_pallas_tests.load_on_pallas_core`: only its Pallas
+  imports swapped, same arguments): pallas_core's interpreter on CPUs, its
+  default GPU backend (``triton``, our Triton code generator) on GPUs.
 
 Decode is memory-bound (``ceiling="copy"``): one call reads each sequence's
 keys and values once, ``2 B S K H s`` bytes at ``s`` bytes per element, plus
@@ -40,6 +44,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 import ops
 from benchmarks import harness
+from benchmarks.jax_pallas_tests import load_on_pallas_core
 
 OP = "paged_attention"
 PAGE_SIZE = 16
@@ -72,6 +77,8 @@ def make_case(shape, implementations, *, interpret: bool, theirs: bool = True) -
         fns[name] = functools.partial(ours, implementation=name)
     if theirs:
         fns["jax_pallas"] = functools.partial(jax_pallas, interpret=interpret)
+        fns["jax_pallas_on_pallas_core"] = functools.partial(
+            jax_pallas, interpret=interpret, module=jax_paged_on_pallas_core())
     return harness.Case(
         op=OP, variant=f"decode+gqa{n // k}", shape=(b, s, n, k, h, ps), dtype=dtype,
         pass_name="fwd", flops=4.0 * b * n * s * h, make_inputs=functools.partial(
@@ -114,9 +121,16 @@ def ours(q, k_pages, v_pages, tables, lengths, *, implementation):
     return ops.paged_attention(q, k_pages, v_pages, tables, lengths, implementation=implementation)
 
 
-def jax_pallas(q, k_pages, v_pages, tables, lengths, *, interpret: bool):
-    return jax_paged.paged_attention(q, k_pages, v_pages, tables, lengths, interpret=interpret,
-                                     k_splits=min(16, tables.shape[1]))
+def jax_paged_on_pallas_core():
+    """JAX's GPU paged attention module loaded on pallas_core."""
+    return load_on_pallas_core(jax_paged.__name__)
+
+
+def jax_pallas(q, k_pages, v_pages, tables, lengths, *, interpret: bool, module=jax_paged):
+    """JAX's kernel (``module``: JAX's own, or its source loaded on pallas_core) with its
+    defaults but ``k_splits`` (at most the table's width, which it must divide)."""
+    return module.paged_attention(q, k_pages, v_pages, tables, lengths, interpret=interpret,
+                                  k_splits=min(16, tables.shape[1]))
 
 
 def reference(q, k_pages, v_pages, tables, lengths):

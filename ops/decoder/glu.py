@@ -33,30 +33,39 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._op import Device, KernelConfig, Op, Problem, Tuning, register, tunable
+from ops._op import Device, Op, Problem, Tuning, fit, register
 from ops._partitioning import psum, reduced_axes, reshape, run
-from ops._tiles import dot
 from ops.activations import resolve_activation
 from ops.decoder.reference import gated_linear_unit_reference, glu_backward_reference
 from ops.matmul import tiled
+from ops.matmul.config import MatmulConfig, check_block_sizes
 
 _OP = "gated_linear_unit"
 
 
 def gated_linear_unit(x, weights, *, activation=None, implementation=None,
                       block_sizes=None) -> jax.Array:
-    """``activation(x @ weights[:, 0]) * (x @ weights[:, 1])`` with float32 accumulation.
+    """``activation(x @ gate) * (x @ up)`` with float32 accumulation.
 
     Args:
       x: ``[..., K]`` float32 / bfloat16 / float16; any number of leading dims.
-      weights: ``[K, 2, N]``, x's dtype: the gate (``[:, 0]``) and up (``[:, 1]``)
-        projections stacked (a transformers ``gate_proj.weight.T`` and
-        ``up_proj.weight.T`` stacked on axis 1).
+      weights: the gate and up projections, x's dtype, in one of two forms:
+
+        * a pair ``(gate, up)`` of ``[K, N]`` arrays (a tuple or list of two,
+          same shape): each read in place by the kernels as its own operand.
+          Use it when the projections are separate parameters (transformers'
+          ``gate_proj.weight.T`` and ``up_proj.weight.T``, :class:`layers.GatedMLP`):
+          stacking them per call would copy ``2 K N`` weights, as much memory
+          traffic again as the kernel's own read at decode sizes. The gradient
+          is a pair too.
+        * one ``[K, 2, N]`` array, gate at ``[:, 0]`` and up at ``[:, 1]``
+          (Tokamax's layout): for weights already stored stacked. The gradient
+          has that shape.
+
       activation: None (the bilinear GLU), a name ``ops.fused_matmul`` accepts
         (``"silu"`` for SwiGLU, ``"gelu"`` (tanh) or ``"gelu_exact"`` for GeGLU,
         ``"relu"``, ``"sigmoid"``, ...; :data:`ops.ACTIVATIONS`) or an
@@ -64,62 +73,92 @@ def gated_linear_unit(x, weights, *, activation=None, implementation=None,
       implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
         "xla", "interpret", "triton", "pallas_triton" or "mosaic_tpu", or a
         sequence of these tried in order (:mod:`ops._implementation`).
-        ``mosaic_tpu`` needs ``block_n`` to divide N (its heuristic finds one
-        when N <= 512 or N is a multiple of 128) and raises NotImplementedError
-        otherwise.
+        With stacked weights ``mosaic_tpu`` needs ``block_n`` to divide N (its
+        heuristic finds one when N <= 512 or N is a multiple of 128) and raises
+        NotImplementedError otherwise; the pair form has no such limit.
       block_sizes: optional ``(block_m, block_n, block_k)`` of the forward kernel
-        (``block_n`` columns of each of the two accumulators); None takes the
-        tuning cache's entry, else the heuristic (:class:`GluConfig`). The
-        backward's matmuls reuse them by role.
+        (``block_n`` columns of each of the two accumulators) or a
+        :class:`GluConfig`; None takes the tuning cache's entry, else the
+        heuristic. The backward's products reuse the tiles by role.
 
     Returns:
       ``[..., N]`` in x's dtype. With ``K = 0``: ``activation(0) * 0`` (zeros).
+      Both forms give the same bits when the same tiles run.
 
     Raises:
       TypeError: non-arrays, an integer / unsupported dtype, weights' dtype not
         x's, an activation that is neither None, a name nor a callable.
-      ValueError: weights not ``[K, 2, N]`` with x's K, an unknown activation name
-        or a non-elementwise callable, bad block_sizes or implementation.
+      ValueError: weights neither ``[K, 2, N]`` nor a pair of equal ``[K, N]``
+        with x's K, an unknown activation name or a non-elementwise callable,
+        bad block_sizes or implementation.
 
     Differentiable in x and weights (``jax.custom_vjp`` with Pallas backward
     kernels); jit- and vmap-compatible.
     """
-    act, explicit = _check(x, weights, activation, block_sizes)
+    act, explicit, weights = _check(x, weights, activation, block_sizes)
     return OP.run(implementation, lambda impl: _glu_on(impl, x, weights, act, explicit))
 
 
-def _check(x, weights, activation, block_sizes):
-    check_array(x, "x", _OP)
+_FORMS = ("weights must be one [K, 2, N] array (gate and up stacked on axis 1) or a pair "
+          "(gate, up) of [K, N] arrays")
+
+
+def _check_weights(x, weights):
+    """``weights`` as the kernels take it: a ``[K, 2, N]`` array or a tuple of two ``[K, N]``."""
+    k = x.shape[-1]
+    if isinstance(weights, (tuple, list)):
+        if len(weights) != 2:
+            raise ValueError(f"{_OP}: {_FORMS}; got a {type(weights).__name__} of "
+                             f"{len(weights)}.")
+        for i, w in enumerate(weights):
+            check_array(w, f"weights[{i}]", _OP)
+            check_same_dtype(w, x, f"weights[{i}]", "x", _OP)
+        shapes = tuple(tuple(w.shape) for w in weights)
+        if len(shapes[0]) != 2 or shapes[0] != shapes[1]:
+            raise ValueError(f"{_OP}: {_FORMS}; the pair has shapes {shapes[0]} and {shapes[1]}.")
+        if shapes[0][0] != k:
+            raise ValueError(f"{_OP}: x's last dim ({k}) must equal the first dim of the weights "
+                             f"pair ({shapes[0][0]}); got x {tuple(x.shape)} and weights "
+                             f"{shapes[0]} x 2.")
+        return tuple(weights)
     check_array(weights, "weights", _OP)
-    check_float_dtype(x, "x", _OP)
     check_same_dtype(weights, x, "weights", "x", _OP)
-    if x.ndim < 1:
-        raise ValueError(f"{_OP}: x must have rank >= 1 [..., K], got a scalar.")
     if weights.ndim != 3 or weights.shape[1] != 2:
-        raise ValueError(f"{_OP}: weights must have shape [K, 2, N] (gate and up stacked on "
-                         f"axis 1), got {tuple(weights.shape)}.")
-    if weights.shape[0] != x.shape[-1]:
-        raise ValueError(f"{_OP}: x's last dim ({x.shape[-1]}) must equal weights' first dim "
+        raise ValueError(f"{_OP}: {_FORMS}; got shape {tuple(weights.shape)}.")
+    if weights.shape[0] != k:
+        raise ValueError(f"{_OP}: x's last dim ({k}) must equal weights' first dim "
                          f"({weights.shape[0]}); got x {tuple(x.shape)} and weights "
                          f"{tuple(weights.shape)}.")
+    return weights
+
+
+def _check(x, weights, activation, block_sizes):
+    """``(activation, explicit config or None, weights normalised)`` or the error."""
+    check_array(x, "x", _OP)
+    check_float_dtype(x, "x", _OP)
+    if x.ndim < 1:
+        raise ValueError(f"{_OP}: x must have rank >= 1 [..., K], got a scalar.")
+    weights = _check_weights(x, weights)
     act = resolve_activation(activation, _OP)
-    explicit = None
-    if block_sizes is not None:
-        sizes = tuple(block_sizes)
-        if len(sizes) != 3 or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool)
-                                      and b > 0 for b in sizes):
-            raise ValueError(f"{_OP}: block_sizes must be three positive ints (block_m, block_n, "
-                             f"block_k), got {block_sizes!r}.")
-        explicit = GluConfig(*(int(b) for b in sizes))
-    return act, explicit
+    explicit = check_block_sizes(block_sizes, _OP, GluConfig)
+    if isinstance(explicit, tuple):
+        explicit = GluConfig(*explicit)
+    return act, explicit, weights
+
+
+def _dims(weights) -> tuple[int, int]:
+    """``(K, N)`` of either form."""
+    if isinstance(weights, tuple):
+        return tuple(weights[0].shape)
+    return weights.shape[0], weights.shape[2]
 
 
 def _glu_on(impl, x, weights, act, explicit):
     """The checked call on one implementation."""
-    if impl == "xla" or x.size == 0 or weights.size == 0:
+    k, n = _dims(weights)
+    if impl == "xla" or x.size == 0 or k * n == 0:
         # Nothing to multiply (M, K or N zero): XLA's answer is exact, with its gradients.
         return gated_linear_unit_reference(x, weights, act)
-    k, _, n = weights.shape
     x2 = reshape(x, (-1, k))
     config = OP.select(OP.problem((x2.shape[0], n, k), x.dtype), impl, explicit)
     out = _glu(x2, weights, _Kernel(impl, config, act))
@@ -127,7 +166,7 @@ def _glu_on(impl, x, weights, act, explicit):
 
 
 def glu_backward(x, weights, preactivations, g, *, activation=None, implementation=None,
-                 block_sizes=None) -> tuple[jax.Array, jax.Array]:
+                 block_sizes=None):
     """The backward pass alone: ``(dx, dweights)`` from the forward's residuals.
 
     What ``jax.vjp`` of :func:`gated_linear_unit` runs after the forward (the
@@ -136,29 +175,44 @@ def glu_backward(x, weights, preactivations, g, *, activation=None, implementati
 
     Args:
       x, weights, activation, implementation, block_sizes: as :func:`gated_linear_unit`.
-      preactivations: ``[..., 2, N]`` in x's dtype: ``x @ weights[:, 0]`` and
-        ``x @ weights[:, 1]`` stacked on axis -2 (the forward's residual).
+      preactivations: the forward's residual in the form of ``weights``: with
+        ``[K, 2, N]`` weights one ``[..., 2, N]`` array (``x @ gate`` and ``x @ up``
+        stacked on axis -2), with a pair a pair of ``[..., N]``; x's dtype.
       g: ``[..., N]``, the output's cotangent.
 
+    Returns:
+      ``(dx [..., K], dweights)``, dweights in the form of ``weights``.
+
     Raises:
-      as :func:`gated_linear_unit`; ValueError when preactivations or g do not
-      have the shapes above.
+      as :func:`gated_linear_unit`; ValueError when preactivations (form or
+      shapes) or g do not match the above.
     """
-    act, explicit = _check(x, weights, activation, block_sizes)
-    k, _, n = weights.shape
+    act, explicit, weights = _check(x, weights, activation, block_sizes)
+    k, n = _dims(weights)
     lead = tuple(x.shape[:-1])
-    for name, a, shape in (("preactivations", preactivations, (*lead, 2, n)), ("g", g, (*lead, n))):
+    paired = isinstance(weights, tuple)
+    if paired != isinstance(preactivations, (tuple, list)) or (paired and len(preactivations) != 2):
+        raise ValueError(f"{_OP}: preactivations must be in the form of weights: "
+                         + ("a pair of [..., N] arrays" if paired else "one [..., 2, N] array")
+                         + f", got {type(preactivations).__name__}.")
+    pres = tuple(preactivations) if paired else (preactivations,)
+    pre_shape = (*lead, n) if paired else (*lead, 2, n)
+    for name, a, shape in ((f"preactivations[{i}]" if paired else "preactivations", p, pre_shape)
+                           for i, p in enumerate(pres)):
         check_array(a, name, _OP)
         if tuple(a.shape) != shape:
             raise ValueError(f"{_OP}: {name} must have shape {shape}, got {tuple(a.shape)}.")
+    check_array(g, "g", _OP)
+    if tuple(g.shape) != (*lead, n):
+        raise ValueError(f"{_OP}: g must have shape {(*lead, n)}, got {tuple(g.shape)}.")
 
     def body(impl):
-        if impl == "xla" or x.size == 0 or weights.size == 0:
+        if impl == "xla" or x.size == 0 or k * n == 0:
             return glu_backward_reference(x, weights, preactivations, g.astype(x.dtype), act)
         x2 = reshape(x, (-1, k))
         config = OP.select(OP.problem((x2.shape[0], n, k), x.dtype), impl, explicit)
-        dx, dw = _glu_bwd(_Kernel(impl, config, act),
-                          (x2, weights, reshape(preactivations.astype(x.dtype), (-1, 2, n))),
+        zs = tuple(reshape(p.astype(x.dtype), (x2.shape[0], *p.shape[len(lead):])) for p in pres)
+        dx, dw = _glu_bwd(_Kernel(impl, config, act), (x2, weights, zs),
                           reshape(g.astype(x.dtype), (-1, n)))
         return reshape(dx, x.shape), dw
 
@@ -170,44 +224,46 @@ def glu_backward(x, weights, preactivations, g, *, activation=None, implementati
 # --------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class GluConfig(KernelConfig):
-    """The forward kernel's launch configuration.
+class GluConfig(MatmulConfig):
+    """The forward kernel's launch configuration: :class:`ops.matmul.config.MatmulConfig`'s
+    fields, ``block_n`` being the columns of each of the gate and up accumulators (the
+    kernel's tile is ``block_m x 2 block_n``); its own heuristic and candidates.
 
-    Attributes:
-      block_m, block_n, block_k: the output tile (``block_n`` columns of each of
-        the gate and up accumulators) and the contraction step.
-      num_warps, num_stages, group_size: Triton launch parameters (None: the tiled
-        core's heuristic: 8 warps from 128 x 128 accumulator elements, 3 stages,
-        bands of 8 row blocks).
+    ``walk``: None for the backend's (:func:`ops.matmul.tiled.strategy`); both walks
+    run on every backend. ``epilogue_subtile`` is pinned to None (not tunable; 1 is
+    accepted and means the same): the GLU's epilogue already works on two half-width
+    ``block_m x block_n`` tiles (block_n halved on the Triton backends), and splitting
+    them further would store the two pre-activations and the output in narrower
+    pieces for no register saving the halving has not made.
     """
 
-    block_m: int = tunable()
-    block_n: int = tunable()
-    block_k: int = tunable()
-    num_warps: int | None = tunable(None)
-    num_stages: int | None = tunable(None)
-    group_size: int | None = tunable(None)
+    epilogue_subtile: int | None = None  # not tunable: see the class docstring
 
-    @property
-    def blocks(self) -> tuple[int, int, int]:
-        return self.block_m, self.block_n, self.block_k
+    def check(self, op: str) -> None:
+        """:meth:`MatmulConfig.check`, and ``epilogue_subtile`` None or 1."""
+        if self.epilogue_subtile not in (None, 1):
+            raise ValueError(f"{op}: block_sizes.epilogue_subtile must be None or 1 (the gated "
+                             f"linear unit's epilogue is not split), got {self.epilogue_subtile!r}.")
+        super().check(op)
 
     @classmethod
     def heuristic(cls, problem: Problem, device: Device) -> "GluConfig":
         """The tiled core's tiles for ``[M, K] @ [K, N]``, with ``block_n`` halved on the
         Triton backends: two ``block_m x block_n`` float32 accumulators then hold
         what one 128 x 128 matmul tile holds (64 KiB of registers at 8 warps), and
-        each x tile feeds 128 output columns, as in ``ops.fused_matmul``."""
+        each x tile feeds 128 output columns, as in ``ops.fused_matmul``. On
+        mosaic_tpu ``block_n`` divides N where a multiple of 128 does (what the
+        stacked form needs)."""
         m, n, k = problem.shape
         if device.interpreter:
-            return cls(*tiled.interpreter_block_sizes(m, n, k))
+            return cls.from_blocks(tiled.interpreter_block_sizes(m, n, k), device.backend)
         bm, bn, bk = tiled.default_block_sizes(m, n, k, problem.dtype, device.backend)
         if device.backend in pl.TRITON_BACKENDS:
             bn = max(16, bn // 2)
         elif device.backend == "mosaic_tpu" and n % bn:
             # The gate and up tiles are column blocks of one [K, 2N] view: block_n divides N.
             bn = next((c for c in (512, 384, 256, 128) if c <= bn and n % c == 0), bn)
-        return cls(bm, bn, bk)
+        return cls.from_blocks((bm, bn, bk), device.backend)
 
     @classmethod
     def candidates(cls, problem: Problem, device: Device) -> tuple["GluConfig", ...]:
@@ -217,13 +273,12 @@ class GluConfig(KernelConfig):
         if device.backend not in pl.TRITON_BACKENDS or device.interpreter:
             return (base,)
         m, n, k = problem.shape
-        p2 = pl.next_power_of_2
+        walk = tiled.strategy(device.backend)
         out = [base]
         for bm, bn, bk, warps, stages in ((128, 64, 64, 8, 3), (128, 64, 64, 4, 4),
                                           (64, 128, 64, 8, 3), (128, 128, 32, 8, 3),
                                           (64, 64, 64, 4, 4), (128, 64, 32, 8, 4)):
-            c = cls(min(bm, max(16, p2(m))), min(bn, max(16, p2(n))), min(bk, max(16, p2(k))),
-                    warps, stages)
+            c = cls(fit(bm, m), fit(bn, n), fit(bk, k), warps, stages, walk=walk)
             if c not in out:
                 out.append(c)
         return tuple(out)
@@ -237,133 +292,239 @@ class _Kernel:
 
 
 # --------------------------------------------------------------------------
+# The kernels: products of A and B tiles walked over a contraction
+# --------------------------------------------------------------------------
+#
+# Every kernel here accumulates products of two-dimensional tiles: the forward
+# ``x @ gate`` and ``x @ up`` (two accumulators sharing the x tile), the paired
+# backward's ``dw`` (``x^T @ dz_gate``, ``x^T @ dz_up``: the same shape) and
+# its ``dx`` (``dz_gate @ gate^T + dz_up @ up^T``: one accumulator). An
+# operand is an ``_Operand``: its array, whether its free dim follows the
+# output tile's rows or columns, which of its two matrix dims is contracted,
+# and, for the stacked ``[K, 2, N]`` weights or ``[M, 2, N]`` pre-activations,
+# the half its squeezed middle index picks.
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    array: object
+    rows: bool            # the free dim follows the output's rows (else its columns)
+    contract: int         # the contracted matrix dim, 0 or 1
+    half: int | None = None   # a [., 2, .] array's middle index (squeezed), or None
+    offset: int = 0       # column blocks start this many blocks in (a [K, 2N] view)
+
+
+def _operand_spec(op: _Operand, tile: tuple[int, int], block_c: int):
+    """The operand's BlockSpec: the free dim in tiles of the output's rows or columns,
+    the contraction in ``block_c`` steps (grid walk: grid axis 2) or whole (loop walk)."""
+    shape = [0, 0]
+    shape[op.contract], shape[1 - op.contract] = block_c, tile[0 if op.rows else 1]
+
+    def index_map(i, j, kk=0):
+        index = [0, 0]
+        index[op.contract] = kk
+        index[1 - op.contract] = i if op.rows else (j + op.offset if op.offset else j)
+        return tuple(index) if op.half is None else (index[0], op.half, index[1])
+
+    if op.half is not None:
+        return pl.BlockSpec((shape[0], None, shape[1]), index_map)
+    return pl.BlockSpec(tuple(shape), index_map)
+
+
+def _out_spec(stacked: bool, tile: tuple[int, int]):
+    if stacked:  # an [M, 2, N] array, both halves of a column tile in one block
+        return pl.BlockSpec((tile[0], 2, tile[1]), lambda i, j, kk=0: (i, 0, j))
+    return pl.BlockSpec(tile, lambda i, j, kk=0: (i, j))
+
+
+def _grid_kernel(*refs, num_in, products, num_accs, ca, cb, block_k, k_size, finish):
+    """Grid walk: the contraction is grid axis 2 ("arbitrary"); the accumulators live in
+    scratch. Each A tile is loaded once per step, before the products that share it."""
+    ins, outs, accs = refs[:num_in], refs[num_in:len(refs) - num_accs], refs[len(refs) - num_accs:]
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _init():
+        for acc in accs:
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+    k0 = k * block_k if k_size is not None else None
+    a_tiles = {a: ins[a][...] for a in dict.fromkeys(a for a, _ in products)}
+    for p, (a, b) in enumerate(products):
+        acc = accs[min(p, num_accs - 1)]
+        acc[...] += tiled.product(a_tiles[a], ins[b][...], ca, cb, k0, k_size)
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _finish():
+        finish([acc[...] for acc in accs], outs)
+
+
+def _k_step(ref, contract: int, rows):
+    index = [slice(None), slice(None)]
+    index[contract] = rows
+    return ref[tuple(index)]
+
+
+def _loop_kernel(*refs, num_in, products, num_accs, ca, cb, block_k, k_size, finish, num_k,
+                 tile):
+    """Loop walk: full-contraction blocks sliced by an in-kernel loop; the accumulators
+    are loop carries."""
+    ins, outs = refs[:num_in], refs[num_in:]
+
+    def step(k, accs):
+        a_tiles = {a: _k_step(ins[a], ca, pl.ds(k * block_k, block_k))
+                   for a in dict.fromkeys(a for a, _ in products)}
+        rows = pl.ds(k * block_k, block_k)
+        k0 = k * block_k if k_size is not None else None
+        accs = list(accs)
+        for p, (a, b) in enumerate(products):
+            j = min(p, num_accs - 1)
+            accs[j] = accs[j] + tiled.product(a_tiles[a], _k_step(ins[b], cb, rows), ca, cb, k0,
+                                              k_size)
+        return tuple(accs)
+
+    zeros = jnp.zeros(tile, jnp.float32)
+    accs = lax.fori_loop(0, num_k, step, (zeros,) * num_accs)
+    finish(list(accs), outs)
+
+
+def _products_call(operands: list[_Operand], products, *, num_accs: int, tile, block_k: int,
+                   k: int, kernel: "_Kernel", walk: str, out_shapes, out_specs, finish, params,
+                   name: str, k_edge: str):
+    """One pallas_call over output tiles ``tile`` of ``out_shapes``: the sum over the
+    contraction ``k`` (steps of ``block_k``) of ``A @ B`` for each ``(a, b)`` of
+    ``products`` (indices into ``operands``; product ``p`` adds to accumulator
+    ``min(p, num_accs - 1)``), then ``finish(accs, out_refs)``. ``k_edge``: a
+    contraction ``block_k`` does not divide is ``"pad"``-ded by the caller or
+    ``"mask"``-ed in the kernel (no copy of the operands)."""
+    a_ops = {a for a, _ in products}
+    ca = operands[min(a_ops)].contract
+    cb = operands[products[0][1]].contract
+    num_k = max(1, pl.cdiv(k, block_k))
+    k_size = k if k_edge == "mask" and k % block_k else None
+    kw = dict(num_in=len(operands), products=tuple(products), num_accs=num_accs, ca=ca, cb=cb,
+              block_k=block_k, k_size=k_size, finish=finish)
+    grid_mn = (pl.cdiv(out_shapes[0].shape[0], tile[0]), pl.cdiv(out_shapes[0].shape[-1], tile[1]))
+    if walk == tiled.GRID:
+        body = functools.partial(_grid_kernel, **kw)
+        grid, block_c = (*grid_mn, num_k), block_k
+        scratch = [pl.tpu.VMEM(tile, jnp.float32)] * num_accs
+    else:
+        body = functools.partial(_loop_kernel, num_k=num_k, tile=tile, **kw)
+        grid, block_c = grid_mn, tiled.loop_k_width(k, block_k, k_edge)
+        scratch = []
+    in_specs = [_operand_spec(op, tile, block_c) for op in operands]
+    return pl.pallas_call(
+        body, out_shape=list(out_shapes), grid=grid, in_specs=in_specs,
+        out_specs=[_out_spec(stacked, tile) for stacked in out_specs],
+        scratch_shapes=scratch, compiler_params=params, backend=kernel.backend, name=name,
+    )(*(op.array for op in operands))
+
+
+def _load_half(refs, half: int):
+    """The gate (0) or up (1) half of a stacked ``[bm, 2, bn]`` block or of a pair of blocks."""
+    return refs[0][:, half, :] if len(refs) == 1 else refs[half][...]
+
+
+def _store_half(refs, half: int, value) -> None:
+    ref = refs[0] if len(refs) == 1 else refs[half]
+    if len(refs) == 1:
+        ref[:, half, :] = value.astype(ref.dtype)
+    else:
+        ref[...] = value.astype(ref.dtype)
+
+
+# --------------------------------------------------------------------------
 # Forward kernel: the tiled walk with two accumulators
 # --------------------------------------------------------------------------
 
-def _epilogue(gate, up, out_ref, z_ref, activation):
-    if z_ref is not None:
-        z_ref[:, 0, :] = gate.astype(z_ref.dtype)
-        z_ref[:, 1, :] = up.astype(z_ref.dtype)
+def _epilogue(accs, outs, *, activation):
+    """``out = act(gate) * up``; with z outputs (one stacked or a pair) the two
+    pre-activations stored first."""
+    gate, up = accs
+    out_ref, z_refs = outs[0], outs[1:]
+    if z_refs:
+        _store_half(z_refs, 0, gate)
+        _store_half(z_refs, 1, up)
     if activation is not None:
         gate = activation(gate)
     out_ref[...] = (gate * up).astype(out_ref.dtype)
 
 
-def _grid_kernel(x_ref, wg_ref, wu_ref, out_ref, *refs, activation, want_z):
-    """K is grid axis 2 ("arbitrary"); both accumulators live in scratch."""
-    z_ref = refs[0] if want_z else None
-    gate_acc, up_acc = refs[-2:]
-    k = pl.program_id(2)
-
-    @pl.when(k == 0)
-    def _init():
-        gate_acc[...] = jnp.zeros(gate_acc.shape, jnp.float32)
-        up_acc[...] = jnp.zeros(up_acc.shape, jnp.float32)
-
-    x = x_ref[...]  # one load of the x tile feeds both products
-    gate_acc[...] += dot(x, wg_ref[...], 1, 0)
-    up_acc[...] += dot(x, wu_ref[...], 1, 0)
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _finish():
-        _epilogue(gate_acc[...], up_acc[...], out_ref, z_ref, activation)
-
-
-def _loop_kernel(x_ref, wg_ref, wu_ref, out_ref, *refs, activation, want_z, block_k, num_k):
-    """Full-K blocks walked by an in-kernel loop; the accumulators are loop carries."""
-    z_ref = refs[0] if want_z else None
-
-    def step(k, accs):
-        x = x_ref[:, pl.ds(k * block_k, block_k)]
-        rows = pl.ds(k * block_k, block_k)
-        return (accs[0] + dot(x, wg_ref[rows, :], 1, 0), accs[1] + dot(x, wu_ref[rows, :], 1, 0))
-
-    zeros = jnp.zeros(out_ref.shape, jnp.float32)
-    gate, up = lax.fori_loop(0, num_k, step, (zeros, zeros))
-    _epilogue(gate, up, out_ref, z_ref, activation)
-
-
 def _forward_call(x, weights, kernel: _Kernel, *, want_z: bool, out_dtype=None):
-    """``(out,)`` or ``(out, z)``: x ``[M, K]``, weights ``[K, 2, N]``, z ``[M, 2, N]``.
-    With ``out_dtype`` float32 and no activation (the partial products of a split
-    contraction) the caller applies the epilogue itself."""
+    """``(out,)`` or ``(out, *z)``: x ``[M, K]``; weights ``[K, 2, N]`` (z one ``[M, 2,
+    N]``) or a pair of ``[K, N]`` (z a pair of ``[M, N]``). With ``out_dtype`` float32
+    and no activation (the partial products of a split contraction) the caller applies
+    the epilogue itself.
+
+    The stacked weights are zero-padded to whole ``block_k`` steps (a copy, made only
+    when ``block_k`` does not divide K); a pair is read in place, the contraction's
+    edge masked in the kernel."""
     cfg, backend = kernel.config, kernel.backend
     bm, bn, bk = cfg.blocks
     m, k = x.shape
-    n = weights.shape[2]
-    num_k = max(1, pl.cdiv(k, bk))
-    kp = num_k * bk
-    x, weights = tiled.pad_axis(x, 1, kp), tiled.pad_axis(weights, 0, kp)
+    paired = isinstance(weights, tuple)
+    n = weights[0].shape[1] if paired else weights.shape[2]
+    walk = cfg.walk or tiled.strategy(backend)
     out_dtype = out_dtype or x.dtype
     out_shapes = [jax.ShapeDtypeStruct((m, n), out_dtype)]
+    z_shapes = [jax.ShapeDtypeStruct((m, n), out_dtype)] * 2 if paired else [
+        jax.ShapeDtypeStruct((m, 2, n), out_dtype)]
     if want_z:
-        out_shapes.append(jax.ShapeDtypeStruct((m, 2, n), out_dtype))
-    walk = tiled.strategy(backend)
-    kw = dict(activation=kernel.activation, want_z=want_z)
+        out_shapes += z_shapes
     params = tiled.launch_params(walk, backend, (bm, 2 * bn, bk), num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages, group_size=cfg.group_size)
-    w_operand = weights
-    if walk == tiled.GRID and backend == "mosaic_tpu":
-        # Mosaic cannot squeeze the second-minor dim of a block: the gate and up tiles
-        # are column blocks j and j + N / block_n of weights viewed as [K, 2N].
-        if n % bn:
-            raise NotImplementedError(f"{_OP}: implementation='mosaic_tpu' needs block_n "
-                                      f"({bn}) to divide N ({n}).")
-        w_operand = weights.reshape(kp, 2 * n)
-        grid = (pl.cdiv(m, bm), n // bn, num_k)
-        in_specs = [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                    pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
-                    pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j + n // bn))]
-        out_specs = [pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-                     pl.BlockSpec((bm, 2, bn), lambda i, j, kk: (i, 0, j))]
-        body = functools.partial(_grid_kernel, **kw)
-        scratch = [pl.tpu.VMEM((bm, bn), jnp.float32)] * 2
-    elif walk == tiled.GRID:
-        grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), num_k)
-        in_specs = [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                    pl.BlockSpec((bk, None, bn), lambda i, j, kk: (kk, 0, j)),
-                    pl.BlockSpec((bk, None, bn), lambda i, j, kk: (kk, 1, j))]
-        out_specs = [pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-                     pl.BlockSpec((bm, 2, bn), lambda i, j, kk: (i, 0, j))]
-        body = functools.partial(_grid_kernel, **kw)
-        scratch = [pl.tpu.VMEM((bm, bn), jnp.float32)] * 2
+    if paired:
+        operands = [_Operand(x, True, 1), _Operand(weights[0], False, 0),
+                    _Operand(weights[1], False, 0)]
+        k_edge = "mask"
     else:
-        grid = (pl.cdiv(m, bm), pl.cdiv(n, bn))
-        in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                    pl.BlockSpec((kp, None, bn), lambda i, j: (0, 0, j)),
-                    pl.BlockSpec((kp, None, bn), lambda i, j: (0, 1, j))]
-        out_specs = [pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-                     pl.BlockSpec((bm, 2, bn), lambda i, j: (i, 0, j))]
-        body = functools.partial(_loop_kernel, block_k=bk, num_k=num_k, **kw)
-        scratch = []
+        kp = max(1, pl.cdiv(k, bk)) * bk
+        x, weights = tiled.pad_axis(x, 1, kp), tiled.pad_axis(weights, 0, kp)
+        k, k_edge = kp, "pad"
+        if backend == "mosaic_tpu":
+            # Mosaic cannot squeeze the second-minor dim of a block: the gate and up tiles
+            # are column blocks j and j + N / block_n of weights viewed as [K, 2N].
+            if n % bn:
+                raise NotImplementedError(f"{_OP}: implementation='mosaic_tpu' needs block_n "
+                                          f"({bn}) to divide N ({n}) with stacked weights; "
+                                          "pass the pair (gate, up) instead.")
+            w2 = weights.reshape(kp, 2 * n)
+            operands = [_Operand(x, True, 1), _Operand(w2, False, 0),
+                        _Operand(w2, False, 0, offset=n // bn)]
+        else:
+            operands = [_Operand(x, True, 1), _Operand(weights, False, 0, half=0),
+                        _Operand(weights, False, 0, half=1)]
     act = getattr(kernel.activation, "__name__", None) or "act"
-    outs = pl.pallas_call(
-        body, out_shape=out_shapes, grid=grid, in_specs=in_specs,
-        out_specs=out_specs[:len(out_shapes)], scratch_shapes=scratch, compiler_params=params,
-        backend=backend, name="gated_linear_unit" + (f"_{act}" if kernel.activation else ""),
-    )(x, w_operand, w_operand)
+    outs = _products_call(
+        operands, ((0, 1), (0, 2)), num_accs=2, tile=(bm, bn), block_k=bk, k=k, kernel=kernel,
+        walk=walk, out_shapes=out_shapes,
+        out_specs=[False] + ([False, False] if paired else [True])[:len(out_shapes) - 1],
+        finish=functools.partial(_epilogue, activation=kernel.activation), params=params,
+        name="gated_linear_unit" + (f"_{act}" if kernel.activation else ""), k_edge=k_edge)
     return tuple(outs)
 
 
 # --------------------------------------------------------------------------
-# Backward: dz in place of z, then dx and dw on the tiled core
+# Backward: dz in place of z, then dx and dw
 # --------------------------------------------------------------------------
 
-def _dz_kernel(g_ref, z_ref, dz_ref, *, activation):
+def _dz_kernel(g_ref, *refs, activation):
+    zs, dzs = refs[:len(refs) // 2], refs[len(refs) // 2:]
     g = g_ref[...].astype(jnp.float32)
-    gate = z_ref[:, 0, :].astype(jnp.float32)
-    up = z_ref[:, 1, :].astype(jnp.float32)
+    gate = _load_half(zs, 0).astype(jnp.float32)
+    up = _load_half(zs, 1).astype(jnp.float32)
     if activation is None:
         act, dgate = gate, g * up
     else:
         act, pullback = jax.vjp(activation, gate)
         (dgate,) = pullback(g * up)
-    dz_ref[:, 0, :] = dgate.astype(dz_ref.dtype)
-    dz_ref[:, 1, :] = (g * act).astype(dz_ref.dtype)
+    _store_half(dzs, 0, dgate)
+    _store_half(dzs, 1, g * act)
 
 
-def _dz_call(g, z, kernel: _Kernel):
-    """``dz [M, 2, N]`` written over ``z`` (aliased): ``[g * up * act'(gate), g * act(gate)]``."""
+def _dz_call(g, zs: tuple, kernel: _Kernel) -> tuple:
+    """``dz`` written over ``z`` (aliased): ``[g * up * act'(gate), g * act(gate)]``, one
+    ``[M, 2, N]`` array or a pair of ``[M, N]`` as ``zs``."""
     bm, bn, _ = kernel.config.blocks
     m, n = g.shape
     backend = kernel.backend
@@ -373,55 +534,101 @@ def _dz_call(g, z, kernel: _Kernel):
         # of a 2 x block_m x block_n tile in registers (fused_matmul's dz kernel does the same).
         params = pl.triton.CompilerParams(num_warps=2 * tiled.default_num_warps(bm, 2 * bn),
                                           num_stages=1)
-    return pl.pallas_call(
+    stacked = len(zs) == 1
+    z_spec = _out_spec(stacked, (bm, bn))
+    out = pl.pallas_call(
         functools.partial(_dz_kernel, activation=kernel.activation),
-        out_shape=jax.ShapeDtypeStruct(z.shape, z.dtype), grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
-        in_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-                  pl.BlockSpec((bm, 2, bn), lambda i, j: (i, 0, j))],
-        out_specs=pl.BlockSpec((bm, 2, bn), lambda i, j: (i, 0, j)),
-        input_output_aliases={1: 0}, compiler_params=params, backend=backend,
-        name="gated_linear_unit_dz")(g, z)
+        out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zs] if not stacked else
+        jax.ShapeDtypeStruct(zs[0].shape, zs[0].dtype), grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
+        in_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j))] + [z_spec] * len(zs),
+        out_specs=z_spec if stacked else [z_spec] * 2,
+        input_output_aliases={1 + i: i for i in range(len(zs))}, compiler_params=params,
+        backend=backend, name="gated_linear_unit_dz")(g, *zs)
+    return (out,) if stacked else tuple(out)
 
 
-def _backward(x, weights, z, g, kernel: _Kernel):
-    """One device: ``(dx, dweights)``."""
+def _store_outputs(accs, outs):
+    for acc, ref in zip(accs, outs):
+        ref[...] = acc.astype(ref.dtype)
+
+
+def _backward(x, weights, zs: tuple, g, kernel: _Kernel):
+    """One device: ``(dx, dweights)``, dweights in the form of ``weights``."""
     m, k = x.shape
-    n = weights.shape[2]
     bm, bn, bk = kernel.config.blocks
-    dz = _dz_call(g.astype(x.dtype), z, kernel).reshape(m, 2 * n)
-    w2 = weights.reshape(k, 2 * n)
-    # dx[M, K] = dz[M, 2N] @ w[K, 2N]^T: output tiles (bm, bk), contraction over 2N by 2 bn.
-    dx = tiled.matmul(dz, w2, ca=1, cb=1, blocks=(bm, bk, 2 * bn), backend=kernel.backend,
-                      out_dtype=x.dtype, name="gated_linear_unit_dx")
-    # dw[K, 2N] = x[M, K]^T @ dz[M, 2N]: output tiles (bk, 2 bn), contraction over M by bm.
-    dw = tiled.matmul(x, dz, ca=0, cb=0, blocks=(bk, 2 * bn, bm), backend=kernel.backend,
-                      out_dtype=weights.dtype, name="gated_linear_unit_dw")
-    return dx, dw.reshape(k, 2, n)
+    dzs = _dz_call(g.astype(x.dtype), zs, kernel)
+    if not isinstance(weights, tuple):
+        n = weights.shape[2]
+        dz = dzs[0].reshape(m, 2 * n)
+        w2 = weights.reshape(k, 2 * n)
+        # dx[M, K] = dz[M, 2N] @ w[K, 2N]^T: output tiles (bm, bk), contraction over 2N by 2 bn.
+        dx = tiled.matmul(dz, w2, ca=1, cb=1, blocks=(bm, bk, 2 * bn), backend=kernel.backend,
+                          out_dtype=x.dtype, name="gated_linear_unit_dx")
+        # dw[K, 2N] = x[M, K]^T @ dz[M, 2N]: output tiles (bk, 2 bn), contraction over M by bm.
+        dw = tiled.matmul(x, dz, ca=0, cb=0, blocks=(bk, 2 * bn, bm), backend=kernel.backend,
+                          out_dtype=weights.dtype, name="gated_linear_unit_dw")
+        return dx, dw.reshape(k, 2, n)
+    # The pair: no [K, 2N] view exists, so each product keeps its two operands apart
+    # (the same tiles and work per step as the stacked form's matmuls).
+    gate, up = weights
+    n = gate.shape[1]
+    walk = kernel.config.walk or tiled.strategy(kernel.backend)
+    common = dict(kernel=kernel, walk=walk, k_edge="mask", finish=_store_outputs)
+    # dx[M, K] = dz_gate @ gate^T + dz_up @ up^T: one accumulator, contraction over N by bn.
+    (dx,) = _products_call(
+        [_Operand(dzs[0], True, 1), _Operand(dzs[1], True, 1), _Operand(gate, False, 1),
+         _Operand(up, False, 1)], ((0, 2), (1, 3)), num_accs=1, tile=(bm, bk), block_k=bn,
+        k=n, out_shapes=[jax.ShapeDtypeStruct((m, k), x.dtype)], out_specs=[False],
+        params=tiled.launch_params(walk, kernel.backend, (bm, bk, bn)),
+        name="gated_linear_unit_dx", **common)
+    # d_gate, d_up [K, N] = x^T @ dz_gate, x^T @ dz_up: two accumulators sharing the x
+    # tile, contraction over M by bm.
+    dws = _products_call(
+        [_Operand(x, True, 0), _Operand(dzs[0], False, 0), _Operand(dzs[1], False, 0)],
+        ((0, 1), (0, 2)), num_accs=2, tile=(bk, bn), block_k=bm, k=m,
+        out_shapes=[jax.ShapeDtypeStruct((k, n), gate.dtype)] * 2, out_specs=[False, False],
+        params=tiled.launch_params(walk, kernel.backend, (bk, 2 * bn, bm)),
+        name="gated_linear_unit_dw", **common)
+    return dx, tuple(dws)
 
 
 # --------------------------------------------------------------------------
 # custom_vjp and partitioning
 # --------------------------------------------------------------------------
 
+def _operand_dims(weights) -> tuple[tuple, tuple[str, ...], tuple[str, ...]]:
+    """``(arrays, their factor signatures, the z outputs' signatures)`` of weights."""
+    if isinstance(weights, tuple):
+        return weights, ("k n", "k n"), ("m n", "m n")
+    return (weights,), ("k two n",), ("m two n",)
+
+
+def _rebuild(weights, arrays):
+    return tuple(arrays) if isinstance(weights, tuple) else arrays[0]
+
+
 def _partitioned_forward(x, weights, kernel: _Kernel, *, want_z: bool):
     """Rows of x ("m") and columns of the weights ("n") run where they live. A
     contraction ("k") split on both gives each device partial products of both
     accumulators: the kernel stores them in float32 without its epilogue, one
-    psum adds them, and the activation and product follow in XLA."""
-    def local(x, weights, *, reduced):
+    psum per z array adds them, and the activation and product follow in XLA."""
+    arrays, w_dims, z_dims = _operand_dims(weights)
+
+    def local(x, *ws, reduced):
+        ws = _rebuild(weights, ws)
         if not reduced_axes(reduced, "k"):
-            return _forward_call(x, weights, kernel, want_z=want_z)
+            return _forward_call(x, ws, kernel, want_z=want_z)
         partial = dataclasses.replace(kernel, activation=None)
-        _, zp = _forward_call(x, weights, partial, want_z=True, out_dtype=jnp.float32)
-        z = psum(zp, reduced, "k")
-        gate, up = z[:, 0], z[:, 1]
+        _, *zps = _forward_call(x, ws, partial, want_z=True, out_dtype=jnp.float32)
+        zs = [psum(zp, reduced, "k") for zp in zps]
+        gate, up = (zs[0][:, 0], zs[0][:, 1]) if len(zs) == 1 else zs
         if kernel.activation is not None:
             gate = kernel.activation(gate)
         out = (gate * up).astype(x.dtype)
-        return (out, z.astype(x.dtype)) if want_z else (out,)
+        return (out, *(z.astype(x.dtype) for z in zs)) if want_z else (out,)
 
-    return run(_OP, local, (x, weights), ("m k", "k two n"),
-               ("m n", "m two n") if want_z else ("m n",), reduce=("k",))
+    return run(_OP, local, (x, *arrays), ("m k", *w_dims),
+               ("m n", *z_dims) if want_z else ("m n",), reduce=("k",))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -430,20 +637,24 @@ def _glu(x, weights, kernel: _Kernel):
 
 
 def _glu_fwd(x, weights, kernel):
-    out, z = _partitioned_forward(x, weights, kernel, want_z=True)
-    return out, (x, weights, z)
+    out, *zs = _partitioned_forward(x, weights, kernel, want_z=True)
+    return out, (x, weights, tuple(zs))
 
 
 def _glu_bwd(kernel, residuals, g):
-    x, weights, z = residuals
+    x, weights, zs = residuals
+    arrays, w_dims, z_dims = _operand_dims(weights)
+    nw = len(arrays)
 
-    def local(x, weights, z, g, *, reduced):
-        dx, dw = _backward(x, weights, z, g, kernel)
+    def local(x, *rest, reduced):
+        ws, zs, g = rest[:nw], rest[nw:-1], rest[-1]
+        dx, dw = _backward(x, _rebuild(weights, ws), tuple(zs), g, kernel)
         # dx sums over N, dw over M: partial sums where those are split.
-        return psum(dx, reduced, "n"), psum(dw, reduced, "m")
+        return (psum(dx, reduced, "n"), *(psum(d, reduced, "m") for d in _operand_dims(dw)[0]))
 
-    return run(_OP, local, (x, weights, z, g), ("m k", "k two n", "m two n", "m n"),
-               ("m k", "k two n"), reduce=("m", "n"), out_like=(0, 1))
+    dx, *dws = run(_OP, local, (x, *arrays, *zs, g), ("m k", *w_dims, *z_dims, "m n"),
+                   ("m k", *w_dims), reduce=("m", "n"), out_like=tuple(range(1 + nw)))
+    return dx, _rebuild(weights, dws)
 
 
 _glu.defvjp(_glu_fwd, _glu_bwd)

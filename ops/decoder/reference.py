@@ -2,8 +2,8 @@
 
 Each is the plain composition a user writes today, computed in float32 and
 rounded once to the input's dtype: rotary embedding from ``cos`` / ``sin``
-tables, the gated linear unit as one matmul of the stacked weights, the
-activation and a product.
+tables, the gated linear unit as one matmul of the stacked weights (or one per
+projection of a pair), the activation and a product.
 """
 from __future__ import annotations
 
@@ -63,11 +63,12 @@ def rotary_embedding_reference(x, positions, inv_freq, *, interleaved: bool = Fa
 
 
 def gated_linear_unit_reference(x, weights, activation: Callable | None = None):
-    """``activation(x @ weights[:, 0]) * (x @ weights[:, 1])`` with XLA.
+    """``activation(x @ gate) * (x @ up)`` with XLA.
 
-    One matmul of x with the stacked ``[K, 2N]`` weights (float32 accumulation,
-    IEEE float32 products), the activation and the product in float32, the
-    result rounded once to x's dtype.
+    ``weights`` is ``[K, 2, N]`` (gate and up stacked on axis 1: one matmul of x
+    with the ``[K, 2N]`` view) or a pair ``(gate, up)`` of ``[K, N]`` arrays
+    (one matmul each); float32 accumulation, IEEE float32 products, the
+    activation and the product in float32, the result rounded once to x's dtype.
     """
     gate, up = glu_preactivations(x, weights)
     if activation is not None:
@@ -76,10 +77,15 @@ def gated_linear_unit_reference(x, weights, activation: Callable | None = None):
 
 
 def glu_preactivations(x, weights):
-    """``(x @ weights[:, 0], x @ weights[:, 1])`` in float32 (the GLU's two accumulators)."""
+    """``(x @ gate, x @ up)`` in float32 (the GLU's two accumulators) for stacked
+    ``[K, 2, N]`` or paired ``(gate, up)`` weights."""
+    def product(w):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+
+    if isinstance(weights, (tuple, list)):
+        return product(weights[0]), product(weights[1])
     k, _, n = weights.shape
-    y = jnp.dot(x, weights.reshape(k, 2 * n), preferred_element_type=jnp.float32,
-                precision=lax.Precision.HIGHEST)
+    y = product(weights.reshape(k, 2 * n))
     return y[..., :n], y[..., n:]
 
 
@@ -89,22 +95,40 @@ __all__ = ["gated_linear_unit_reference", "glu_backward_reference", "glu_preacti
 
 def glu_backward_reference(x, weights, preactivations, g, activation: Callable | None = None):
     """``(dx, dweights)`` of :func:`gated_linear_unit_reference` from the forward's
-    pre-activations ``[..., 2, N]`` (gate, up), as XLA's autodiff computes them:
-    ``dgate = g * up * act'(gate)``, ``dup = g * act(gate)`` in float32, then
-    ``dx = [dgate, dup] @ weights^T`` and ``dweights = x^T [dgate, dup]``."""
-    k, _, n = weights.shape
+    pre-activations, as XLA's autodiff computes them: ``dgate = g * up *
+    act'(gate)``, ``dup = g * act(gate)`` in float32, then ``dx = [dgate, dup] @
+    weights^T`` and ``dweights = x^T [dgate, dup]``.
+
+    Stacked weights ``[K, 2, N]`` take preactivations ``[..., 2, N]`` (gate, up)
+    and give ``dweights [K, 2, N]``; paired weights ``(gate, up)`` take a pair of
+    ``[..., N]`` and give the pair ``(dgate_w, dup_w)``."""
+    paired = isinstance(weights, (tuple, list))
     compute = jnp.promote_types(x.dtype, jnp.float32)
-    gate = preactivations[..., 0, :].astype(compute)
-    up = preactivations[..., 1, :].astype(compute)
+    if paired:
+        gate, up = (p.astype(compute) for p in preactivations)
+    else:
+        gate = preactivations[..., 0, :].astype(compute)
+        up = preactivations[..., 1, :].astype(compute)
     g = g.astype(compute)
     if activation is None:
         act, dgate = gate, g * up
     else:
         act, pullback = jax.vjp(activation, gate)
         (dgate,) = pullback(g * up)
-    dz = jnp.stack([dgate, g * act], axis=-2).astype(x.dtype).reshape(-1, 2 * n)
+    k = x.shape[-1]
     x2 = x.reshape(-1, k)
+
+    def dot(a, b):
+        return jnp.dot(a, b, preferred_element_type=compute, precision=lax.Precision.HIGHEST)
+
+    if paired:
+        dzs = [d.astype(x.dtype).reshape(-1, d.shape[-1]) for d in (dgate, g * act)]
+        dx = dot(dzs[0], weights[0].T) + dot(dzs[1], weights[1].T)
+        dws = tuple(dot(x2.T, dz).astype(w.dtype) for dz, w in zip(dzs, weights))
+        return dx.astype(x.dtype).reshape(x.shape), dws
+    n = weights.shape[2]
+    dz = jnp.stack([dgate, g * act], axis=-2).astype(x.dtype).reshape(-1, 2 * n)
     w2 = weights.reshape(k, 2 * n)
-    dx = jnp.dot(dz, w2.T, preferred_element_type=compute, precision=lax.Precision.HIGHEST)
-    dw = jnp.dot(x2.T, dz, preferred_element_type=compute, precision=lax.Precision.HIGHEST)
+    dx = dot(dz, w2.T)
+    dw = dot(x2.T, dz)
     return dx.astype(x.dtype).reshape(x.shape), dw.astype(weights.dtype).reshape(weights.shape)

@@ -25,7 +25,10 @@ is a dim of size 1. For each factor the rule is one of:
   vocabulary-parallel cross-entropy). It stays sharded; the local function
   receives, in ``reduced``, the mesh axes each such factor is split over and
   ends in the matching collective (``psum`` / ``pmax``) itself, at the point
-  the math allows (before a non-linear epilogue, say).
+  the math allows (before a non-linear epilogue, say). A factor that the
+  results keep may be listed too, only so that ``reduced`` names the axes
+  splitting it: a local function that needs its block's global position
+  (a grouped matmul's rows, a cache's pages) reads it with :func:`block_index`.
 
 A factor's sharding is taken from the first operand that has it; an axis
 already used by another factor, or one whose size does not divide the
@@ -77,7 +80,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_core import _jax_internals
 
-__all__ = ["run", "rowwise", "explicit_sharding", "with_sharding", "reshape", "Rule", "psum", "reduced_axes", "ROW", "STAT", "PARAM", "PER_ROW"]
+__all__ = ["run", "rowwise", "explicit_sharding", "with_sharding", "reshape", "Rule", "psum", "reduced_axes", "block_index", "ROW", "STAT", "PARAM", "PER_ROW"]
 
 _ONE = "one"
 _NAME = re.compile(r"[a-z][a-z0-9]*")
@@ -227,6 +230,14 @@ def psum(x, reduced: Mapping[str, tuple[str, ...]], *factors: str):
     """``x`` summed over the devices that split any of ``factors`` (no-op when none do)."""
     axes = reduced_axes(reduced, *factors)
     return jax.lax.psum(x, axes) if axes else x
+
+
+def block_index(reduced: Mapping[str, tuple[str, ...]], *factors: str):
+    """This device's index (int32) among the blocks the axes splitting ``factors`` cut
+    them into, major axis first (the order of a ``PartitionSpec`` entry); 0 where no
+    axis splits them. Times the local size, the block's global offset."""
+    axes = reduced_axes(reduced, *factors)
+    return jax.lax.axis_index(axes) if axes else jax.numpy.int32(0)
 
 
 def reduced_axes(reduced: Mapping[str, tuple[str, ...]], *factors: str) -> tuple[str, ...]:

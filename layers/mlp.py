@@ -11,11 +11,11 @@ Parameters are three bias-free ``nnx.Linear`` submodules named as in
 transformers, ``gate_proj``, ``up_proj`` and ``down_proj``, each holding
 ``kernel`` ``[in, out]``: a transformers checkpoint's ``mlp.gate_proj.weight``
 ``[hidden, d]`` is ``gate_proj.kernel`` transposed, and so on, with no other
-reshaping. The kernel takes the two projections as one ``[d, 2, hidden]``
-operand, stacked from the two kernels at each call: a copy of ``2 d hidden``
-weights, small beside the matmuls' ``4 tokens d hidden`` FLOPs once a batch
-holds more than a few dozen tokens (its gradient is a split, no extra
-matmul).
+reshaping. The kernel takes the two projections as the pair ``(gate, up)``
+(``ops.gated_linear_unit``'s paired form), each read in place as its own
+operand: no per-call stack of the ``2 d hidden`` weights (at decode, a few
+tokens per step, such a copy would read and write the weights once more
+before the kernel reads them), and their gradients come back as a pair.
 """
 from __future__ import annotations
 
@@ -52,8 +52,7 @@ def check_activation_name(activation, owner: str):
 
 def gated_mlp(x, gate, up, down, *, activation, implementation):
     """``(activation(x @ gate) * (x @ up)) @ down`` through our kernels (shared with Linen)."""
-    weights = jnp.stack([gate, up], axis=1)  # [d, 2, hidden], the kernel's layout
-    h = ops.gated_linear_unit(x, weights, activation=activation, implementation=implementation)
+    h = ops.gated_linear_unit(x, (gate, up), activation=activation, implementation=implementation)
     return ops.fused_matmul(h, down, implementation=implementation)
 
 

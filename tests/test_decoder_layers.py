@@ -100,6 +100,40 @@ def test_linen_gated_mlp_equals_nnx():
     np.testing.assert_array_equal(np.asarray(twin.apply(variables, x)), np.asarray(mlp(x)))
 
 
+def xla_primitives(jaxpr, out=None) -> set[str]:
+    """The primitives of a jaxpr and its nested calls, outside kernels (pallas_call's
+    body is not entered)."""
+    out = set() if out is None else out
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        if "pallas" in eqn.primitive.name:
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    xla_primitives(sub, out)
+    return out
+
+
+def test_gated_mlp_reads_the_projections_in_place():
+    """gate_proj and up_proj reach ops.gated_linear_unit as a pair: no stacked copy of the
+    weights in the forward, no concatenate or split of them in the backward (NNX and
+    Linen; traced for pallas_triton, whose kernels stay pallas_call primitives)."""
+    x = jnp.asarray(_x(5, (B, T, D)))
+    mlp = nnx.eval_shape(lambda: layers.GatedMLP(D, 64, implementation="pallas_triton",
+                                                 rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(mlp, nnx.Param)
+    twin = layers.linen.GatedMLP(64, implementation="pallas_triton")
+    variables = jax.eval_shape(twin.init, jax.random.key(0), x)
+    for fn, arg in ((lambda p: jnp.sum(nnx.merge(graphdef, p)(x)), params),
+                    (lambda v: jnp.sum(twin.apply(v, x)), variables)):
+        prims = xla_primitives(jax.make_jaxpr(jax.grad(fn))(arg).jaxpr)
+        assert "pallas_call" in prims, sorted(prims)
+        assert not prims & {"stack", "unstack", "concatenate", "split", "slice", "dynamic_slice"}, \
+            sorted(prims)
+
+
 def test_gated_mlp_bf16_compute():
     mlp = layers.GatedMLP(D, 40, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     y = mlp(jnp.asarray(_x(4, (B, T, D))))

@@ -1,30 +1,37 @@
-"""Gated linear unit: ``activation(x @ weights[:, 0]) * (x @ weights[:, 1])``.
+"""Gated linear unit: ``activation(x @ gate) * (x @ up)``.
 
 Dauphin et al. 2017, "Language Modeling with Gated Convolutional Networks"
 (section 3) and Shazeer 2020, "GLU Variants Improve Transformer" (SwiGLU with
 silu, GeGLU with gelu, ReGLU with relu, the bilinear layer with no
-activation). Tokamax's semantics and layout: the gate and up projections
-stacked as ``weights [K, 2, N]`` (gate at index 0), the activation on the
-gate, the product in float32, the result in x's dtype.
+activation). Tokamax's semantics: the activation on the gate, the product in
+float32, the result in x's dtype. The weights come in two forms: Tokamax's
+stacked ``[K, 2, N]`` (gate at index 0), or a pair ``(gate, up)`` of ``[K,
+N]`` arrays, which is how models hold them (``layers.GatedMLP``): the kernels
+read each projection in place, so no per-call stack copies ``2 K N`` weights.
 
 Forward: one tiled-matmul kernel (the walk of :mod:`ops.matmul.tiled`) with
 two float32 accumulators: each program owns a ``block_m x block_n`` tile of
 the output, loads each ``x`` tile once per contraction step and multiplies it
-by the gate and the up tiles of ``weights`` (two Refs of the one array, the
-middle dim squeezed), then applies the activation and the product in the
-epilogue. When gradients are wanted the same kernel also stores the two
-pre-activations ``z = [x @ weights[:, 0], x @ weights[:, 1]]`` as one
-``[M, 2, N]`` array in x's dtype (as Tokamax's residuals and
-``ops.fused_matmul``'s pre-activation): recomputing them would cost the
-forward's ``4 M N K`` flops again.
+by the gate and the up tiles (two Refs: of the one stacked array, the middle
+dim squeezed, or of the two arrays of the pair), then applies the activation
+and the product in the epilogue. When gradients are wanted the same kernel
+also stores the two pre-activations ``z = (x @ gate, x @ up)`` in x's dtype
+(one ``[M, 2, N]`` array for stacked weights, a pair of ``[M, N]`` for a
+pair; as Tokamax's residuals and ``ops.fused_matmul``'s pre-activation):
+recomputing them would cost the forward's ``4 M N K`` flops again.
 
 Backward (``jax.custom_vjp``): one elementwise kernel turns ``(g, z)`` into
-``dz = [g * up * act'(gate), g * act(gate)]``, written over ``z`` in place
+``dz = (g * up * act'(gate), g * act(gate))``, written over ``z`` in place
 (``input_output_aliases``: the backward holds no ``[M, N]`` array beyond the
-two pre-activations), then, with ``[M, 2, N]`` viewed as ``[M, 2N]`` and
-``weights`` as ``[K, 2N]`` (free reshapes), ``dx = dz @ weights^T`` and ``dw =
-x^T @ dz`` are one matmul each on the shared tiled core. ``act'`` comes from
-JAX autodiff of the activation, traced inside the kernel.
+two pre-activations). Stacked: with ``[M, 2, N]`` viewed as ``[M, 2N]`` and
+``weights`` as ``[K, 2N]`` (free reshapes), ``dx = dz @ weights^T`` and ``dw
+= x^T @ dz`` are one matmul each on the shared tiled core. Pair: ``dx =
+dz_gate @ gate^T + dz_up @ up^T`` is one kernel with one accumulator and two
+products per step, and ``(dgate, dup) = (x^T @ dz_gate, x^T @ dz_up)`` one
+kernel with two accumulators sharing the x tile (the forward's shape): the
+same tiles and work per step as the stacked form's matmuls, with no
+concatenation. ``act'`` comes from JAX autodiff of the activation, traced
+inside the kernel.
 """
 from __future__ import annotations
 

@@ -316,14 +316,6 @@ def test_tma_becomes_bulk_tensor_copies_on_sm90():
     assert reports[True]["spill_bytes"] == 0
 
 
-def test_tma_kernels_are_refused_by_the_gpu_launch_path():
-    from pallas_core.triton import runtime
-    source = "import triton.language as tl\n@jit\ndef k(p0):\n    d0 = tl.make_tensor_descriptor(p0, shape=[8], strides=[1], block_shape=[8])\n"
-    with pytest.raises(NotImplementedError, match="tma=True"):
-        runtime.launch(source, "k", grid=(1,), args=[], out_avals=[], aliases={}, constexprs={},
-                       num_warps=4, num_stages=3, on_gpu=True)
-
-
 @pytest.mark.parametrize("bad,match", [(dict(group_size=0), "group_size"), (dict(persistent=True), "persistent"),
                                        (dict(persistent=2.0), "persistent"), (dict(tma="yes"), "tma"),
                                        (dict(loop_peeling=None), "loop_peeling")])

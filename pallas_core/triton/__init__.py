@@ -15,22 +15,23 @@ and runs it in Triton's interpreter elsewhere.
 * :func:`source`: the generated source of every triton pallas_call in ``f``.
 * :func:`compile`: ahead-of-time compilation for a named GPU (``"sm_90"``),
   which works on a host without a GPU.
+* :func:`tma_enabled` / :func:`enable_tma`: the library default of
+  ``CompilerParams.tma`` (environment variable ``PALLAS_CORE_TRITON_TMA``).
 """
 from __future__ import annotations
-
-import builtins
 
 import jax
 
 from pallas_core.triton.atomics import (atomic_add, atomic_and, atomic_cas, atomic_max, atomic_min,
                                        atomic_or, atomic_xchg, atomic_xor)
+from pallas_core.triton.descriptors import enable_tma, tma_enabled
 from pallas_core.triton.inline_asm import elementwise_inline_asm
 from pallas_core.triton.params import CompilerParams
 from pallas_core.triton.primitives import approx_tanh, debug_barrier, dot, load, max_contiguous, store
 
 __all__ = ["CompilerParams", "approx_tanh", "atomic_add", "atomic_and", "atomic_cas", "atomic_max",
            "atomic_min", "atomic_or", "atomic_xchg", "atomic_xor", "compile", "debug_barrier", "dot", "elementwise_inline_asm",
-           "load", "max_contiguous", "source", "store"]
+           "enable_tma", "load", "max_contiguous", "source", "store", "tma_enabled"]
 
 
 def _trace(f, *args, **kwargs):
@@ -70,10 +71,6 @@ def compile(f, *args, target: str = "sm_90", **kwargs) -> list[dict]:  # noqa: A
     Raises:
       ValueError: a target other than ``"sm_XY"``.
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from pallas_core.triton import runtime
 
     if not (isinstance(target, str) and target.startswith("sm_") and target[3:].isdigit()):
@@ -81,16 +78,9 @@ def compile(f, *args, target: str = "sm_90", **kwargs) -> list[dict]:  # noqa: A
     capability = int(target[3:])
     reports = []
     for r in _trace(f, *args, **kwargs):
-        kernel = runtime.load(r["source"], r["name"], "jit")
-        signature = {p: runtime.pointer_type(d) for p, d in builtins.zip(r["params"], r["pointer_dtypes"])}
-        signature.update({c: "constexpr" for c in r["constexprs"]})
-        # Like jax_triton at launch: XLA buffers are 16-byte aligned, which lets
-        # Triton vectorise loads and pipeline them with cp.async.
-        aligned = {(i,): [["tt.divisibility", 16]] for i in builtins.range(len(r["params"]))}
-        compiled = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=dict(r["constexprs"]), attrs=aligned),
-            target=GPUTarget("cuda", capability, 32),
-            options=dict(num_warps=r["num_warps"], num_stages=r["num_stages"]))
+        compiled = runtime.compile_kernel(r["source"], r["name"], r["pointer_dtypes"], r["constexprs"],
+                                          num_warps=r["num_warps"], num_stages=r["num_stages"],
+                                          capability=capability)
         metadata = compiled.metadata
         usage = _ptxas_usage(compiled.asm["ptx"], capability)
         reports.append(dict(name=r["name"], target=target, num_warps=metadata.num_warps,

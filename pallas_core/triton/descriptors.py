@@ -23,14 +23,26 @@ array's shape and the hardware zero-fills reads and drops writes outside it,
 which is what our edge masks do (docs/design.md §4). Every other view keeps pointer
 loads and stores. Before sm_90 Triton rewrites descriptors into pointer
 accesses, so the same source compiles for every target.
+
+Where ``CompilerParams(tma=...)`` is left unset (every op of this library
+leaves it so), the library default decides: :func:`tma_enabled`, off unless
+the environment variable ``PALLAS_CORE_TRITON_TMA`` is ``1`` (``true``,
+``on``) or a :func:`enable_tma` block is in force when the kernel is traced.
+Kernels with descriptors launch on a GPU through the global scratch of
+:mod:`pallas_core.triton.global_scratch`.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
 
 import numpy as np
 
 _MAX_BOX = 256
 _MAX_RANK = 5
 _ALIGN = 16  # bytes
+MAKE = "tl.make_tensor_descriptor("  # how a kernel's source makes one
 
 
 def tma_box(array_shape, dtype, dims, origin_last: str, plain: bool) -> tuple[int, ...] | None:
@@ -74,5 +86,48 @@ def tma_box(array_shape, dtype, dims, origin_last: str, plain: bool) -> tuple[in
 
 def make_source(name: str, ptr: str, dim_names, strides, box) -> str:
     """``name = tl.make_tensor_descriptor(...)`` over the whole operand at ``ptr``."""
-    return (f"{name} = tl.make_tensor_descriptor({ptr}, shape=[{', '.join(dim_names)}], "
+    return (f"{name} = {MAKE}{ptr}, shape=[{', '.join(dim_names)}], "
             f"strides=[{', '.join(strides)}], block_shape=[{', '.join(map(str, box))}])")
+
+
+ENV_VAR = "PALLAS_CORE_TRITON_TMA"
+_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
+_OVERRIDE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pallas_core_tma", default=None)
+
+
+def tma_enabled() -> bool:
+    """The library default of ``CompilerParams.tma``: whether a kernel traced now
+    whose params leave ``tma`` unset moves its blocks through tensor descriptors.
+
+    The innermost :func:`enable_tma` block in force decides; outside any, the
+    environment variable ``PALLAS_CORE_TRITON_TMA`` (``1``/``true``/``on`` or
+    ``0``/``false``/``off``; unset: off). It is read when a kernel is traced:
+    functions JAX has already traced (``jax.jit``'s cache) keep their kernels.
+
+    Raises:
+      ValueError: the environment variable holds anything else.
+    """
+    override = _OVERRIDE.get()
+    if override is not None:
+        return override
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"{ENV_VAR}: expected one of {', '.join(_ON + _OFF[1:])} (or unset), got "
+                     f"{os.environ[ENV_VAR]!r}.")
+
+
+@contextlib.contextmanager
+def enable_tma(enabled: bool = True):
+    """Sets :func:`tma_enabled` to ``enabled`` for the kernels traced inside the block.
+
+    Raises:
+      TypeError: ``enabled`` is not a bool.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enable_tma: enabled must be True or False, got {enabled!r}.")
+    token = _OVERRIDE.set(enabled)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)

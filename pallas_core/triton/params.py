@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from pallas_core.params import ResolvedParams, check_semantics
+from pallas_core.triton.descriptors import tma_enabled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +36,12 @@ class CompilerParams:
         tensor-memory accelerator, ``cp.async.bulk.tensor``, on sm_90 and
         newer; Triton rewrites them to pointer accesses on older GPUs).
         Strided, gathered, user-masked or padded-lane accesses, and buffers
-        the kernel both reads and writes, keep pointers.
-        Off by default: a descriptor made inside the kernel needs Triton's
-        global scratch buffer, which ``jax_triton`` 0.3.1 does not allocate
-        at launch (see docs/pallas_core.md).
+        the kernel both reads and writes, keep pointers. ``None`` (the
+        default): the library default, :func:`pallas_core.triton.tma_enabled`
+        (off unless ``PALLAS_CORE_TRITON_TMA=1`` or inside
+        :func:`pallas_core.triton.enable_tma`). On a GPU such kernels get
+        Triton's global scratch for their descriptors as a hidden output
+        (:mod:`pallas_core.triton.global_scratch`; docs/pallas_core.md).
       loop_peeling: emit a ``pl.when`` on the first (last) iteration of the
         innermost sequential grid axis before (after) its loop, so the loop
         body has no branch; results are unchanged. On by default.
@@ -52,7 +55,7 @@ class CompilerParams:
     dimension_semantics: Sequence[str] | None = None
     group_size: int | None = None
     persistent: int | None = None
-    tma: bool = False
+    tma: bool | None = None
     loop_peeling: bool = True
 
     def __post_init__(self):
@@ -84,7 +87,8 @@ def schedule_options(triton: Mapping) -> ScheduleOptions:
 
     Raises:
       ValueError: ``group_size`` or ``persistent`` not a positive int (or
-        None), ``tma`` or ``loop_peeling`` not a bool.
+        None), ``tma`` not a bool or None (None: :func:`tma_enabled`), or
+        ``loop_peeling`` not a bool.
     """
     def positive(name):
         value = triton.get(name)
@@ -99,4 +103,5 @@ def schedule_options(triton: Mapping) -> ScheduleOptions:
         return value
 
     return ScheduleOptions(group_size=positive("group_size") or 1, persistent=positive("persistent"),
-                           tma=flag("tma", False), loop_peeling=flag("loop_peeling", True))
+                           tma=tma_enabled() if triton.get("tma") is None else flag("tma", False),
+                           loop_peeling=flag("loop_peeling", True))

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from pallas_core.memory import garbage_fill_value
-from pallas_core.triton import jit_helpers
+from pallas_core.triton import descriptors, global_scratch, jit_helpers
 
 _POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp64",
                   "int8": "*i8", "int16": "*i16", "int32": "*i32", "int64": "*i64",
@@ -47,10 +47,9 @@ def load(source: str, name: str, mode: str):
     else:
         from triton.runtime.interpreter import InterpretedFunction
         decorator = InterpretedFunction
-    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
-    filename = f"<pallas_core triton {name} {digest} {mode}>"
+    filename = file_name(source, name, mode)
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    module = types.ModuleType(f"pallas_core_generated_{name}_{digest}")
+    module = types.ModuleType(f"pallas_core_generated_{name}_{_digest(source)}")
     module.__file__ = filename
     module.jit = decorator
     exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own generated code
@@ -58,6 +57,45 @@ def load(source: str, name: str, mode: str):
         import triton.language as tl
         setattr(module, jit_helpers.INTERPRETED, tl.constexpr(True))  # helpers skip their PTX
     return getattr(module, name)
+
+
+def _digest(source: str) -> str:
+    return hashlib.sha1(source.encode()).hexdigest()[:12]
+
+
+def file_name(source: str, name: str, mode: str) -> str:
+    """The file name :func:`load` registers ``source`` under; Triton keeps it in the
+    debug locations of what it compiles."""
+    return f"<pallas_core triton {name} {_digest(source)} {mode}>"
+
+
+def compile_kernel(source: str, name: str, pointer_dtypes, constexprs, *, num_warps: int,
+                   num_stages: int, capability: int):
+    """Triton's ahead-of-time compile (``triton.compile``) of kernel ``name`` for ``sm_<capability>``.
+
+    Like ``jax_triton`` at launch: every pointer parameter (the first
+    ``len(pointer_dtypes)``) 16-byte aligned (XLA's buffers are), which lets
+    Triton vectorise loads and pipeline them with ``cp.async``.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = load(source, name, "jit")
+    pointers = kernel.arg_names[:len(pointer_dtypes)]
+    signature = {p: pointer_type(d) for p, d in zip(pointers, pointer_dtypes)}
+    signature.update({c: "constexpr" for c in constexprs})
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=aligned),
+                          target=GPUTarget("cuda", capability, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _scratch_requirement(source, name, pointer_dtypes, constexprs, num_warps, num_stages, capability):
+    compiled = compile_kernel(source, name, pointer_dtypes, dict(constexprs), num_warps=num_warps,
+                              num_stages=num_stages, capability=capability)
+    return global_scratch.requirement(compiled.metadata._asdict())
 
 
 def pointer_type(dtype) -> str:
@@ -160,25 +198,49 @@ def launch(kernel_source, name, *, grid, args, out_avals, aliases, constexprs,
     Outputs start as garbage (uninitialised memory on a GPU; NaN / the integer
     minimum on the interpreter), except aliased ones, which start as their
     input. So does scratch kept in memory (the trailing outputs): kernels must
-    not assume it zero.
+    not assume it zero. On a GPU, a kernel with tensor descriptors made in the
+    kernel (``tma``) that needs Triton's global scratch gets it as one more
+    output, not returned (:func:`_launch_with_global_scratch`).
     """
     if on_gpu:
-        if "tl.make_tensor_descriptor(" in kernel_source:
-            raise NotImplementedError(
-                f"triton backend: kernel {name} was generated with CompilerParams(tma=True); its "
-                "tensor descriptors are made in the kernel and need Triton's global scratch "
-                "buffer, which jax_triton 0.3.1 does not allocate at launch. Use tma=False (the "
-                "default) to run it; tma=True is for ahead-of-time compiles "
-                "(pallas_core.triton.compile) and Triton's interpreter.")
         jt = import_jax_triton()
-        kernel = load(kernel_source, name, "jit")
+        call = functools.partial(jt.triton_call, name=name, num_warps=num_warps, num_stages=num_stages,
+                                 input_output_aliases=dict(aliases), grid=grid, **constexprs)
+        if descriptors.MAKE in kernel_source:
+            return _launch_with_global_scratch(jt, call, kernel_source, name, args=args, out_avals=out_avals,
+                                               constexprs=constexprs, num_warps=num_warps,
+                                               num_stages=num_stages, programs=int(np.prod(grid)))
         # name: jax_triton's default is "", which leaves the kernel call unnamed in
         # its serialised form (what profiles and error messages show).
-        return jt.triton_call(*args, kernel=kernel, out_shape=list(out_avals), grid=grid,
-                              name=name, num_warps=num_warps, num_stages=num_stages,
-                              input_output_aliases=dict(aliases), **constexprs)
+        return call(*args, kernel=load(kernel_source, name, "jit"), out_shape=list(out_avals))
     kernel = load(kernel_source, name, "interpret")
     run = functools.partial(launch_interpreted, kernel, grid=grid, out_avals=out_avals,
                             aliases=aliases, constexprs=constexprs)
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
     return jax.pure_callback(lambda *a: run(args=a), shapes, *args, vmap_method="sequential")
+
+
+def _launch_with_global_scratch(jt, call, source, name, *, args, out_avals, constexprs, num_warps,
+                                num_stages, programs):
+    """Launches a kernel with in-kernel tensor descriptors through ``jax_triton``.
+
+    Triton's compile for the device (its compute capability, as jax_triton
+    asks it) says how much global scratch the kernel needs per program; that
+    many bytes for every program become a trailing ``uint8`` output, passed
+    to one more declared parameter, which the compiled PTX reads instead of
+    the hidden parameter jaxlib leaves null (:mod:`pallas_core.triton.global_scratch`).
+    The result is dropped. A kernel that needs none (before sm_90 Triton
+    rewrites descriptors into pointer accesses) launches as it is.
+    """
+    capability = jt.triton_lib.triton_kernel_call_lib.get_compute_capability(0)
+    pointer_dtypes = tuple(np.dtype(a.dtype).name for a in (*args, *out_avals))
+    scratch = _scratch_requirement(source, name, pointer_dtypes, tuple(sorted(constexprs.items())),
+                                   num_warps, num_stages, capability)
+    if scratch is None:
+        return call(*args, kernel=load(source, name, "jit"), out_shape=list(out_avals))
+    source = global_scratch.with_parameter(source, name, len(pointer_dtypes))
+    global_scratch.expect(file_name(source, name, "jit"), scratch, declared=len(pointer_dtypes) + 1)
+    global_scratch.install(jt.triton_lib)
+    buffer = jax.ShapeDtypeStruct((scratch.size(programs),), np.uint8)
+    outs = call(*args, kernel=load(source, name, "jit"), out_shape=[*out_avals, buffer])
+    return list(outs)[:-1]

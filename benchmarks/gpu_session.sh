@@ -15,7 +15,7 @@
 # (default 540) for the whole script; TESTS_BUDGET_S (120) cuts pytest; the tuner starts
 # no new problem after TUNE_BUDGET_S (90) and is cut at TUNE_LIMIT_S (140), trying at
 # most TUNE_CANDIDATES (8) configs per problem; the benchmarks get what is left.
-# Writes under $OUT: env.txt, pytest_gpu.txt, tune.txt, tuned_configs.json (the winners,
+# Writes under $OUT: env.txt, tma_launch.txt, pytest_gpu.txt, tune.txt, tuned_configs.json (the winners,
 # a cache file: python -m benchmarks.tune --merge $OUT/tuned_configs.json installs them
 # into ops/tuning/configs.json), tune_report.json (every candidate's verdict and time),
 # benchmarks.txt and the benchmark folder bench/ (results.json, results.md, results-<family>.png).
@@ -44,10 +44,19 @@ fi
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
+# Tensor descriptors (TMA) through jax_triton's launch: tma kernels against pointer ones
+# (tests/test_tma_launch.py). Until this passes on a GPU, tma stays off by default; once
+# it has, PALLAS_CORE_TRITON_TMA=1 (TMA=1 here: the whole session with it) may become the
+# sm_90 default (docs/pallas_core.md, "The shape of the GPU program").
+if [[ -n "${TMA:-}" ]]; then export PALLAS_CORE_TRITON_TMA=1; fi
+timeout 150 "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= tests/test_tma_launch.py 2>&1 \
+  | tee "$out/tma_launch.txt" | tail -8
+echo "tma launch on the GPU: exit ${PIPESTATUS[0]} after $(( SECONDS - start )) s"
+
 # Correctness on the hardware first: a failure here makes the timings meaningless.
 # One process (-o addopts= drops the CI's two xdist workers, which would share the GPU),
 # over the files that hold GPU tests only: collecting the whole suite costs minutes.
-gpu_files=$(grep -l "mark.gpu" tests/*.py benchmarks/*.py 2>/dev/null)
+gpu_files=$(grep -l "mark.gpu" tests/*.py benchmarks/*.py 2>/dev/null | grep -v test_tma_launch)
 # shellcheck disable=SC2086  # one argument per file
 timeout "${TESTS_BUDGET_S:-120}" "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= $gpu_files 2>&1 \
   | tee "$out/pytest_gpu.txt" | tail -25

@@ -9,15 +9,19 @@ import numpy as np
 from ops import _op
 from ops.matmul import tiled
 
-# (block_m, block_n, block_k, num_warps, num_stages, group_size): the shapes
-# tensor-core matmuls run well (Triton's matmul tutorial searches the same
-# region), with the default grouped ordering (bands of 8 row blocks), then two
-# other bands on the default tile.
-_SPACE = ((128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8),
-          (128, 128, 64, 4, 4, 8), (128, 128, 32, 4, 4, 8), (128, 64, 64, 4, 4, 8),
-          (64, 128, 64, 4, 4, 8), (64, 64, 64, 4, 4, 8), (128, 128, 128, 8, 3, 8),
-          (128, 256, 64, 8, 4, 8), (64, 256, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8),
-          (128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 16))
+# (block_m, block_n, block_k, num_warps, num_stages, group_size, epilogue_subtile):
+# the shapes tensor-core matmuls run well (Triton's matmul tutorial searches the
+# same region), with the default grouped ordering (bands of 8 row blocks), then
+# two other bands on the default tile. The 128 x 256 tiles run their epilogue in
+# halves (and quarters, once): whole, the forward that also writes the
+# pre-activation for the backward spills 272 bytes at 255 registers on sm_90 (bf16,
+# bias + gelu, 8 warps); in halves it takes 216 registers and no spill, in
+# quarters 196 (benchmarks.static, the subtiled row).
+_SPACE = ((128, 256, 64, 8, 3, 8, 2), (256, 128, 64, 8, 3, 8, None), (128, 128, 64, 8, 3, 8, None),
+          (128, 128, 64, 4, 4, 8, None), (128, 128, 32, 4, 4, 8, None), (128, 64, 64, 4, 4, 8, None),
+          (64, 128, 64, 4, 4, 8, None), (64, 64, 64, 4, 4, 8, None), (128, 128, 128, 8, 3, 8, None),
+          (128, 256, 64, 8, 4, 8, 2), (64, 256, 64, 4, 4, 8, None), (128, 128, 64, 8, 4, 8, None),
+          (128, 128, 64, 8, 3, 4, None), (128, 128, 64, 8, 3, 16, None), (128, 256, 64, 8, 3, 8, 4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +104,19 @@ class MatmulConfig(_op.KernelConfig):
     @classmethod
     def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["MatmulConfig", ...]:
         """Tensor-core tiles clamped to the problem (block_k at most 32 for float32,
-        128 otherwise), with Triton's warps, stages and group sizes."""
+        128 otherwise), with Triton's warps, stages and group sizes; 128 x 256 tiles
+        with their epilogue in halves or quarters (``epilogue_subtile``; dropped
+        where N clamps the tile to 128 columns or fewer)."""
         m, n, k = problem.shape
         cap_k = 32 if problem.dtype == "float32" else 128
         walk = tiled.strategy(device.backend)
-        return tuple(dict.fromkeys(
-            cls(_op.fit(bm, m), _op.fit(bn, n), _op.fit(min(bk, cap_k), k), w, s, g, walk=walk)
-            for bm, bn, bk, w, s, g in _SPACE))
+        configs = []
+        for bm, bn, bk, w, s, g, parts in _SPACE:
+            bn = _op.fit(bn, n)
+            parts = parts if bn > 128 else None  # a clamped tile is one of the others
+            configs.append(cls(_op.fit(bm, m), bn, _op.fit(min(bk, cap_k), k), w, s, g, walk=walk,
+                               epilogue_subtile=parts))
+        return tuple(dict.fromkeys(configs))
 
 
 def check_block_sizes(block_sizes, op: str, config_type: type = MatmulConfig):

@@ -45,6 +45,7 @@ from ops.activations import resolve_activation
 from ops.matmul import tiled
 from ops.matmul.config import MatmulConfig, check_block_sizes
 from ops.matmul.tiled import default_block_sizes
+from pallas_core.triton import backend as triton_backend
 
 _OP = "fused_matmul"
 
@@ -343,17 +344,40 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
         dz, dbias = g, None
     # dx[M, K] = dz[M, N] @ w[K, N]^T: output tiles (bm, bk), contraction over N by bn.
     # Distinct kernel names, so the static gate budgets the two K loops apart.
-    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, bn), backend=backend, walk=walk,
+    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, backward_step(bm, bk, bn, backend)),
+                      backend=backend, walk=walk,
                       out_dtype=x.dtype, epilogue_subtile=tiles.epilogue_subtile,
                       name="fused_matmul_dx")
     # dw[K, N] = x[M, K]^T @ dz[M, N]: output tiles (bk, bn), contraction over M by bm.
-    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, bm), backend=backend, walk=walk,
+    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, backward_step(bk, bn, bm, backend)),
+                      backend=backend, walk=walk,
                       out_dtype=w.dtype, epilogue_subtile=tiles.epilogue_subtile,
                       name="fused_matmul_dw")
     return dx, dw, dbias
 
 
 _fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)
+
+# The most elements the two operand blocks of one backward K step may hold: the
+# default 128 x 128 x 64 tile's dx and dw steps ((128 + 64) x 128: 48 KiB per bf16
+# pipeline stage, 144 KiB at 3 stages).
+_BACKWARD_STEP_ELEMENTS = (128 + 64) * 128
+
+
+def backward_step(rows: int, cols: int, step: int, backend: str) -> int:
+    """The contraction step of a backward product with ``rows x cols`` output tiles,
+    whose step by role is ``step`` (a forward tile dim). On a GPU (the Triton
+    backends outside Triton's CPU interpreter) it is halved (down to 16) until
+    both operand blocks of one step hold at most :data:`_BACKWARD_STEP_ELEMENTS`:
+    the role's step of a 128 x 256 forward tile would take 288 KiB (dx) and 240 KiB
+    (dw) of shared memory at 3 stages, over sm_90's 227 KiB; every tile up to
+    128 x 128 keeps its step. Elsewhere (TPU VMEM tiles, the interpreters) the
+    role's step."""
+    if backend not in pl.TRITON_BACKENDS or triton_backend.wants_interpreter_tiles(backend):
+        return step
+    while step > 16 and (rows + cols) * step > _BACKWARD_STEP_ELEMENTS:
+        step //= 2
+    return step
 
 
 # --------------------------------------------------------------------------

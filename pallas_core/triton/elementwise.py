@@ -134,8 +134,9 @@ class ElementwiseWriter:
     def _p_logistic(self, eqn, env, x):
         if np.dtype(eqn.outvars[0].aval.dtype) == np.float64:
             return self._unary("1.0 / (1.0 + tl.exp(-{x}))", x, eqn)
-        # 1 / (1 + exp(-x)) in float32, rounded once to the result's dtype.
-        return self._math("exp", eqn, x, wrap="1.0 / (1.0 + {}(({}) * -1.0))")
+        # jit_helpers' sigmoid (float32, corrected sum and quotient), rounded once to
+        # the result's dtype.
+        return self._math("sigmoid", eqn, x)
 
     def _p_tan(self, eqn, env, x):
         return self._unary("tl.sin({x}) / tl.cos({x})", x, eqn)

@@ -22,6 +22,9 @@ propagate NaNs as ``lax.max`` does; ``np.argmax`` returns the first NaN, else
 the first maximum, as ``jnp.argmax``). The generated source, and so the GPU
 code, is unchanged.
 
+And ``tl.fma`` of float32 rounds once (the interpreter rounds the product, then the
+sum; error-free transformations in our math helpers rely on the single rounding).
+
 And, for every dtype, a loop bounded by a runtime scalar (``for j in
 range(lo, hi)`` with ``lo`` computed from the program id, as flash attention's
 key/value loop is) fails under numpy >= 2.4: the interpreter converts the
@@ -46,7 +49,8 @@ def apply() -> None:
 
     builder = interpreter.InterpreterBuilder
     TensorHandle = interpreter.TensorHandle
-    dot, cast_impl, binary_op = builder.create_dot, builder.cast_impl, builder.binary_op
+    dot, cast_impl, binary_op, fma = (builder.create_dot, builder.cast_impl, builder.binary_op,
+                                      builder.create_fma)
 
     def values(handle):
         """The handle's numbers as numpy values (bfloat16 as ml_dtypes' bfloat16)."""
@@ -94,8 +98,17 @@ def apply() -> None:
         print(f"({self.grid_idx[0]}, {self.grid_idx[1]}, {self.grid_idx[2]}) {prefix}".rstrip())
         return None
 
+    def create_fma(self, x, y, z):
+        """``tl.fma`` rounded once, as the GPU's fused multiply-add (the interpreter
+        rounds the product and then the sum): float32 products are exact in float64."""
+        if z.dtype.scalar == tl.float32:
+            wide = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+            return TensorHandle(wide.astype(np.float32), z.dtype.scalar)
+        return fma(self, x, y, z)
+
     interpreter._patch_lang_tensor = patch_lang_tensor
     builder.create_print = print_message
+    builder.create_fma = create_fma
     _numpy_reductions(interpreter, values)
     builder.create_dot = create_dot
     builder.get_bf16 = get_bf16

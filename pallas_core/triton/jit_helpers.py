@@ -99,6 +99,45 @@ j = tl.minimum((a * 1.4426950408889634 + 12582912.0) - 12582912.0, 127.0)
 f = a - j * 0.693145751953125
 f = f - j * 1.428606765330187e-06
 return tl.exp2(f * 1.4426950408889634) * tl.exp2(j)"""),
+    # lax.logistic in float32, within 0.8 ulps of float64 (with the GPU's div.full.f32
+    # too; no exp2). e = exp(-|x|) is carried as e_hi + e_lo: t = |x| reduced as in the exp
+    # helper, exp(-t) = 2**-k exp(f), f = k ln2 - t = fh + fl in [-ln2/2, ln2/2] (fh exact),
+    # exp(f) = (1 + fh) + (fl + f^2 C(f)) with C of degree 5 (a least-squares fit reweighted
+    # towards minimax, 2**-29.7 absolute), each sum split exactly (Fast2Sum), and 2**-k
+    # built from exponent bits. Then
+    # sigmoid(|x|) = 1 / (1 + e) and sigmoid(-|x|) = e / (1 + e) with two error-free
+    # corrections (Muller et al., "Handbook of Floating-Point Arithmetic", 2nd ed., 2018,
+    # sections 4.3 and 4.4): the rounding error of d = 1 + e_hi (Fast2Sum, exact as
+    # 1 >= e_hi) and the residual of q ~ 1/d, rem = 1 - q d (one fused multiply-add, exact),
+    # so 1 / (1 + e) = q + c with c = (rem - q err) q to second order; the quotient's own
+    # error drops out. Each result is rounded once (a final fused multiply-add). x < -87.5
+    # (results below 2**-126: subnormal) gives 0; NaN stays NaN.
+    "sigmoid": ("x", """\
+a = tl.abs(x)
+t = tl.minimum(a, 87.5, propagate_nan=tl.PropagateNan.ALL)
+k = (t * 1.4426950408889634 + 12582912.0) - 12582912.0
+fh = k * 0.693145751953125 - t
+fl = k * 1.428606765330187e-06
+f = fh + fl
+p = 0.0001991727331187576
+p = p * f + 0.0013946091057732701
+p = p * f + 0.008333266712725163
+p = p * f + 0.041666269302368164
+p = p * f + 0.1666666716337204
+p = p * f + 0.5
+h = 1.0 + fh
+l = (fh - (h - 1.0)) + (fl + f * f * p)
+e_hi = h + l
+scale = ((127 - k.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+e_lo = (l - (e_hi - h)) * scale
+e_hi = e_hi * scale
+d = 1.0 + e_hi
+err = (e_hi - (d - 1.0)) + e_lo
+q = 1.0 / d
+rem = tl.fma(q * -1.0, d, 1.0)
+c = (rem - q * err) * q
+lo = tl.where(a > 87.5, 0.0, tl.fma(e_hi, q, tl.fma(e_lo, q, e_hi * c)))
+return tl.where(x >= 0, q + c, lo)"""),
     # lax.round(..., TO_NEAREST_EVEN) (jnp.round): ties go to the even neighbour.
     # floor(x) is exact, so x - floor(x) is too; large, infinite and NaN x pass.
     "round_even": ("x", """\

@@ -1,10 +1,12 @@
 """ops.gated_linear_unit: kernels against the XLA reference, float64 and Tokamax's semantics.
 
-The forward kernel and the backward (dz in place, dx and dw on the tiled core)
-run on ``interpret`` and on ``triton`` (Triton's CPU interpreter), with shapes
-that do not divide the tiles; gradients against ``jax.grad`` of the reference;
-lowering for ``mosaic_tpu`` and ``pallas_triton`` from this host; partitioning
-over 8 fake CPU devices.
+The forward kernel and the backward (dz in place, dx and dw) run on
+``interpret`` and on ``triton`` (Triton's CPU interpreter), with shapes that
+do not divide the tiles, for both forms of the weights (stacked ``[K, 2, N]``
+and the pair ``(gate, up)``, each with its battery; the pair against the
+stacked form bit for bit where the same products run); gradients against
+``jax.grad`` of the reference; lowering for ``mosaic_tpu`` and
+``pallas_triton`` from this host; partitioning over 8 fake CPU devices.
 """
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,9 @@ from hypothesis import given, settings, strategies as st
 import ops
 import pallas_core as pl
 from ops.activations import resolve_activation
-from ops.decoder.reference import gated_linear_unit_reference
+from ops.decoder.glu import GluConfig, glu_backward
+from ops.decoder.reference import (gated_linear_unit_reference, glu_backward_reference,
+                                   glu_preactivations)
 from tests.op_battery import BadInput, Case, OpBattery, OpSpec
 from tests.op_test_case import weights_like
 from tests.tolerances import BACKWARD, FORWARD, assert_close
@@ -62,6 +66,7 @@ def _battery_reference(x, w, activation=None):
 
 
 _X, _W = jnp.zeros((4, 8), jnp.float32), jnp.zeros((8, 2, 6), jnp.float32)
+_G = jnp.zeros((8, 6), jnp.float32)
 
 
 GLU = OpSpec(
@@ -92,6 +97,16 @@ GLU = OpSpec(
         BadInput("weights_not_stacked_pairs", (_X, jnp.zeros((8, 3, 6))), {}, ValueError, "weights"),
         BadInput("weights_k", (_X, jnp.zeros((9, 2, 6))), {}, ValueError, "weights"),
         BadInput("x_scalar", (jnp.zeros(()), _W), {}, ValueError, "x"),
+        BadInput("pair_shapes_differ", (_X, (_G, jnp.zeros((8, 7)))), {}, ValueError, "weights",
+                 r"pair has shapes"),
+        BadInput("pair_dtypes_differ", (_X, (_G, _G.astype(jnp.bfloat16))), {}, TypeError,
+                 "weights"),
+        BadInput("pair_of_3d", (_X, (_W, _W)), {}, ValueError, "weights"),
+        BadInput("pair_k", (_X, (jnp.zeros((9, 6)),) * 2), {}, ValueError, "weights"),
+        BadInput("pair_not_arrays", (_X, (_G, "up")), {}, TypeError, "weights"),
+        BadInput("list_of_three", (_X, [_G, _G, _G]), {}, ValueError, "weights", r"pair"),
+        BadInput("epilogue_subtile", (_X, _W), {"block_sizes": GluConfig(16, 16, 16,
+                                                 epilogue_subtile=2)}, ValueError, "block_sizes"),
         BadInput("activation_name", (_X, _W), {"activation": "swish2"}, ValueError, "activation"),
         BadInput("activation_softmax", (_X, _W), {"activation": jax.nn.softmax}, ValueError, "activation"),
         BadInput("activation_int", (_X, _W), {"activation": 3}, TypeError, "activation"),
@@ -101,6 +116,75 @@ GLU = OpSpec(
 
 class TestGatedLinearUnit(OpBattery):
     spec = GLU
+
+
+# The paired form: weights=(gate, up), two [K, N] operands read in place.
+
+def _pair_inputs(rng, dtype, lead, k, n):
+    x, w = _battery_inputs(rng, dtype, lead, k, n)
+    return x, w[:, 0], w[:, 1]
+
+
+def _pair_op(x, gate, up, **kwargs):
+    return ops.gated_linear_unit(x, (gate, up), **kwargs)
+
+
+def _pair_reference(x, gate, up, activation=None):
+    return gated_linear_unit_reference(x, (gate, up), resolve_activation(activation, "test"))
+
+
+GLU_PAIR = OpSpec(
+    name="gated_linear_unit_pair", op=_pair_op, reference=_pair_reference,
+    make_inputs=_pair_inputs, grad_argnums=(0, 1, 2),
+    cases=[
+        # Rows, K and N that divide no tile: the forward masks K, dx masks N, dw masks M.
+        Case("tiny_swiglu_3d", dict(lead=(2, 3), k=8, n=6), dict(activation="silu"),
+             implementations=("interpret", "triton")),  # the eager run
+        Case("relu_many_steps_grid", dict(lead=(18,), k=40, n=40), dict(activation="relu"),
+             tiles=dict(block_sizes=(16, 32, 32)), implementations=("interpret", "triton")),
+        Case("relu_many_steps_loop", dict(lead=(18,), k=40, n=40), dict(activation="relu"),
+             tiles=dict(block_sizes=GluConfig(16, 32, 32, walk="loop")),
+             implementations=("interpret",)),
+        Case("geglu_bf16", dict(lead=(70,), k=130, n=40), dict(activation="gelu"),
+             dtypes=(jnp.bfloat16,)),
+    ],
+    implementations=("triton",))
+
+
+class TestGatedLinearUnitPair(OpBattery):
+    spec = GLU_PAIR
+
+
+def test_pair_equals_stacked():
+    """The same tiles over the two forms (rows, K and N dividing no tile): the forward
+    kernel is the same program with other operands (bitwise equal outputs), dw the same
+    products (bitwise equal); dx sums the same products in another order (the stacked
+    form walks the [M, 2N] view), so it is close."""
+    x, w = _inputs((18,), 40, 40, jnp.float32, seed=11)
+    kw = dict(activation="silu", implementation="triton", block_sizes=(16, 32, 32))
+    out_s, (dx_s, dw_s) = _with_grads(lambda x, w: ops.gated_linear_unit(x, w, **kw))(x, w)
+    out_p, (dx_p, (dg, du)) = _with_grads(lambda x, p: ops.gated_linear_unit(x, p, **kw))(
+        x, (w[:, 0], w[:, 1]))
+    np.testing.assert_array_equal(out_p, out_s)
+    np.testing.assert_array_equal(np.stack([dg, du], 1), dw_s)
+    assert_close(dx_p, dx_s, BACKWARD[jnp.float32], "dx")
+
+
+def test_glu_backward_takes_the_pair():
+    """The public backward (the benchmarks' "bwd" pass) in the paired form against its
+    reference; preactivations must come in the form of the weights."""
+    x, w = _inputs((12,), 24, 20, jnp.float32, seed=5)
+    pair = (w[:, 0], w[:, 1])
+    pre = glu_preactivations(x, pair)
+    g = weights_like(pre[0])
+    dx, (dg, du) = glu_backward(x, pair, pre, g, activation="silu", implementation="triton")
+    wdx, (wdg, wdu) = glu_backward_reference(x, pair, pre, g, jax.nn.silu)
+    for got, want, name in ((dx, wdx, "dx"), (dg, wdg, "dgate"), (du, wdu, "dup")):
+        assert_close(got, want, BACKWARD[jnp.float32], name)
+    with pytest.raises(ValueError, match="preactivations"):
+        glu_backward(x, pair, jnp.stack(pre, -2), g, implementation="interpret")
+    with pytest.raises(ValueError, match="preactivations"):
+        glu_backward(x, w, pre, g, implementation="interpret")
 
 
 def test_float64_and_tokamax_semantics():
@@ -152,41 +236,59 @@ def test_forward_reads_each_x_tile_once():
 PLATFORMS = {"mosaic_tpu": ("tpu", "tpu_custom_call"), "pallas_triton": ("cuda", "__gpu$xla.gpu.triton")}
 
 
-@pytest.mark.parametrize("impl", list(PLATFORMS))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_forward_and_backward_lower_for_other_platforms(impl, dtype):
-    platform, marker = PLATFORMS[impl]
+def _lowered(impl, x, weights):
+    """The jitted forward and gradients traced and lowered for ``impl``'s platform."""
+    platform, _ = PLATFORMS[impl]
 
     def grads(x, w):
         f = lambda x, w: ops.gated_linear_unit(x, w, activation="silu", implementation=impl)
         return f(x, w), jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32)), (0, 1))(x, w)
 
-    args = (jax.ShapeDtypeStruct((200, 384), dtype), jax.ShapeDtypeStruct((384, 2, 640), dtype))
-    text = jax.jit(grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count(marker) >= 4  # forward, dz, dx and dw kernels
+    return jax.jit(grads).trace(x, weights).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("impl", list(PLATFORMS))
+@pytest.mark.parametrize("dtype, paired", [(jnp.bfloat16, False), (jnp.float32, False),
+                                           (jnp.bfloat16, True)], ids=["bf16", "f32", "bf16_pair"])
+def test_forward_and_backward_lower_for_other_platforms(impl, dtype, paired):
+    S = jax.ShapeDtypeStruct
+    w = (S((384, 640), dtype),) * 2 if paired else S((384, 2, 640), dtype)
+    text = _lowered(impl, S((200, 384), dtype), w)
+    assert text.count(PLATFORMS[impl][1]) >= 4  # forward, dz, dx and dw kernels
 
 
 def test_mosaic_tpu_refuses_a_column_block_that_does_not_divide_n():
+    """Stacked weights need block_n to divide N on mosaic_tpu; the pair does not."""
     x, w = _inputs((8,), 16, 700, jnp.float32)
     with pytest.raises(NotImplementedError, match="block_n"):
         jax.jit(lambda x, w: ops.gated_linear_unit(x, w, implementation="mosaic_tpu")).trace(x, w)
+    S = jax.ShapeDtypeStruct
+    text = _lowered("mosaic_tpu", S((8, 600), jnp.float32), (S((600, 700), jnp.float32),) * 2)
+    assert text.count("tpu_custom_call") >= 4
 
 
-@pytest.mark.parametrize("mode, spec_x, spec_w, collective", [
-    pytest.param("auto", ("data", None), (None, None, "model"), None,  # rows x column-parallel
+@pytest.mark.parametrize("mode, spec_x, spec_w, collective, paired", [
+    pytest.param("auto", ("data", None), (None, None, "model"), None, False,  # column-parallel
                  marks=pytest.mark.slow, id="column_parallel"),
-    pytest.param("explicit", ("data", None), (None, None, "model"), None,
+    pytest.param("explicit", ("data", None), (None, None, "model"), None, False,
                  marks=pytest.mark.slow, id="column_parallel_explicit"),
-    pytest.param("auto", (None, "model"), ("model", None, None), "all-reduce",  # one psum
+    pytest.param("explicit", ("data", None), (None, None, "model"), None, True,
+                 marks=pytest.mark.slow, id="column_parallel_explicit_pair"),
+    pytest.param("auto", (None, "model"), ("model", None, None), "all-reduce", False,  # one psum
                  id="split_contraction"),
+    pytest.param("auto", (None, "model"), ("model", None, None), "all-reduce", True,
+                 id="split_contraction_pair"),
 ])
-def test_partitions_over_a_mesh(mode, spec_x, spec_w, collective):
+def test_partitions_over_a_mesh(mode, spec_x, spec_w, collective, paired):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
     x, w = _inputs((16,), 24, 20, jnp.float32, seed=7)
+    if paired:  # (gate, up), each [K, N] split as the stacked form's K and N dims
+        w = (w[:, 0], w[:, 1])
+        spec_w = (spec_w[0], spec_w[2])
     f = lambda impl: _with_grads(lambda x, w: ops.gated_linear_unit(
         x, w, activation="silu", implementation=impl))
     want, want_grads = f("xla")(x, w)
@@ -195,8 +297,9 @@ def test_partitions_over_a_mesh(mode, spec_x, spec_w, collective):
     compiled = f("interpret").lower(*placed).compile()
     out, grads = compiled(*placed)
     assert_close(out, want, FORWARD[jnp.float32], "out")
-    for g, wg, name in zip(grads, want_grads, ("dx", "dw")):
-        assert_close(g, wg, BACKWARD[jnp.float32], name)
+    assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
+    for g, wg in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        assert_close(g, wg, BACKWARD[jnp.float32], "grads")
     hlo = compiled.as_text()
     assert "maximal" not in hlo and "all-gather" not in hlo
     if collective:

@@ -34,6 +34,7 @@ from jax import lax
 
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._op import Op, Problem, Tuning, register
+from ops._partitioning import block_index, psum, reduced_axes, run
 from ops.matmul import tiled
 from ops.matmul.config import check_block_sizes
 from ops.moe import gmm, group_table, tgmm
@@ -221,11 +222,53 @@ class _Kernel:
                        name=name)
 
 
+# Multi-device (ops._partitioning): rows ("m") of lhs and the output, lhs's and rhs's
+# contraction ("k"), rhs's columns ("n") and rhs's groups ("g") stay where they live;
+# group_sizes ("gs", every group's size) is gathered.
+# * Rows: a device's rows are a block of the global row order, so group_sizes is
+#   localised to it (each group's rows clipped to the block), which keeps the rows of
+#   groups it does not hold, and rows past the sum, zero.
+# * Groups: a device holding groups [g0, g0 + G_local) of rhs runs them with group offset
+#   g0 (added to the caller's), the other groups' rows zero; the forward's partial
+#   outputs (and dlhs) are summed over the groups' axes, in float32. This is expert
+#   parallelism with every token on every device; ops/moe/expert_parallel.py moves the
+#   tokens to their experts' devices instead (an all-to-all, no sum over the outputs).
+# * Contraction: partial products summed in float32 (forward); dlhs and drhs keep it.
+# * Columns: dlhs is summed over them; drhs is summed over the rows' axes.
+_IN = ("m k", "g k n", "gs", "")
+
+
+def _local_groups(group_sizes, offset, reduced, m_local: int, g_local: int):
+    """``(group_sizes, offset)`` of this device's block of rows and groups."""
+    if reduced_axes(reduced, "m"):
+        m0 = block_index(reduced, "m") * m_local
+        ends = jnp.cumsum(group_sizes)
+        group_sizes = (jnp.clip(ends - m0, 0, m_local)
+                       - jnp.clip(ends - group_sizes - m0, 0, m_local)).astype(jnp.int32)
+    if reduced_axes(reduced, "g"):
+        g0 = block_index(reduced, "g") * g_local
+        offset = g0 if offset is None else offset + g0
+    return group_sizes, offset
+
+
+def _summed(x, reduced, factors, dtype):
+    """``x`` (float32 where ``factors`` are split) summed over their axes, as ``dtype``."""
+    return psum(x, reduced, *factors).astype(dtype)
+
+
 def _forward(lhs, rhs, group_sizes, offset, kernel: _Kernel):
-    m, g_local = lhs.shape[0], rhs.shape[0]
-    visits = group_table.row_visits(group_sizes, g_local, offset, m, kernel.config.block_m)
-    return kernel.gmm(lhs, rhs, visits, transpose_rhs=False, config=kernel.config,
-                      out_dtype=kernel.out_dtype, name="ragged_dot")
+    def local(lhs, rhs, group_sizes, offset, *, reduced):
+        m, g_local = lhs.shape[0], rhs.shape[0]
+        sizes, off = _local_groups(group_sizes, offset, reduced, m, g_local)
+        partial = reduced_axes(reduced, "k", "g")
+        visits = group_table.row_visits(sizes, g_local, off, m, kernel.config.block_m)
+        out = kernel.gmm(lhs, rhs, visits, transpose_rhs=False, config=kernel.config,
+                         out_dtype=np.dtype(np.float32) if partial else kernel.out_dtype,
+                         name="ragged_dot")
+        return (_summed(out, reduced, ("k", "g"), kernel.out_dtype),)
+
+    return run(_OP, local, (lhs, rhs, group_sizes, offset), _IN, ("m n",), gather=("gs",),
+               reduce=("m", "k", "g"))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -244,20 +287,30 @@ def _ragged_dot_bwd(kernel: _Kernel, residuals, g):
     cotangent is cast to the operands' dtype (the products' input dtype)."""
     lhs, rhs, group_sizes, offset = residuals
     dout = g.astype(lhs.dtype)
-    m, g_local = lhs.shape[0], rhs.shape[0]
     c = kernel.config
     # The forward's warps for both (dlhs's tile is block_m x block_k, drhs's block_k x
     # block_n; at 4 warps drhs's masked 64 x 128 bfloat16 tiles take 241 registers on
     # sm_90, at 8 warps 124).
     c = dataclasses.replace(c, num_warps=c.num_warps or tiled.default_num_warps(c.block_m,
                                                                                 c.block_n))
-    visits = group_table.row_visits(group_sizes, g_local, offset, m, c.block_m)
-    dlhs = kernel.gmm(dout, rhs, visits, transpose_rhs=True,
-                      config=dataclasses.replace(c, block_n=c.block_k, block_k=c.block_n),
-                      out_dtype=lhs.dtype, name="ragged_dot_dlhs")
-    drhs = tgmm.tgmm(lhs, dout, group_sizes, offset, g_local, config=c, backend=kernel.backend,
-                     out_dtype=rhs.dtype, walk=kernel.walk,
-                     scalar_prefetch=kernel.scalar_prefetch)
+
+    def local(lhs, rhs, group_sizes, offset, dout, *, reduced):
+        m, g_local = lhs.shape[0], rhs.shape[0]
+        sizes, off = _local_groups(group_sizes, offset, reduced, m, g_local)
+        f32 = np.dtype(np.float32)
+        visits = group_table.row_visits(sizes, g_local, off, m, c.block_m)
+        dlhs = kernel.gmm(dout, rhs, visits, transpose_rhs=True,
+                          config=dataclasses.replace(c, block_n=c.block_k, block_k=c.block_n),
+                          out_dtype=f32 if reduced_axes(reduced, "n", "g") else lhs.dtype,
+                          name="ragged_dot_dlhs")
+        drhs = tgmm.tgmm(lhs, dout, sizes, off, g_local, config=c, backend=kernel.backend,
+                         out_dtype=f32 if reduced_axes(reduced, "m") else rhs.dtype,
+                         walk=kernel.walk, scalar_prefetch=kernel.scalar_prefetch)
+        return (_summed(dlhs, reduced, ("n", "g"), lhs.dtype),
+                _summed(drhs, reduced, ("m",), rhs.dtype))
+
+    dlhs, drhs = run(_OP, local, (lhs, rhs, group_sizes, offset, dout), _IN + ("m n",),
+                     ("m k", "g k n"), gather=("gs",), reduce=("m", "n", "g"), out_like=(0, 1))
     return dlhs, drhs, None, None
 
 

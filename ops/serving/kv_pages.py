@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pallas_core as pl
 from ops._checks import check_same_dtype
 from ops._implementation import run_implementation
+from ops._partitioning import block_index, run
 from ops.attention.tile_math import div, rem
 from ops.serving import checks
 
@@ -94,9 +95,9 @@ def _run(pages, new_k, new_v, slots, combined: bool, impl: str):
     T = slots.shape[0]
     if T == 0 or pages[0].size == 0:
         return pages
-    P, ps = _geometry(pages, combined)
-    valid = (slots >= 0) & (slots < P * ps)
     if impl == "xla":
+        P, ps = _geometry(pages, combined)
+        valid = (slots >= 0) & (slots < P * ps)
         page = jnp.where(valid, slots // ps, P)  # P: out of bounds, dropped
         off = jnp.where(valid, slots % ps, 0)
         if combined:
@@ -108,6 +109,34 @@ def _run(pages, new_k, new_v, slots, combined: bool, impl: str):
         raise NotImplementedError(
             f"{_OP}: implementation='mosaic_tpu' writes the combined layout only: one token of a "
             "[K, P, page_size, H] cache is a [K, 1, H] block, below the TPU's (8, 128) tiling.")
+    return _partitioned(pages, new_k, new_v, slots, combined, impl)
+
+
+# Multi-device (ops._partitioning): the cache's heads ("k") and pages ("p") stay where
+# they live, and so does every written block. Each device writes the tokens of its own
+# heads into its own pages: a slot names a global page, so the slots are localised (minus
+# the device's first page times page_size; slots of other devices' pages become padding
+# and are skipped). The new tokens ("t"), the page size ("s") and the head dim ("h") are
+# gathered: every device needs every token's slot and its heads' whole rows.
+
+def _partitioned(pages, new_k, new_v, slots, combined: bool, impl: str):
+    n = len(pages)
+    page_dims = ("p s (k two) h",) if combined else ("k p s h",) * 2
+
+    def local(*arrays, reduced):
+        local_pages, (k, v, local_slots) = arrays[:n], arrays[n:]
+        P, ps = _geometry(local_pages, combined)
+        local_slots = local_slots - block_index(reduced, "p") * (P * ps)
+        return _kernel_write(local_pages, k, v, local_slots, combined, impl)
+
+    return run(_OP, local, (*pages, new_k, new_v, slots), (*page_dims, "t k h", "t k h", "t"),
+               page_dims, gather=("t", "s", "h"), reduce=("p",), out_like=tuple(range(n)))
+
+
+def _kernel_write(pages, new_k, new_v, slots, combined: bool, impl: str):
+    """The kernel's write of one device's block of the cache (slots local to it)."""
+    P, ps = _geometry(pages, combined)
+    valid = (slots >= 0) & (slots < P * ps)
     slots, new_k, new_v = _padding_rewritten(pages, new_k, new_v, slots, valid, combined)
     if combined:
         return _write(impl, combined, ps, pages, (_interleaved(new_k, new_v),), slots)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ops._checks import check_float_dtype, check_same_dtype
 from ops._op import Op, Tuning, register
-from ops.serving import checks, kernels
+from ops.serving import checks, kernels, sharding
 from ops.serving.block_sizes import DIMS, PagedBlockSizes, check_block_sizes
 from ops.serving.reference import gather_pages, rows_attention
 
@@ -80,7 +80,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     args = _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages,
                   scale, logits_soft_cap, local_window_size, sinks)
     bs = check_block_sizes(block_sizes, _OP)
-    return OP.run(implementation, lambda impl: _run(args, impl, bs))
+    return OP.run(implementation, lambda impl: sharding.paged_attention(
+        lambda a, i: _run(a, i, bs), args, impl))
 
 
 def _window_left(window, op: str):

@@ -12,7 +12,7 @@ import numpy as np
 import pallas_core as pl
 from ops._checks import check_float_dtype
 from ops._op import Op, register
-from ops.serving import checks, kernels
+from ops.serving import checks, kernels, sharding
 from ops.serving.block_sizes import DIMS, PagedBlockSizes, check_block_sizes
 from ops.serving.paged_attention import sink_tile
 from ops.serving.reference import gather_pages, rows_attention
@@ -76,7 +76,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     args = _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale,
                   sliding_window, soft_cap, k_scale, v_scale, sinks)
     bs = check_block_sizes(block_sizes, _OP)
-    return OP.run(implementation, lambda impl: _run(args, impl, bs))
+    return OP.run(implementation, lambda impl: sharding.ragged_paged_attention(
+        lambda a, i: _run(a, i, bs), args, impl))
 
 
 def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale, window, soft_cap,

@@ -319,6 +319,29 @@ def moe_cases(dtype=jnp.bfloat16) -> list[GateCase]:
     ]
 
 
+def _with_tma(fn: Callable) -> Callable:
+    """``fn`` with the library's ``tma`` default on while it is traced (pl.triton.enable_tma)."""
+    def traced(*args):
+        with pl.triton.enable_tma():
+            return fn(*args)
+    return traced
+
+
+def tma_cases(s: int = 8192, seq: int = 4096, head_dims=(64, 128), dtype=jnp.bfloat16) -> list[GateCase]:
+    """The tensor-descriptor (TMA) variants of the plain matmul's and the attention forward's
+    kernels (``PALLAS_CORE_TRITON_TMA=1``; off by default until a GPU run validates the launch)."""
+    dt = jnp.dtype(dtype).name
+    cases = [GateCase(f"fused_matmul/plain+tma/{s}x{s}x{s}/{dt}/fwd",
+                      _with_tma(lambda x, w: ops.fused_matmul(x, w, implementation="triton")),
+                      (_sds((s, s), dtype), _sds((s, s), dtype)))]
+    for h in head_dims:
+        cases.append(GateCase(
+            f"dot_product_attention/full+tma/1x{seq}x{seq}x16x4x{h}/{dt}/fwd",
+            _with_tma(lambda q, k, v: ops.dot_product_attention(q, k, v, implementation="triton")),
+            (_sds((1, seq, 16, h), dtype), _sds((1, seq, 4, h), dtype), _sds((1, seq, 4, h), dtype))))
+    return cases
+
+
 def tuned_cases(target: str) -> list[GateCase]:
     """One case per entry of the packaged cache for ``target``'s GPUs (the shipped tuned
     configs), compiled with the entry in force."""
@@ -341,7 +364,7 @@ def all_cases(target: str = "sm_90") -> list[GateCase]:
     """The full gate: every op at model sizes and every shipped tuned config."""
     return (matmul_cases() + row_cases() + residual_norm_cases() + attention_cases()
             + attention_decode_cases()
-            + decode_cases() + decoder_op_cases() + moe_cases() + tuned_cases(target))
+            + decode_cases() + decoder_op_cases() + moe_cases() + tma_cases() + tuned_cases(target))
 
 
 def quick_cases() -> list[GateCase]:
@@ -430,8 +453,23 @@ BUDGETS: dict[tuple[str, str], Budget] = {
     # takes 69, but tma stays off by default (jax_triton does not allocate the global
     # scratch in-kernel descriptors need; docs/pallas_core.md).
     **{(f"fused_matmul/plain/{s}x{s}x{s}/bfloat16/fwd", "fused_matmul"): Budget(
-        "K loop and registers: " + _FROZEN + "; 69 per step with TMA loads", loops=(83,),
+        "K loop and registers: " + _FROZEN + "; 69 per step with TMA loads (plain+tma)", loops=(83,),
         registers=98) for s in (4096, 8192)},
+    # Tensor-descriptor (TMA) variants, PALLAS_CORE_TRITON_TMA=1 (tma_cases). Each
+    # cp.async.bulk.tensor wait adds two SASS "loops" after the main one: the mbarrier
+    # try-wait retry (2 instructions) and the branch from that out-of-line wait back into
+    # the loop body, which spans the code between them; neither is an iteration.
+    ("fused_matmul/plain+tma/8192x8192x8192/bfloat16/fwd", "fused_matmul"): Budget(
+        "K loop 69 per step against 83 with cp.async (no per-step address arithmetic), 90 "
+        "registers; then the TMA wait's retry (2) and its branch back (140)", loops=(69, 2, 140),
+        registers=90, tma=True),
+    **{(f"dot_product_attention/full+tma/1x4096x4096x16x4x{h}/bfloat16/fwd", "flash_attention_fwd"): Budget(
+        f"today's figure, a regression guard: the key/value loop {loop} per iteration against "
+        f"{pointer_loop} with pointer loads, {regs} registers against {pointer_regs}: TMA is no "
+        "win here yet; then the waits' retries and branches back", loops=loops, registers=regs, tma=True)
+       for h, loop, pointer_loop, regs, pointer_regs, loops in (
+           (64, 502, 500, 222, 195, (502, 2, 1154, 2, 999)),
+           (128, 330, 335, 170, 141, (330, 2, 906, 2, 755)))},
     # The exact gelu's epilogue (ops.activations: Phi from exp2 and polynomials, within
     # 1.8 ulps for x >= 0) against the same kernel with libdevice's erff in
     # 0.5 x (1 + erf(x / sqrt 2)): 2616 SASS instructions at this tile (ours: 2176).

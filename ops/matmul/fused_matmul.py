@@ -251,7 +251,7 @@ def _dz_call(g, z, *, activation, want_dbias, blocks, backend):
         # act' and the dbias column sums spill on sm_90 with 4 warps (4 KiB) and 8
         # (128 bytes), and take 60 registers with 16 (benchmarks.static).
         compiler_params=pl.triton.CompilerParams(num_warps=2 * tiled.default_num_warps(bm, bn), num_stages=1)
-        if backend in pl.TRITON_BACKENDS else None,
+        if pl.backend_traits(backend).triton else None,
         backend=backend, name="fused_matmul_dz")(*operands)
     outs = list(outs)
     dz = outs.pop(0) if want_dz else g
@@ -373,7 +373,7 @@ def backward_step(rows: int, cols: int, step: int, backend: str) -> int:
     (dw) of shared memory at 3 stages, over sm_90's 227 KiB; every tile up to
     128 x 128 keeps its step. Elsewhere (TPU VMEM tiles, the interpreters) the
     role's step."""
-    if backend not in pl.TRITON_BACKENDS or triton_backend.wants_interpreter_tiles(backend):
+    if not pl.backend_traits(backend).triton or triton_backend.wants_interpreter_tiles(backend):
         return step
     while step > 16 and (rows + cols) * step > _BACKWARD_STEP_ELEMENTS:
         step //= 2

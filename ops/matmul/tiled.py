@@ -66,9 +66,11 @@ SUBTILES = (1, 2, 4)
 
 
 def strategy(backend: str) -> str:
-    """How the contraction is walked on ``backend``: ``"loop"`` on pallas_triton
-    (JAX's lowering, whose programs all run concurrently), else ``"grid"``."""
-    return LOOP if backend == "pallas_triton" else GRID
+    """How the contraction is walked on ``backend``: ``"loop"`` where grid points run
+    concurrently (pallas_triton, JAX's lowering:
+    ``pl.backend_traits(backend).sequential_grid`` false), else ``"grid"`` (our
+    Triton lowering runs the contraction axis as a loop itself)."""
+    return GRID if pl.backend_traits(backend).sequential_grid else LOOP
 
 
 def default_num_warps(block_m: int, block_n: int) -> int:
@@ -199,14 +201,15 @@ def subtile_parts(parts: int | None, block_n: int, backend: str) -> int:
     ``backend`` when ``parts`` (None or one of :data:`SUBTILES`) are asked for: the
     whole tile (1) unless ``parts`` divides ``block_n`` into pieces the backend
     slices without copies: powers of two on the Triton backends (``tl.split``
-    halves), multiples of 128 lanes on mosaic_tpu."""
+    halves), multiples of the lane tiling on mosaic_tpu (128;
+    ``pl.backend_traits(backend).tile``)."""
     parts = parts or 1
     if parts == 1 or block_n % parts:
         return 1
-    piece = block_n // parts
-    if backend in pl.TRITON_BACKENDS and pl.next_power_of_2(block_n) != block_n:
+    traits = pl.backend_traits(backend)
+    if traits.triton and pl.next_power_of_2(block_n) != block_n:
         return 1
-    if backend == "mosaic_tpu" and piece % 128:
+    if (block_n // parts) % traits.tile[1]:
         return 1
     return parts
 
@@ -310,8 +313,8 @@ def _loop_kernel(*refs, ca, cb, block_k, num_k, k_size, num_scalars, num_extras,
 def launch_params(walk: str, backend: str, blocks: tuple[int, int, int], *,
                   num_warps: int | None = None, num_stages: int | None = None,
                   group_size: int | None = None):
-    """Compiler params of a :func:`matmul_call`: on ``triton`` (grid walk) the
-    launch parameters with the grid's semantics, on the loop walk Triton's
+    """Compiler params of a :func:`matmul_call`: on our Triton lowering (``triton``,
+    grid walk) the launch parameters with the grid's semantics, on the loop walk Triton's
     warps and stages (pallas_triton reads them, the others ignore them), else
     the grid's semantics only. None takes the heuristic's: warps by tile
     (:func:`default_num_warps`), 3 stages, grouped program order in bands of
@@ -320,7 +323,8 @@ def launch_params(walk: str, backend: str, blocks: tuple[int, int, int], *,
     num_stages = num_stages or 3
     semantics = (pl.PARALLEL, pl.PARALLEL, pl.ARBITRARY)
     if walk == GRID:
-        if backend == "triton":
+        traits = pl.backend_traits(backend)
+        if traits.triton and not traits.through_jax:
             return pl.triton.CompilerParams(num_warps=num_warps, num_stages=num_stages,
                                             group_size=group_size or 8,
                                             dimension_semantics=semantics)
@@ -506,10 +510,11 @@ def default_block_sizes(m: int, n: int, k: int, dtype, backend: str) -> tuple[in
     Every choice is valid in a backward pass too, where the same sizes are
     reused by role (dx tiles (block_m, block_k), dw tiles (block_k, block_n)).
     """
-    if backend == "mosaic_tpu":
+    traits = pl.backend_traits(backend)
+    if traits.hardware == "tpu":
         return mosaic_tpu_matmul_blocks(m, n, k, max_m=256, max_n=512)
     small = 16
-    if backend in pl.TRITON_BACKENDS:
+    if traits.triton:
         cap_k = 32 if np.dtype(dtype) == np.float32 else 64
         return (min(128, max(small, pl.next_power_of_2(m))), min(128, max(small, pl.next_power_of_2(n))),
                 min(cap_k, max(small, pl.next_power_of_2(k))))

@@ -384,8 +384,8 @@ def test_loop_strategy_on_interpret(option, monkeypatch):
     run by the interpreter, forward and gradients: the same kernels as on triton,
     at the interpreter's speed. T = 70 and S = 90 give each query block fully
     visible key blocks as well as ones a boundary crosses."""
-    from ops.attention.config import Config
-    monkeypatch.setattr(Config, "strategy", property(lambda self: "loop"))
+    from ops.attention.config import Backend
+    monkeypatch.setattr(Backend, "strategy", property(lambda self: "loop"))
     q, k, v, do = _inputs(11, t=70, s=90)
     kw = {"causal": dict(is_causal=True), "window": dict(local_window_size=(20, 10)),
           "window_causal": dict(local_window_size=30, is_causal=True),

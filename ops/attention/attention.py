@@ -24,7 +24,7 @@ from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
 from ops.attention import calls, decode, range_table
 from ops.attention.block_sizes import BlockSizes, register_op, select_block_sizes, tuning_variant
-from ops.attention.config import Config
+from ops.attention.config import AttentionProblem, Backend, Config, ScoreMath
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
                                    fold_key_mask, fold_lengths, masked_sides)
 from ops.attention.reference import attention_reference
@@ -175,15 +175,16 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
             q_seg, kv_seg = fold_key_mask(mask, q_seg, kv_seg, q.shape[0], T)
             spec, mask = dataclasses.replace(spec, segments=True), None
         cfg = Config(
-            backend=impl, layout="BNTH" if impl == "mosaic_tpu" else "BTNH", spec=spec,
-            batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
-            scale=args["scale"], softcap=args["cap"], dropout_rate=rate,
-            bias_full=None if bias is None else tuple(d != 1 for d in bias.shape),
-            mask_full=None if mask is None else tuple(d != 1 for d in mask.shape),
-            block_q=blocks.block_q, block_k=blocks.block_k, block_q_dkv=blocks.block_q_dkv,
-            block_k_dkv=blocks.block_k_dkv, num_warps=blocks.num_warps,
-            num_stages=blocks.num_stages, sinks=args["sinks"] is not None, k_splits=k_splits,
-            value_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1])
+            backend=Backend.of(impl),
+            problem=AttentionProblem(
+                spec=spec, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2],
+                head_dim=q.shape[3],
+                value_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1],
+                bias_full=None if bias is None else tuple(d != 1 for d in bias.shape),
+                mask_full=None if mask is None else tuple(d != 1 for d in mask.shape)),
+            score=ScoreMath(scale=args["scale"], softcap=args["cap"], dropout_rate=rate,
+                            sinks=args["sinks"] is not None),
+            blocks=dataclasses.replace(blocks, k_splits=k_splits))
         if mask is not None and impl in ("pallas_triton", "mosaic_tpu"):
             mask = mask.astype(jnp.int32)  # neither lowering loads booleans from memory
         out, lse = _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, args["sinks"], cfg)
@@ -493,7 +494,8 @@ def _dims(cfg: Config, bias, mask) -> _Signature:
 
 def _local_config(cfg: Config, q, k) -> Config:
     """``cfg`` for this device's block of batch and heads."""
-    return dataclasses.replace(cfg, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2])
+    return dataclasses.replace(cfg, problem=dataclasses.replace(
+        cfg.problem, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2]))
 
 
 def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks=None):

@@ -64,7 +64,7 @@ def padded_length(length: int, block: int, backend: str) -> int:
 
 
 def _heads_block(cfg: Config, n: int) -> int:
-    return pl.next_power_of_2(n) if cfg.backend == "pallas_triton" else n
+    return pl.next_power_of_2(n) if cfg.backend.name == "pallas_triton" else n
 
 
 def _seq_spec(cfg: Config, block_l: int, pick, *, all_heads: bool = False, value: bool = False):
@@ -116,7 +116,7 @@ def _pair_spec(full, block_q: int, block_k: int, pick, *, all_heads=False, heads
 
 def _table_spec(cfg: Config):
     """The flat int32 scalar table (seed, block ranges): one whole-array block."""
-    space = pl.tpu.SMEM if cfg.backend == "mosaic_tpu" else None
+    space = pl.tpu.SMEM if cfg.backend.name == "mosaic_tpu" else None
     return pl.BlockSpec(memory_space=space) if space is not None else pl.BlockSpec()
 
 
@@ -132,11 +132,11 @@ def _params(cfg: Config, semantics, accumulator_rows: int, threshold: int = 128 
     """Compiler params; Triton gets 8 warps once the float32 accumulator tiles
     (``accumulator_rows x H``, H padded to a power of two) reach ``threshold``
     elements, 4 below: the split that compiles for sm_90 without spills."""
-    if cfg.backend in pl.TRITON_BACKENDS:
+    if cfg.backend.name in pl.TRITON_BACKENDS:
         tile = accumulator_rows * pl.next_power_of_2(max(cfg.head_dim, cfg.v_dim))
         warps = cfg.num_warps or (8 if tile >= threshold else 4)
         stages = cfg.num_stages or 2
-        if cfg.backend == "pallas_triton":
+        if cfg.backend.name == "pallas_triton":
             return pl.triton.CompilerParams(num_warps=warps, num_stages=stages)
         return pl.triton.CompilerParams(num_warps=warps, num_stages=stages,
                                         dimension_semantics=semantics)
@@ -209,7 +209,7 @@ def _query_block_layout(cfg: Config) -> _QueryBlockLayout:
             kv_block=bk, q_pick=q_pick, kv_pick=lambda b, n, i, j: (b, j, div(n, g)),
             pair=lambda b, n, i, j: (b, i, j, n),
             seg_k=pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j)))
-    kv_block = padded_length(cfg.spec.S, bk, cfg.backend)
+    kv_block = padded_length(cfg.spec.S, bk, cfg.backend.name)
     return _QueryBlockLayout(
         grid=(cfg.batch, cfg.heads, nq), semantics=("parallel",) * 3, kv_block=kv_block,
         q_pick=q_pick, kv_pick=lambda b, n, i: (b, 0, div(n, g)), pair=lambda b, n, i: (b, i, 0, n),
@@ -244,7 +244,7 @@ def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table, sinks=N
     out, lse = pl.pallas_call(
         functools.partial(_walk(cfg).forward_kernel, cfg=cfg), out_shape=out_shape, grid=lay.grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
-        compiler_params=_params(cfg, lay.semantics, bq), backend=cfg.backend,
+        compiler_params=_params(cfg, lay.semantics, bq), backend=cfg.backend.name,
         name="flash_attention_fwd")(
             _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v), *aux, table)
     return _from_layout(cfg, out), lse
@@ -284,7 +284,7 @@ def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, tab
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=lay.grid, in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=scratch, input_output_aliases=aliases,
-        compiler_params=_params(cfg, lay.semantics, bq), backend=cfg.backend,
+        compiler_params=_params(cfg, lay.semantics, bq), backend=cfg.backend.name,
         name="flash_attention_dq")(*operands)
     dq = _from_layout(cfg, outs[0])
     return dq, (outs[1] if want_dbias else None)
@@ -319,7 +319,7 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
         seg_q = pl.BlockSpec((None, bq, 1), lambda b, kh, j, t: (b, rem(t, nq), 0))
     else:
         grid = (cfg.batch, cfg.kv_heads, nk)
-        q_block, all_heads = padded_length(T, bq, cfg.backend), True
+        q_block, all_heads = padded_length(T, bq, cfg.backend.name), True
         q_pick = lambda b, kh, j: (b, 0, 0)
         pair = lambda b, kh, j: (b, 0, j, 0)
         seg_q = pl.BlockSpec((None, q_block, 1), lambda b, kh, j: (b, 0, 0))
@@ -349,7 +349,7 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
     dk, dv = pl.pallas_call(
         functools.partial(_walk(cfg).dkdv_kernel, cfg=cfg), out_shape=out_shape, grid=grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
-        compiler_params=_params(cfg, semantics, bk, threshold=64 * 128), backend=cfg.backend,
+        compiler_params=_params(cfg, semantics, bk, threshold=64 * 128), backend=cfg.backend.name,
         name="flash_attention_dkdv")(
             _to_layout(cfg, q), _to_layout(cfg, k), _to_layout(cfg, v), _to_layout(cfg, do),
             lse, delta, *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table)

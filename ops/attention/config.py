@@ -1,4 +1,17 @@
-"""The static description of one attention call, shared by its kernels."""
+"""The static description of one attention call, shared by its kernels, in named parts.
+
+A :class:`Config` is four parts, each a frozen dataclass (so the whole is hashable, the
+``custom_vjp`` nondiff argument of :func:`ops.dot_product_attention`):
+
+* :class:`Backend`: where the kernels run and how they walk the other sequence
+  (the backend's name, its operand layout and walk strategy);
+* :class:`AttentionProblem`: what is computed (shapes, heads, the mask spec,
+  which optional operands are present and which of their dims are full);
+* :class:`~ops.attention.tile_math.ScoreMath`: how a tile's products become
+  probabilities (scale, soft cap, dropout, sinks), all the per-tile math reads;
+* :class:`~ops.attention.block_sizes.BlockSizes`: the tiles (resolved: every
+  block set, ``k_splits`` an int), the op's tunable config.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,52 +19,62 @@ import dataclasses
 import pallas_core as pl
 from ops.attention.block_sizes import BlockSizes
 from ops.attention.masking import MaskSpec
+from ops.attention.tile_math import ScoreMath
+
+__all__ = ["AttentionProblem", "Backend", "BlockSizes", "Config", "ScoreMath"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything static about one attention call (hashable: a custom_vjp nondiff argument),
-    in three parts: the backend's (``backend``, ``layout`` and :attr:`strategy`), the
-    call's problem (``spec`` to ``mask_full``, ``sinks``, ``value_head_dim``) and the
-    tiles chosen for it (``block_q`` to ``num_stages``, ``k_splits``; :attr:`blocks` is
-    that part as the op's config, :class:`~ops.attention.block_sizes.BlockSizes`).
+class Backend:
+    """The backend part: its name (``"interpret"``, ``"triton"``, ``"pallas_triton"``,
+    ``"mosaic_tpu"``) and what follows from it (:meth:`of`).
 
     Attributes:
-      layout: "BTNH" (operands as given) or "BNTH" (heads before the
-        sequence, what TPU tiling needs; transposed outside the kernels).
-      bias_full / mask_full: per dim of the 4-D bias / mask, whether it is full
-        size (True) or broadcast (size 1); None when absent.
-      block_q, block_k: forward / dQ tiles; block_q_dkv, block_k_dkv: dK/dV tiles.
-      sinks: whether a per-head sink logit joins every row's softmax denominator.
-      value_head_dim: the value (and output) head dim when it differs from the
-        query/key ``head_dim`` (None: the same).
-      k_splits: programs sharing one key/value range in split-KV decode (1: unsplit).
+      name: the backend.
+      layout: "BTNH" (operands as given) or "BNTH" (heads before the sequence,
+        what TPU tiling needs; transposed outside the kernels).
     """
 
-    backend: str
-    layout: str
+    name: str
+    layout: str = "BTNH"
+
+    @classmethod
+    def of(cls, name: str) -> "Backend":
+        """The backend part for ``name``: BNTH operands on ``mosaic_tpu``, BTNH elsewhere."""
+        return cls(name, "BNTH" if name == "mosaic_tpu" else "BTNH")
+
+    @property
+    def strategy(self) -> str:
+        """How the kernels walk the other sequence: ``"loop"`` on the Triton backends
+        (:mod:`ops.attention.loop_walk`), ``"grid"`` elsewhere (:mod:`ops.attention.grid_walk`)."""
+        return "loop" if self.name in pl.TRITON_BACKENDS else "grid"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    """The problem part: query ``[batch, T, heads, head_dim]``, key/value ``[batch, S,
+    kv_heads, head_dim | value_head_dim]`` (``T`` and ``S`` are ``spec``'s).
+
+    Attributes:
+      spec: the positional and segment masking (:class:`~ops.attention.masking.MaskSpec`).
+      value_head_dim: the value (and output) head dim when it differs from the
+        query/key ``head_dim`` (None: the same).
+      bias_full / mask_full: per dim of the 4-D bias / mask, whether it is full
+        size (True) or broadcast (size 1); None when absent.
+    """
+
     spec: MaskSpec
     batch: int
     heads: int
     kv_heads: int
     head_dim: int
-    scale: float
-    softcap: float | None
-    dropout_rate: float
-    bias_full: tuple[bool, ...] | None
-    mask_full: tuple[bool, ...] | None
-    block_q: int
-    block_k: int
-    block_q_dkv: int
-    block_k_dkv: int
-    num_warps: int | None = None
-    num_stages: int | None = None
-    sinks: bool = False
     value_head_dim: int | None = None
-    k_splits: int = 1
+    bias_full: tuple[bool, ...] | None = None
+    mask_full: tuple[bool, ...] | None = None
 
     @property
     def group(self) -> int:
+        """Query heads per key/value head."""
         return self.heads // self.kv_heads
 
     @property
@@ -59,14 +82,28 @@ class Config:
         """The value / output head dim."""
         return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
-    @property
-    def strategy(self) -> str:
-        """How the kernels walk the other sequence: ``"loop"`` on the Triton backends
-        (:mod:`ops.attention.loop_walk`), ``"grid"`` elsewhere (:mod:`ops.attention.grid_walk`)."""
-        return "loop" if self.backend in pl.TRITON_BACKENDS else "grid"
 
-    @property
-    def blocks(self) -> BlockSizes:
-        """The tiles of this call, as the op's config."""
-        return BlockSizes(self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv,
-                          self.num_warps, self.num_stages, self.k_splits)
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything static about one attention call: :class:`Backend`,
+    :class:`AttentionProblem`, :class:`~ops.attention.tile_math.ScoreMath` and the tiles
+    (:class:`~ops.attention.block_sizes.BlockSizes`, resolved: ``block_q_dkv`` /
+    ``block_k_dkv`` set and ``k_splits`` the int the call runs with, 1 unsplit)."""
+
+    backend: Backend
+    problem: AttentionProblem
+    score: ScoreMath
+    blocks: BlockSizes
+
+    # Transitional: the flat names of the earlier one-level Config, forwarded to their part
+    # while the readers move to the parts.
+    def __getattr__(self, name):
+        for part in ("problem", "score", "blocks"):
+            if name.startswith("__"):
+                break
+            value = object.__getattribute__(self, part)
+            if hasattr(value, name):
+                return getattr(value, name)
+        if name in ("layout", "strategy"):
+            return getattr(object.__getattribute__(self, "backend"), name)
+        raise AttributeError(name)

@@ -94,7 +94,7 @@ def rows_block(cfg: Config) -> int:
     time, which a loop bound by reading K/V has to spare (sm_90 at h128, 64-key tiles:
     140 registers, 80 KiB shared memory, no spills). A multiple of 8 elsewhere."""
     rows = cfg.spec.T * cfg.group
-    if cfg.backend in pl.TRITON_BACKENDS:
+    if cfg.backend.name in pl.TRITON_BACKENDS:
         return MAX_ROWS
     return max(8, pl.cdiv(rows, 8) * 8)
 
@@ -129,7 +129,7 @@ def forward(cfg: Config, q, k, v, q_seg, kv_seg, sinks):
     q_spec = pl.BlockSpec((None, None, rows, cfg.head_dim), lambda b, kh, s, *_: (b, kh, 0, 0))
     nk = pl.cdiv(S, bk)
     if loop:
-        grid, kv_block = (B, K, splits), calls.padded_length(S, bk, cfg.backend)
+        grid, kv_block = (B, K, splits), calls.padded_length(S, bk, cfg.backend.name)
         kv_pick = lambda b, kh, s: (b, 0, kh)
         seg_k = pl.BlockSpec((None, 1, kv_block), lambda b, kh, s: (b, 0, 0))
         kernel = functools.partial(loop_walk.decode_kernel, cfg=cfg)
@@ -162,7 +162,7 @@ def forward(cfg: Config, q, k, v, q_seg, kv_seg, sinks):
     out_part, lse_part = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=scratch, compiler_params=calls._params(cfg, semantics, rows),
-        backend=cfg.backend, name="flash_decoding_split")(*operands)
+        backend=cfg.backend.name, name="flash_decoding_split")(*operands)
     out, lse = merge_call(cfg, out_part, lse_part, sinks, rows, q.dtype)
     lse = jnp.transpose(_from_rows(cfg, lse[..., 0]), (0, 2, 1))[..., None]
     return _from_rows(cfg, out), lse
@@ -187,7 +187,7 @@ def merge_call(cfg: Config, out_part, lse_part, sinks, rows: int, dtype):
         out_shape=[jax.ShapeDtypeStruct((B, K, rows, cfg.v_dim), dtype),
                    jax.ShapeDtypeStruct((B, K, rows, 1), jnp.float32)],
         compiler_params=calls._params(cfg, ("parallel", "parallel"), rows),
-        backend=cfg.backend, name="flash_decoding_merge")(*operands)
+        backend=cfg.backend.name, name="flash_decoding_merge")(*operands)
 
 
 def _merge_kernel(*refs, splits: int, rows: int, sinks: bool):

@@ -131,7 +131,8 @@ def forward_body(cfg: Config, refs, read, stats) -> Body:
 
     def step(j, carry, masked=True):
         tile, v = kv_tile(cfg, prog, q, j, k_ref, v_ref, aux, read)
-        return forward_update(cfg, carry, tile, v, prog.seed, bq, bk, masked)
+        return forward_update(cfg.score, cfg.problem.spec, carry, tile, v, prog.seed, bq, bk,
+                              masked)
 
     def finish(m, l, acc):
         out, lse = forward_finish(m, l, acc)
@@ -167,7 +168,8 @@ def dq_body(cfg: Config, refs, read, want_dbias: bool, write_dbias) -> Body:
     def step(j, carry, masked=True):
         (dq,) = carry
         tile, v = kv_tile(cfg, prog, q, j, k_ref, v_ref, aux, read)
-        _, dscores, dbias = backward_tile(cfg, tile, v, do, lse, delta, prog.seed, bq, bk, masked)
+        _, dscores, dbias = backward_tile(cfg.score, cfg.problem.spec, tile, v, do, lse, delta,
+                                          prog.seed, bq, bk, masked)
         if dbias_ref is not None:
             write_dbias(dbias_ref, j, dbias)
         return (dq + dot(dscores.astype(tile.k.dtype), tile.k, 1, 0),)
@@ -220,7 +222,8 @@ def dkdv_body(cfg: Config, refs, read_q, transposed: bool) -> Body:
         delta = zero_rows_past(blk.delta, i, bq, cfg.spec.T, axis=1 if transposed else 0)
         tile = Tile(q=q, k=k, i=i, j=j, head=b * cfg.heads + n, q_seg=blk.q_seg, k_seg=k_seg,
                     bias=blk.bias, mask=blk.mask, transposed=transposed)
-        p, dscores, _ = backward_tile(cfg, tile, v, do, blk.lse, delta, seed, bq, bk, masked)
+        p, dscores, _ = backward_tile(cfg.score, cfg.problem.spec, tile, v, do, blk.lse, delta,
+                                      seed, bq, bk, masked)
         contract = 1 if transposed else 0  # the query axis of p / dscores
         dv = dv + dot(p.astype(do.dtype), do, contract, 0)
         dk = dk + dot(dscores.astype(q.dtype), q, contract, 0)
@@ -258,8 +261,8 @@ def decode_body(cfg: Config, refs, read, stats) -> Body:
         q_pos = div(jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0), g)
         tile = Tile(q=q, k=zero_rows_past(k, j, bk, cfg.spec.S), i=0, j=j, head=0, q_seg=q_seg,
                     k_seg=k_seg, q_pos=q_pos)
-        return forward_update(cfg, carry, tile, zero_rows_past(v, j, bk, cfg.spec.S), None, rows,
-                              bk, masked)
+        return forward_update(cfg.score, cfg.problem.spec, carry, tile,
+                              zero_rows_past(v, j, bk, cfg.spec.S), None, rows, bk, masked)
 
     def finish(m, l, acc):
         out, lse = forward_finish(m, l, acc)

@@ -21,8 +21,7 @@ from jax import lax
 
 from ops._tiles import dot
 from ops.attention import dropout as dropout_lib
-from ops.attention.config import Config
-from ops.attention.masking import visible
+from ops.attention.masking import MaskSpec, visible
 from ops.reduction._rows import logsumexp_shift
 
 LOG2E = math.log2(math.e)
@@ -54,6 +53,26 @@ def zero_rows_past(x, first, block: int, limit: int, axis: int = 0):
     return jnp.where(rows < limit, x, jnp.zeros_like(x))
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreMath:
+    """How a tile's products ``q k^T`` become probabilities: the part of an attention
+    call's config (:class:`ops.attention.config.Config`) the per-tile math reads, also
+    what the paged kernels (:mod:`ops.serving.kernels`) give it.
+
+    Attributes:
+      scale: the factor of the products (float; e.g. ``1 / sqrt(head_dim)``).
+      softcap: the logit soft cap ``c`` of ``c * tanh(scores / c)``, or None.
+      dropout_rate: probability of dropping a probability, in ``[0, 1)`` (0: none).
+      sinks: whether a per-head sink logit joins every row's softmax denominator
+        (read by the kernels that start or merge the softmax, not per tile).
+    """
+
+    scale: float
+    softcap: float | None = None
+    dropout_rate: float = 0.0
+    sinks: bool = False
+
+
 @dataclasses.dataclass
 class Tile:
     """What one (query block, key/value block) pair needs, already read from refs."""
@@ -72,10 +91,12 @@ class Tile:
     # block i's (split-KV decode packs the query heads of a GQA group as rows)
 
 
-def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = False,
-                masked: bool = True, scaled: bool = True):
+def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk: int, *,
+                bound_q: bool = False, masked: bool = True, scaled: bool = True):
     """``(s2, capped)``: masked logits in log2 units ``[bq, bk]`` (-inf where not visible)
     and ``tanh(scores / cap)`` for the soft cap's derivative (None without one).
+    ``spec`` is the call's positional and segment masking (None only with
+    ``masked=False``).
 
     ``masked=False``: the tile is known to be fully visible (a block of the
     ``full_lo .. full_hi`` range of :func:`ops.attention.masking.block_ranges`),
@@ -91,11 +112,11 @@ def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = Fa
     t = tile.transposed
     s = dot(tile.k, tile.q, 1, 1) if t else dot(tile.q, tile.k, 1, 1)
     capped = None
-    if cfg.softcap is not None:
-        capped = jnp.tanh(s * (cfg.scale / cfg.softcap))
-        s2 = capped * (cfg.softcap * LOG2E)
+    if score.softcap is not None:
+        capped = jnp.tanh(s * (score.scale / score.softcap))
+        s2 = capped * (score.softcap * LOG2E)
     elif scaled or tile.bias is not None:
-        s2 = s * (cfg.scale * LOG2E)
+        s2 = s * (score.scale * LOG2E)
     else:
         s2 = s
     if tile.bias is not None:
@@ -105,9 +126,9 @@ def logits_log2(cfg: Config, tile: Tile, bq: int, bk: int, *, bound_q: bool = Fa
         shape, q_axis = ((bk, bq), 1) if t else ((bq, bk), 0)
         q_pos = positions(tile.i, bq, shape, q_axis) if tile.q_pos is None else tile.q_pos
         k_pos = positions(tile.j, bk, shape, 1 - q_axis)
-        vis = visible(cfg.spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=cfg.spec.S % bk != 0)
-        if bound_q and cfg.spec.T % bq:
-            vis = (q_pos < cfg.spec.T) if vis is None else vis & (q_pos < cfg.spec.T)
+        vis = visible(spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=spec.S % bk != 0)
+        if bound_q and spec.T % bq:
+            vis = (q_pos < spec.T) if vis is None else vis & (q_pos < spec.T)
     if tile.mask is not None:
         m = _pair_tile(tile.mask, t) != 0
         vis = m if vis is None else vis & m
@@ -121,26 +142,26 @@ def _pair_tile(x, transposed: bool):
     return x.T if transposed else x
 
 
-def log2_factor(cfg: Config, tile: Tile) -> float:
+def log2_factor(score: ScoreMath, tile: Tile) -> float:
     """What :func:`logits_log2` with ``scaled=False`` left for the caller to multiply
     the logits by: ``scale * log2(e)`` for plain scores, 1 when a soft cap or a
     bias already put them in log2 units."""
-    return 1.0 if (cfg.softcap is not None or tile.bias is not None) else cfg.scale * LOG2E
+    return 1.0 if (score.softcap is not None or tile.bias is not None) else score.scale * LOG2E
 
 
-def dropout_keep(cfg: Config, tile: Tile, seed, bq: int, bk: int):
+def dropout_keep(score: ScoreMath, tile: Tile, seed, bq: int, bk: int):
     """The keep bits of the tile's entries (in its orientation), or None without dropout."""
-    if cfg.dropout_rate == 0.0:
+    if score.dropout_rate == 0.0:
         return None
     shape, q_axis = ((bk, bq), 1) if tile.transposed else ((bq, bk), 0)
     return dropout_lib.keep_mask(seed, tile.head, positions(tile.i, bq, shape, q_axis),
-                                 positions(tile.j, bk, shape, 1 - q_axis), cfg.dropout_rate)
+                                 positions(tile.j, bk, shape, 1 - q_axis), score.dropout_rate)
 
 
-def _apply_dropout(cfg: Config, x, keep):
+def _apply_dropout(score: ScoreMath, x, keep):
     if keep is None:
         return x
-    return jnp.where(keep, x * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
+    return jnp.where(keep, x * (1.0 / (1.0 - score.dropout_rate)), 0.0)
 
 
 def _rows_column(x, like):
@@ -149,8 +170,10 @@ def _rows_column(x, like):
     return x[:, None] if x.ndim == 1 < like.ndim else x
 
 
-def forward_update(cfg: Config, carry, tile: Tile, v, seed, bq: int, bk: int, masked: bool = True):
-    """One online-softmax step (FA-2 Algorithm 1, lines 8-10) for one key/value block.
+def forward_update(score: ScoreMath, spec: MaskSpec | None, carry, tile: Tile, v, seed, bq: int,
+                   bk: int, masked: bool = True):
+    """One online-softmax step (FA-2 Algorithm 1, lines 8-10) for one key/value block
+    (``spec`` as :func:`logits_log2`'s).
 
     The running max ``m`` and sum ``l`` are ``[bq]`` vectors (loop strategy:
     each thread holds its rows' statistics once, so the ``exp2`` of the
@@ -161,15 +184,15 @@ def forward_update(cfg: Config, carry, tile: Tile, v, seed, bq: int, bk: int, ma
     ``s * c - m``, before ``exp2``.
     """
     m, l, acc = carry
-    s, _ = logits_log2(cfg, tile, bq, bk, masked=masked, scaled=False)
-    c = log2_factor(cfg, tile)
+    s, _ = logits_log2(score, spec, tile, bq, bk, masked=masked, scaled=False)
+    c = log2_factor(score, tile)
     row_max = jnp.max(s, axis=1, keepdims=m.ndim == 2)
     m_new = jnp.maximum(m, row_max * c if c != 1.0 else row_max)
     shift = logsumexp_shift(m_new)
     p = jnp.exp2((s * c if c != 1.0 else s) - _rows_column(shift, s))
     alpha = jnp.exp2(m - shift)
     l = l * alpha + jnp.sum(p, axis=1, keepdims=m.ndim == 2)
-    p = _apply_dropout(cfg, p, dropout_keep(cfg, tile, seed, bq, bk))
+    p = _apply_dropout(score, p, dropout_keep(score, tile, seed, bq, bk))
     acc = acc * _rows_column(alpha, acc) + dot(p.astype(v.dtype), v, 1, 0)
     return m_new, l, acc
 
@@ -182,9 +205,10 @@ def forward_finish(m, l, acc):
     return out, lse
 
 
-def backward_tile(cfg: Config, tile: Tile, v, do, lse, delta, seed, bq: int, bk: int,
-                  masked: bool = True):
-    """``(p_dropped, dscores, dbias)`` of one tile (FA-2 Algorithm 2, lines 11-14).
+def backward_tile(score: ScoreMath, spec: MaskSpec | None, tile: Tile, v, do, lse, delta, seed,
+                  bq: int, bk: int, masked: bool = True):
+    """``(p_dropped, dscores, dbias)`` of one tile (FA-2 Algorithm 2, lines 11-14;
+    ``spec`` as :func:`logits_log2`'s).
 
     ``dscores`` is the gradient of the scaled scores ``scale * q.k`` (before the
     soft cap); ``dbias`` that of the logits after it, i.e. of the bias.
@@ -197,12 +221,12 @@ def backward_tile(cfg: Config, tile: Tile, v, do, lse, delta, seed, bq: int, bk:
     tile has M = 32 and lowers to ``mma.sync``), and ``dv += p^T dO``,
     ``dk += ds^T q`` take the tiles as they are.
     """
-    s2, capped = logits_log2(cfg, tile, bq, bk, bound_q=True, masked=masked)
+    s2, capped = logits_log2(score, spec, tile, bq, bk, bound_q=True, masked=masked)
     p = jnp.exp2(s2 - logsumexp_shift(lse * LOG2E))
-    keep = dropout_keep(cfg, tile, seed, bq, bk)
+    keep = dropout_keep(score, tile, seed, bq, bk)
     dp = dot(v, do, 1, 1) if tile.transposed else dot(do, v, 1, 1)
-    dp = _apply_dropout(cfg, dp, keep)
+    dp = _apply_dropout(score, dp, keep)
     dbias = p * (dp - delta)
     dscores = dbias if capped is None else dbias * (1.0 - capped * capped)
-    return _apply_dropout(cfg, p, keep), dscores, dbias
+    return _apply_dropout(score, p, keep), dscores, dbias
 

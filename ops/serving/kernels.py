@@ -48,9 +48,7 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
-from ops.attention.config import Config
-from ops.attention.masking import MaskSpec
-from ops.attention.tile_math import Tile, div, forward_finish, forward_update
+from ops.attention.tile_math import ScoreMath, Tile, div, forward_finish, forward_update
 from ops.reduction._rows import logsumexp_shift
 
 # Backends whose kernels walk the page blocks in an in-kernel loop (DecodeConfig.walk).
@@ -152,15 +150,11 @@ class DecodeConfig:
                    dtype=np.dtype(dtype).name, num_warps=bs.num_warps,
                    num_stages=bs.num_stages, **fields)
 
-    def tile_config(self) -> Config:
-        """The attention :class:`Config` the shared tile math reads (scale, soft cap,
-        no dropout; the positional mask is applied by the caller as a mask tile)."""
-        return Config(backend=self.backend, layout="BTNH", spec=MaskSpec(T=1, S=self.block_keys),
-                      batch=self.rows, heads=self.kv_heads * self.group, kv_heads=self.kv_heads,
-                      head_dim=self.head_dim, scale=self.scale, softcap=self.soft_cap,
-                      dropout_rate=0.0, bias_full=None, mask_full=None, block_q=self.group_rows,
-                      block_k=self.page_size, block_q_dkv=self.group_rows,
-                      block_k_dkv=self.page_size)
+    @property
+    def score(self) -> ScoreMath:
+        """The score math the shared tile math reads (scale, soft cap, no dropout; the
+        positional mask is applied by the caller as a mask tile, sinks by the merge)."""
+        return ScoreMath(scale=self.scale, softcap=self.soft_cap)
 
 
 def group_rows(backend: str, group: int) -> int:
@@ -272,14 +266,14 @@ def _block_visible(cfg: DecodeConfig, first, lo, hi):
 def _update_block(cfg: DecodeConfig, carry, q, page_refs, first, lo, hi, head: int):
     """The online-softmax carry after the step's pages (``page_refs`` as the grid walk's
     blocks: see :func:`_read_page`), keys outside ``[lo, hi)`` masked, their values zeroed."""
-    ps, tcfg = cfg.page_size, cfg.tile_config()
+    ps, score = cfg.page_size, cfg.score
     for p in range(cfg.pages_per_block):
         k, v = _read_page(cfg, page_refs, p, q.dtype, head)
         pos = first + p * ps + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
         seen = (pos >= lo) & (pos < hi)  # [ps, 1]
         v = jnp.where(seen, v, jnp.zeros_like(v))
         tile = Tile(q=q, k=k, i=0, j=0, head=0, mask=seen.T)
-        carry = forward_update(tcfg, carry, tile, v, None, cfg.group_rows, ps, masked=False)
+        carry = forward_update(score, None, carry, tile, v, None, cfg.group_rows, ps, masked=False)
     return carry
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from pallas_core.backends import default_backend
+from pallas_core.backends import backend_traits, default_backend
 
 IMPLEMENTATIONS = ("xla", "interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton")
 
@@ -41,7 +41,7 @@ def platform_default() -> str:
     mosaic_tpu), except where that is the interpreter (a CPU, or an unknown platform):
     no kernel backend is fast there, so XLA's own ops are best (docs/design.md §2)."""
     backend = default_backend()
-    return "xla" if backend == "interpret" else backend
+    return "xla" if backend_traits(backend).interpreted else backend
 
 
 def check_implementation(implementation, op: str) -> str | tuple[str, ...] | None:

@@ -158,8 +158,8 @@ def _rope_on(impl, x, positions, inv_freq, interleaved, scaling, explicit):
                                           attention_scaling=scaling)
     *_, heads, head_dim = x.shape
     rotary_dim = 2 * inv_freq.shape[0]
-    if impl == "pallas_triton":
-        _require_powers_of_two(head_dim, rotary_dim)
+    if pl.backend_traits(impl).power_of_two_blocks:
+        _require_powers_of_two(impl, head_dim, rotary_dim)
     problem = OP.problem((x.size // (heads * head_dim), heads, head_dim, rotary_dim), x.dtype,
                          {"interleaved": interleaved})
     config = OP.select(problem, impl, explicit)
@@ -169,13 +169,13 @@ def _rope_on(impl, x, positions, inv_freq, interleaved, scaling, explicit):
     return reshape(out, x.shape)
 
 
-def _require_powers_of_two(head_dim, rotary_dim):
+def _require_powers_of_two(impl, head_dim, rotary_dim):
     sizes = {"H": head_dim, "R / 2": rotary_dim // 2}
     if rotary_dim < head_dim:
         sizes["H - R"] = head_dim - rotary_dim
     odd = {k: v for k, v in sizes.items() if v & (v - 1)}
     if odd:
-        raise NotImplementedError(f"{_OP}: implementation='pallas_triton' needs power-of-two "
+        raise NotImplementedError(f"{_OP}: implementation={impl!r} needs power-of-two "
                                   f"blocks (JAX's Pallas Triton lowering), got {odd}; 'triton' "
                                   "pads them.")
 
@@ -216,11 +216,12 @@ class RopeConfig(KernelConfig):
         p2 = pl.next_power_of_2
         if device.interpreter:
             return cls(min(128, p2(tokens)), p2(heads))
-        if device.backend == "mosaic_tpu":
+        traits = device.traits
+        if traits.hardware == "tpu":
             row_bytes = heads * head_dim * np.dtype(problem.dtype).itemsize
             bt = max(8, _TPU_BLOCK_BYTES // max(1, row_bytes) // 8 * 8)
             return cls(tokens if tokens <= bt else bt, heads)
-        if device.backend in pl.TRITON_BACKENDS:
+        if traits.triton:
             hp = p2(head_dim)
             bh = min(p2(heads), max(1, _GPU_BLOCK_ELEMENTS // hp))
             bt = min(p2(tokens), max(1, _GPU_BLOCK_ELEMENTS // (bh * hp)))
@@ -231,7 +232,7 @@ class RopeConfig(KernelConfig):
     def candidates(cls, problem: Problem, device: Device) -> tuple["RopeConfig", ...]:
         """The heuristic's blocks at a half, twice and four times the elements, at 4 and 8 warps."""
         base = cls.heuristic(problem, device)
-        if device.backend not in pl.TRITON_BACKENDS or device.interpreter:
+        if not device.traits.triton or device.interpreter:
             return (base,)
         tokens = pl.next_power_of_2(problem.shape[0])
         out = []
@@ -285,17 +286,19 @@ def _rotate(x, positions, inv_freq, kernel: _Kernel, *, inverse: bool):
     half = inv_freq.shape[1]
     cfg = kernel.config
     bt, bh = min(cfg.block_tokens, tokens), min(cfg.block_heads, heads)
-    if kernel.backend == "mosaic_tpu":
-        bh = heads  # the second-minor dim of x's block: whole (or a multiple of 8)
-        if bt != tokens:
-            bt = max(8, bt // 8 * 8)
+    traits = pl.backend_traits(kernel.backend)
+    sublanes = traits.tile[0]
+    if sublanes > 1:
+        bh = heads  # the second-minor dim of x's block: whole (or whole sublane tiles)
+        if bt != tokens:  # the second-minor dim of the positions block
+            bt = max(sublanes, bt // sublanes * sublanes)
     grid = (pl.cdiv(tokens, bt), pl.cdiv(heads, bh))
     sin_scale = -kernel.scaling if inverse else kernel.scaling
     body = functools.partial(_rotary_kernel, half=half, head_dim=head_dim,
                              interleaved=kernel.interleaved, cos_scale=kernel.scaling,
                              sin_scale=sin_scale)
     semantics = ("parallel", "parallel")
-    if kernel.backend in pl.TRITON_BACKENDS:
+    if traits.triton:
         params = pl.triton.CompilerParams(num_warps=cfg.num_warps or 4, num_stages=1,
                                           dimension_semantics=semantics)
     else:

@@ -51,7 +51,8 @@ class RaggedDotConfig(MatmulConfig):
         """
         m, k, n, groups = problem.shape
         per_group = max(1, -(-m // max(groups, 1)))
-        if device.backend == "mosaic_tpu":
+        traits = device.traits
+        if traits.hardware == "tpu":
             bm, bn, bk = mosaic_tpu_matmul_blocks(m, n, k, max_m=128, max_n=512)
             if bm != m:
                 bm = min(128, max(8, -(-per_group // 8) * 8))
@@ -59,7 +60,7 @@ class RaggedDotConfig(MatmulConfig):
         if device.interpreter:
             bm, bn, bk = triton_backend.interpreter_tiles((per_group, n, k))
             return cls(max(16, bm), max(16, bn), max(16, bk))
-        if device.backend in pl.TRITON_BACKENDS:
+        if traits.triton:
             cap_k = 32 if np.dtype(problem.dtype) == np.float32 else 64
             return cls(fit(128, per_group), fit(128, n), fit(cap_k, k))
         return cls(fit(128, per_group, floor=8), fit(128, n, floor=8), fit(128, k, floor=8))
@@ -71,7 +72,7 @@ class RaggedDotConfig(MatmulConfig):
         take more than sm_90's 227 KiB of shared memory in the backward kernels);
         elsewhere the heuristic's."""
         base = cls.heuristic(problem, device)
-        if device.backend not in pl.TRITON_BACKENDS or device.interpreter:
+        if not device.traits.triton or device.interpreter:
             return (base,)
         m, k, n, groups = problem.shape
         per_group = max(1, -(-m // max(groups, 1)))

@@ -41,9 +41,10 @@ from ops.moe.config import RaggedDotConfig
 
 
 def walk(backend: str) -> str:
-    """The grouped kernels' walk: programs in order (grid) on interpret and mosaic_tpu,
-    concurrent programs with in-kernel loops on the Triton backends."""
-    return tiled.LOOP if backend in pl.TRITON_BACKENDS else tiled.GRID
+    """The grouped kernels' walk: the backend's (``pl.backend_traits(backend).walk``):
+    programs in order (grid) on interpret and mosaic_tpu, concurrent programs with
+    in-kernel loops on the Triton backends."""
+    return pl.backend_traits(backend).walk
 
 
 def _store_rows(acc, refs: tiled.TileRefs, *, block_m: int, masked_store: bool):
@@ -106,7 +107,7 @@ def gmm(lhs, rhs, visits: group_table.Visits, *, transpose_rhs: bool, config: Ra
 def tables_in_scalar_memory(backend: str) -> bool:
     """Whether ``backend`` reads the visit tables through scalar prefetch (all but
     pallas_triton, whose lowering has none: there they are ordinary operands)."""
-    return backend != "pallas_triton"
+    return pl.backend_traits(backend).scalar_prefetch
 
 
 def _by_tile_kernel(first_ref, group_ref, lo_ref, hi_ref, active_ref, lhs_ref, rhs_ref, out_ref,

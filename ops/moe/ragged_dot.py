@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._op import Op, Problem, Tuning, register
 from ops._partitioning import block_index, psum, reduced_axes, run
@@ -184,7 +185,7 @@ def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offs
     g_local, _, n = rhs.shape
     problem = OP.problem((m, k, n, g_local), lhs.dtype)
     config = OP.select(problem, impl, explicit)
-    if config.walk not in (None, gmm.walk(impl)) and impl != "interpret":
+    if config.walk not in (None, gmm.walk(impl)) and not pl.backend_traits(impl).interpreted:
         raise ValueError(f"{_OP}: block_sizes.walk={config.walk!r} cannot run on {impl!r} "
                          f"(it takes {gmm.walk(impl)!r}; the interpreter runs either).")
     return _kernel_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), offset, impl, config,

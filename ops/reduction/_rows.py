@@ -129,24 +129,31 @@ def row_layout(rows: int, features: int, dtype, backend: str, *, max_chunk: int 
         few rows stays within registers / VMEM).
       max_chunk: cap on the chunk width (a power of two >= 128); tests use a
         small cap to exercise multi-chunk rows on small shapes.
-      block_rows: rows per program; None picks 8 on TPU (the sublane count)
-        and 4 elsewhere, fewer for very small problems.
+      block_rows: rows per program; None picks 4, or one whole sublane tile
+        where blocks are tiled (``pl.backend_traits(backend).tile``: 8 on
+        mosaic_tpu), fewer for very small problems where blocks are not tiled.
+
+    Raises:
+      ValueError: ``block_rows`` neither a multiple of the backend's sublane
+        tile nor all the rows.
     """
     check_max_chunk(max_chunk, "row_layout")
     if max_chunk is None:
         max_chunk = 4096 if np.dtype(dtype).itemsize <= 2 else 2048
     chunk = min(max_chunk, max(128, pl.next_power_of_2(features)))
     num_chunks = max(1, pl.cdiv(features, chunk))
-    if backend in pl.TRITON_BACKENDS:
+    traits = pl.backend_traits(backend)
+    if traits.triton:  # a Triton tensor's dims are powers of two
         padded = max(chunk, pl.next_power_of_2(features))
     else:
         padded = num_chunks * chunk
+    sublanes = traits.tile[0]
     if block_rows is None:
-        block_rows = 8 if backend == "mosaic_tpu" else 4
-        if rows < block_rows and backend != "mosaic_tpu":
+        block_rows = max(4, sublanes)
+        if rows < block_rows and sublanes == 1:
             block_rows = max(1, pl.next_power_of_2(rows))
-    if backend == "mosaic_tpu" and block_rows != rows and block_rows % 8:
-        raise ValueError(f"block_rows must be a multiple of 8 on mosaic_tpu, got {block_rows}.")
+    if not traits.fits_tile(block_rows, rows, axis=-2):
+        raise ValueError(f"block_rows must be a multiple of {sublanes} on {backend}, got {block_rows}.")
     return RowLayout(rows=rows, features=features, block_rows=block_rows, chunk=chunk,
                      num_chunks=num_chunks, padded_cols=padded)
 
@@ -209,17 +216,17 @@ class RowConfig(_op.KernelConfig):
 
     @classmethod
     def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["RowConfig", ...]:
-        """1, 2 or 4 rows per program (on mosaic_tpu 8, 16 or 32, or all rows when
-        fewer: whole sublane tiles), chunks of 1024, 4096 or 8192 columns, 4 or 8
+        """1, 2 or 4 rows per program (where blocks are tiled 1, 2 or 4 sublane tiles,
+        on mosaic_tpu 8, 16 or 32, or all rows when fewer), chunks of 1024, 4096 or 8192 columns, 4 or 8
         warps; two pipeline stages when a row takes several chunks (clamped to the
         problem, distinct)."""
         rows, features = problem.shape
-        tpu = device.backend == "mosaic_tpu"
+        sublanes = device.traits.tile[0]
         configs = []
-        for block_rows, chunk, warps in itertools.product((8, 16, 32) if tpu else (1, 2, 4),
+        for block_rows, chunk, warps in itertools.product((sublanes, 2 * sublanes, 4 * sublanes),
                                                           (1024, 4096, 8192), (4, 8)):
             chunk = _op.fit(chunk, features, floor=128)
-            block_rows = (rows if rows < block_rows else block_rows) if tpu else min(
+            block_rows = (rows if rows < block_rows else block_rows) if sublanes > 1 else min(
                 block_rows, pl.next_power_of_2(rows))
             configs.append(cls(block_rows=block_rows, chunk=chunk, num_warps=warps,
                                num_stages=2 if pl.cdiv(features, chunk) > 1 else 1))
@@ -379,7 +386,7 @@ def row_compiler_params(layout: RowLayout, backend: str):
     memory with the default chunks), one otherwise. Untuned starting points:
     revisit with GPU measurements. A layout from the tuning cache brings its own.
     """
-    if backend in pl.TRITON_BACKENDS:
+    if pl.backend_traits(backend).triton:
         warps = layout.num_warps or (8 if layout.block_rows * layout.chunk >= 8192 else 4)
         stages = layout.num_stages or (2 if layout.num_chunks > 1 else 1)
         return pl.triton.CompilerParams(num_warps=warps, num_stages=stages,

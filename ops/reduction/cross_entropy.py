@@ -363,7 +363,7 @@ def _compiler_params(layout: _rows.RowLayout, backend: str, dtype, *, row_blocks
     ``row_blocks`` double-buffered full-row blocks (the logits, and dlogits in
     the backward pass) would not fit the default: e.g. float32 rows of 128k
     classes take 4 MiB per buffer of 8 rows."""
-    if backend == "mosaic_tpu":
+    if pl.backend_traits(backend).hardware == "tpu":
         block = layout.block_rows * layout.padded_cols * np.dtype(dtype).itemsize
         chunk_temps = 8 * layout.block_rows * layout.chunk * 4  # float32 chunk values in flight
         need = 2 * row_blocks * block + chunk_temps + (2 << 20)

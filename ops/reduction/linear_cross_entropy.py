@@ -628,9 +628,10 @@ def default_block_sizes(rows: int, d: int, vocab: int, dtype, backend: str) -> t
     * interpret: small powers of two (at most 32 x 256 x 64), so edge tiles
       and multi-tile rows are exercised on small test shapes.
     """
-    if backend == "mosaic_tpu":
+    traits = pl.backend_traits(backend)
+    if traits.hardware == "tpu":
         return mosaic_tpu_matmul_blocks(rows, vocab, d, max_m=256, max_n=1024)
-    if backend in pl.TRITON_BACKENDS:
+    if traits.triton:
         cap_d = 32 if np.dtype(dtype) == np.float32 else 64
         return (min(64, max(16, pl.next_power_of_2(rows))), min(128, max(16, pl.next_power_of_2(vocab))),
                 min(cap_d, max(16, pl.next_power_of_2(d))))
@@ -642,7 +643,7 @@ def _tiles_per_split(num_v_tiles: int, backend: str) -> int:
     """Vocabulary tiles per program on the loop path: 32 (4096 columns of 128) on
     GPUs, so V = 128k gives 32 splits and N = 8k tokens about 4k programs; 4 on
     the interpreter so tests see several splits."""
-    cap = 4 if backend == "interpret" else 32
+    cap = 4 if pl.backend_traits(backend).interpreted else 32
     return max(1, min(cap, num_v_tiles))
 
 
@@ -678,7 +679,10 @@ def _vocab_chunk(rows: int, vocab: int, block_v: int, config: _Config) -> int:
 
 
 def _loop_params(dims: _Dims, backend: str):
-    if backend == "pallas_triton":
+    """Triton's warps and stages where JAX lowers the loop walk with Triton (JAX picks
+    its lowering from the params' type); the grid's semantics elsewhere."""
+    traits = pl.backend_traits(backend)
+    if traits.triton and traits.through_jax:
         warps = 8 if dims.block_rows * dims.block_v > 64 * 128 else 4
         return pl.triton.CompilerParams(num_warps=warps, num_stages=3,
                                         dimension_semantics=(pl.PARALLEL, pl.PARALLEL))

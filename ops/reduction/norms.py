@@ -855,12 +855,13 @@ def default_block_rows(rows: int, features: int, dtype, backend: str, *,
     * interpret: None, i.e. :func:`ops.reduction._rows.row_layout`'s default
       (4, or fewer for tiny inputs), so edge blocks are exercised by tests.
     """
-    if backend == "mosaic_tpu":
+    traits = pl.backend_traits(backend)
+    if traits.hardware == "tpu":
         padded = row_layout(rows, features, dtype, backend, max_chunk=max_chunk).padded_cols
         br = _TPU_BLOCK_BYTES // (padded * 4)
         br = max(8, min(_TPU_MAX_BLOCK_ROWS, br // 8 * 8))
         return rows if rows <= br else br
-    if backend in pl.TRITON_BACKENDS:
+    if traits.triton:
         chunk = row_layout(rows, features, dtype, backend, max_chunk=max_chunk).chunk
         br = max(1, min(4, _TRITON_MAX_ELEMENTS // chunk))
         return min(br, 1 << max(0, rows - 1).bit_length())

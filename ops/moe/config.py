@@ -13,7 +13,6 @@ import dataclasses
 
 import numpy as np
 
-import pallas_core as pl
 from ops._op import Device, Problem, fit
 from ops.matmul.config import MatmulConfig
 from ops._tiles import mosaic_tpu_matmul_blocks

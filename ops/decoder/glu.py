@@ -230,6 +230,13 @@ def glu_backward(x, weights, preactivations, g, *, activation=None, implementati
 # Config and heuristic
 # --------------------------------------------------------------------------
 
+def _squeezes_halves(traits: pl.BackendTraits) -> bool:
+    """Whether ``traits``' backend lays out a ``(block_k, None, block_n)`` block of stacked
+    ``[K, 2, N]`` weights: a squeezed second-minor dim of 2 fits its tiling (not Mosaic
+    TPU's (8, 128) tiles, where the stacked form reads column blocks of a ``[K, 2N]`` view)."""
+    return traits.fits_tile(1, 2, axis=-2)
+
+
 @dataclasses.dataclass(frozen=True)
 class GluConfig(MatmulConfig):
     """The forward kernel's launch configuration: :class:`ops.matmul.config.MatmulConfig`'s
@@ -265,10 +272,11 @@ class GluConfig(MatmulConfig):
         if device.interpreter:
             return cls.from_blocks(tiled.interpreter_block_sizes(m, n, k), device.backend)
         bm, bn, bk = tiled.default_block_sizes(m, n, k, problem.dtype, device.backend)
-        if device.backend in pl.TRITON_BACKENDS:
+        if device.traits.triton:
             bn = max(16, bn // 2)
-        elif device.backend == "mosaic_tpu" and n % bn:
-            # The gate and up tiles are column blocks of one [K, 2N] view: block_n divides N.
+        elif not _squeezes_halves(device.traits) and n % bn:
+            # The stacked form's gate and up tiles are column blocks of one [K, 2N] view:
+            # block_n divides N.
             bn = next((c for c in (512, 384, 256, 128) if c <= bn and n % c == 0), bn)
         return cls.from_blocks((bm, bn, bk), device.backend)
 
@@ -277,7 +285,7 @@ class GluConfig(MatmulConfig):
         """Tiles around the heuristic's on the Triton backends (64 / 128 rows and
         columns, 32 / 64 contraction steps, 4 or 8 warps, 3 or 4 stages)."""
         base = cls.heuristic(problem, device)
-        if device.backend not in pl.TRITON_BACKENDS or device.interpreter:
+        if not device.traits.triton or device.interpreter:
             return (base,)
         m, n, k = problem.shape
         walk = tiled.strategy(device.backend)
@@ -488,11 +496,11 @@ def _forward_call(x, weights, kernel: _Kernel, *, want_z: bool, out_dtype=None):
         kp = max(1, pl.cdiv(k, bk)) * bk
         x, weights = tiled.pad_axis(x, 1, kp), tiled.pad_axis(weights, 0, kp)
         k, k_edge = kp, "pad"
-        if backend == "mosaic_tpu":
-            # Mosaic cannot squeeze the second-minor dim of a block: the gate and up tiles
-            # are column blocks j and j + N / block_n of weights viewed as [K, 2N].
+        if not _squeezes_halves(pl.backend_traits(backend)):
+            # The gate and up tiles are column blocks j and j + N / block_n of weights
+            # viewed as [K, 2N].
             if n % bn:
-                raise NotImplementedError(f"{_OP}: implementation='mosaic_tpu' needs block_n "
+                raise NotImplementedError(f"{_OP}: implementation={backend!r} needs block_n "
                                           f"({bn}) to divide N ({n}) with stacked weights; "
                                           "pass the pair (gate, up) instead.")
             w2 = weights.reshape(kp, 2 * n)
@@ -536,7 +544,7 @@ def _dz_call(g, zs: tuple, kernel: _Kernel) -> tuple:
     m, n = g.shape
     backend = kernel.backend
     params = None
-    if backend in pl.TRITON_BACKENDS:
+    if pl.backend_traits(backend).triton:
         # No loop: one stage; twice the forward's warps keep act' and the two products
         # of a 2 x block_m x block_n tile in registers (fused_matmul's dz kernel does the same).
         params = pl.triton.CompilerParams(num_warps=2 * tiled.default_num_warps(bm, 2 * bn),

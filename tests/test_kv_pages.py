@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import ops
-from tests.test_lowering import lower_text
+from ops.serving import kv_pages
+from tests.test_lowering import PLATFORM, lower_text
 
 F32 = jnp.float32
 P, PS, K, H = 12, 16, 2, 32
@@ -95,15 +96,54 @@ def test_write_then_attend():
     np.testing.assert_allclose(out, jnp.repeat(v, 2, axis=1), atol=1e-3)
 
 
-def test_mosaic_tpu_lowering_and_heads_first_refused():
-    text = lower_text(lambda kv, k, v, s: ops.update_kv_pages(kv, k, v, s, implementation="mosaic_tpu"),
-                      "mosaic_tpu", ((64, 16, 4, 128), jnp.bfloat16), ((8, 2, 128), jnp.bfloat16),
-                      ((8, 2, 128), jnp.bfloat16), ((8,), jnp.int32))
-    assert "tpu_custom_call" in text
-    kp = jnp.zeros((K, P, PS, H), F32)
-    k, v = new_tokens(9)
-    with pytest.raises(NotImplementedError, match="combined layout only"):
-        ops.update_kv_pages((kp, kp), k, v, jnp.zeros((5,), jnp.int32), implementation="mosaic_tpu")
+@pytest.mark.parametrize("impl", ["mosaic_tpu", "pallas_triton"])
+@pytest.mark.parametrize("layout", ["combined", "heads_first"])
+def test_lowering(impl, layout):
+    cache = ((64, 16, 4, 128) if layout == "combined" else (2, 64, 16, 128), jnp.bfloat16)
+    new = ((8, 2, 128), jnp.bfloat16)
+    if layout == "combined":
+        def f(kv, k, v, s):
+            return ops.update_kv_pages(kv, k, v, s, implementation=impl)
+        specs = (cache, new, new, ((8,), jnp.int32))
+    else:
+        def f(kp, vp, k, v, s):
+            return ops.update_kv_pages((kp, vp), k, v, s, implementation=impl)
+        specs = (cache, cache, new, new, ((8,), jnp.int32))
+    text = lower_text(f, impl, *specs)
+    assert PLATFORM[impl][1] in text and "update_kv_pages" in text
+
+
+def test_pallas_triton_refuses_blocks_not_a_power_of_two():
+    kp = jnp.zeros((3, P, PS, H), F32)
+    k = jnp.zeros((5, 3, H), F32)
+    with pytest.raises(NotImplementedError, match="power-of-two"):
+        ops.update_kv_pages((kp, kp), k, k, jnp.zeros((5,), jnp.int32),
+                            implementation="pallas_triton")
+
+
+@pytest.mark.parametrize("path, layout", [("stores", "combined"), ("stores", "heads_first"),
+                                          ("dma", "heads_first")])
+def test_store_and_dma_kernels_on_the_interpreter(path, layout, monkeypatch):
+    # pallas_triton's kernel (one program storing every token into the whole caches) and
+    # mosaic_tpu's for the [K, P, page_size, H] layout (a DMA per token) on the
+    # interpreter: same cache as the scatter, in place (a donated cache is not copied).
+    write = kv_pages._write_by_stores if path == "stores" else (
+        lambda impl, combined, ps, *a: kv_pages._write_by_dma(impl, ps, *a))
+    monkeypatch.setattr(kv_pages, "_write", write)
+    rng = np.random.default_rng(11)
+    shape = (P, PS, 2 * K, H) if layout == "combined" else (K, P, PS, H)
+    cache = jnp.asarray(rng.standard_normal(shape), F32)
+    cache = cache if layout == "combined" else (cache, cache + 1)
+    k, v = new_tokens(12)
+    slots = jnp.asarray([17, -1, 3, P * PS, 18], jnp.int32)
+    want = ops.update_kv_pages(cache, k, v, slots, implementation="xla")
+    f = jax.jit(lambda *a: ops.update_kv_pages(*a, implementation="interpret"), donate_argnums=0)
+    hlo = f.lower(cache, k, v, slots).compile().as_text()
+    out = f(cache, k, v, slots)
+    for got, w in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(got, w)
+    dims = ",".join(map(str, shape))
+    assert not [ln for ln in hlo.splitlines() if f"f32[{dims}]" in ln and re.search(r"= \S+ copy\(", ln)]
 
 
 @pytest.mark.parametrize("case", range(7))

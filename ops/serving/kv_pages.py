@@ -20,11 +20,19 @@ def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None
     """Writes ``T`` new tokens' keys and values into their slots of a paged cache.
 
     Slot ``s`` is token ``s % page_size`` of page ``s // page_size`` (vLLM's slot
-    mapping). The kernel writes one ``[heads, H]`` block per token through a
-    BlockSpec whose index map reads the slot (scalar prefetch), with the cache as
-    an aliased output (``input_output_aliases``): nothing else of the cache is read
-    or written, and under ``jax.jit`` with the cache donated
-    (``donate_argnums``) no copy of it is made.
+    mapping). One program per token writes its ``[heads, H]`` keys and values into
+    the cache, an aliased output (``input_output_aliases``): nothing else of the
+    cache is read or written, and under ``jax.jit`` with the cache donated
+    (``donate_argnums``) no copy of it is made. How the token reaches its slot
+    depends on the backend: through a BlockSpec whose index map reads the slot
+    (scalar prefetch; ``interpret``, ``triton``, and ``mosaic_tpu`` for the combined
+    layout), by a store at the slot into the whole cache (``pallas_triton``, which
+    has no scalar prefetch), or by a DMA from HBM into the cache (``mosaic_tpu``
+    for the ``[K, P, page_size, H]`` layout, where one token is ``K`` rows far
+    apart, a block below the TPU's (8, 128) tiling).
+
+    On a device mesh the cache's heads and pages stay where they live; each device
+    writes the tokens of its own heads into its own pages (docs/design.md §5.6).
 
     Args:
       kv_pages: the cache, either one array ``[total_pages, page_size, 2 * K, H]``
@@ -35,8 +43,10 @@ def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None
       slot_mapping: int32 ``[T]``; a negative slot (or one past the cache) skips
         the token (padding). Two tokens with one slot: either may win.
       implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
-        "xla" (a scatter), "interpret", "triton", "mosaic_tpu" (the combined layout
-        only; NotImplementedError for a pair), or a sequence tried in order.
+        "xla" (a scatter), "interpret", "triton", "pallas_triton" (power-of-two
+        heads (``2 * K`` combined) and head dim; NotImplementedError otherwise),
+        "mosaic_tpu", or a sequence tried in order. "mosaic_gpu" raises
+        NotImplementedError.
 
     Returns:
       The updated cache, in ``kv_pages``' structure.
@@ -51,8 +61,8 @@ def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None
     _check(pages, new_k, new_v, slot_mapping, combined)
     out = run_implementation(
         implementation, _OP, lambda impl: _run(pages, new_k, new_v, slot_mapping, combined, impl),
-        kernel_backends=("interpret", "triton", "mosaic_tpu"),
-        missing_reason=" (JAX's GPU lowerings have no scalar prefetch, which places the writes)")
+        kernel_backends=("interpret", "triton", "pallas_triton", "mosaic_tpu"),
+        missing_reason=" (mosaic_gpu: no kernel for it yet; use 'triton' or 'pallas_triton')")
     return out[0] if combined else type(kv_pages)(out)
 
 
@@ -105,10 +115,6 @@ def _run(pages, new_k, new_v, slots, combined: bool, impl: str):
             return (pages[0].at[page, off].set(new, mode="drop"),)
         return tuple(x.at[:, page, off].set(jnp.swapaxes(n, 0, 1), mode="drop")
                      for x, n in zip(pages, (new_k, new_v)))
-    if impl == "mosaic_tpu" and not combined:
-        raise NotImplementedError(
-            f"{_OP}: implementation='mosaic_tpu' writes the combined layout only: one token of a "
-            "[K, P, page_size, H] cache is a [K, 1, H] block, below the TPU's (8, 128) tiling.")
     return _partitioned(pages, new_k, new_v, slots, combined, impl)
 
 
@@ -176,6 +182,11 @@ def _write_kernel(slots_ref, *refs, n: int):
 
 
 def _write(impl: str, combined: bool, ps: int, pages, news, slots):
+    traits = pl.backend_traits(impl)
+    if not traits.scalar_prefetch:
+        return _write_by_stores(impl, combined, ps, pages, news, slots)
+    if not combined and traits.tile != (1, 1):
+        return _write_by_dma(impl, ps, pages, news, slots)
     n = len(pages)
     blk_new = news[0].shape[1:]
     new_spec = pl.BlockSpec((None,) + blk_new, lambda t, s: (t, 0, 0))
@@ -198,4 +209,83 @@ def _write(impl: str, combined: bool, ps: int, pages, news, slots):
         input_output_aliases={1 + n + i: i for i in range(n)}, compiler_params=params,
         backend=impl, name="update_kv_pages",
     )(slots, *news, *pages))
+
+
+def _aliased_call(kernel, impl: str, pages, operands, params, **grid):
+    """``pallas_call`` of ``kernel`` returning the caches, which come last in ``operands``
+    and are aliased to the results (``grid``: ``grid_spec``, or ``grid`` and the specs)."""
+    n, first = len(pages), len(operands) - len(pages)
+    return tuple(pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pages],
+        input_output_aliases={first + i: i for i in range(n)}, compiler_params=params,
+        backend=impl, name="update_kv_pages", **grid,
+    )(*operands))
+
+
+def _store_kernel(slots_ref, *refs, n: int, ps: int, combined: bool):
+    """Each token's ``[heads, H]`` stored at its slot of each whole, aliased cache."""
+    news, outs = refs[:n], refs[2 * n:]
+
+    def store(t, carry):
+        slot = slots_ref[t]
+        page, off = div(slot, ps), rem(slot, ps)
+        for new, out in zip(news, outs):
+            if combined:
+                out[page, off] = new[t]
+            else:
+                out[:, page, off] = new[t]
+        return carry
+
+    jax.lax.fori_loop(0, slots_ref.shape[0], store, 0)
+
+
+def _write_by_stores(impl: str, combined: bool, ps: int, pages, news, slots):
+    """The write for backends without scalar prefetch (JAX's Triton lowering): one program
+    loops over the tokens, loading each slot and storing the token there, every operand a
+    whole Ref (the caches aliased: nothing else of them is read or written).
+
+    One program, because the caches are then one output block that concurrent programs
+    would all revisit, which pallas_core refuses on a backend without sequential grid
+    axes; it stores ``T * heads * H`` elements from one SM: cheap at decode's ``T`` (the
+    batch), serial for long prefill chunks (``triton`` writes one token per program)."""
+    heads, H = news[0].shape[1:]
+    if pl.backend_traits(impl).power_of_two_blocks and (heads & (heads - 1) or H & (H - 1)):
+        raise NotImplementedError(
+            f"{_OP}: implementation={impl!r} stores power-of-two blocks only; a token here is "
+            f"[{heads}, {H}] (heads, head dim).")
+    n, whole = len(pages), pl.BlockSpec(memory_space=pl.ANY)
+    return _aliased_call(
+        functools.partial(_store_kernel, n=n, ps=ps, combined=combined), impl, pages,
+        (slots, *news, *pages), pl.triton.CompilerParams(num_warps=1), grid=(1,),
+        in_specs=[whole] * (1 + 2 * n), out_specs=[whole] * n)
+
+
+def _dma_kernel(slots_ref, *refs, n: int, ps: int):
+    """One token's ``[K, 1, 1, H]`` copied by DMA to its slot of each ``[K, P, ps, H]`` cache."""
+    news, outs, sems = refs[:n], refs[2 * n:3 * n], refs[3 * n]
+    t = pl.program_id(0)
+    slot = slots_ref[t]
+    page, off = div(slot, ps), rem(slot, ps)
+    copies = [pl.tpu.make_async_copy(new.at[t], out.at[:, pl.ds(page, 1), pl.ds(off, 1)],
+                                     sems.at[i]) for i, (new, out) in enumerate(zip(news, outs))]
+    for copy in copies:
+        copy.start()
+    for copy in copies:
+        copy.wait()
+
+
+def _write_by_dma(impl: str, ps: int, pages, news, slots):
+    """The split layout on a TPU: one token of a ``[K, P, page_size, H]`` cache is ``K`` rows
+    ``page_size * H`` apart, a ``[K, 1, H]`` block below the (8, 128) tiling, so each program
+    copies its token's keys and values from HBM straight into the aliased caches by DMA
+    (``[T, K, 1, 1, H]`` views of the new tokens; nothing else of the caches is touched)."""
+    n, whole = len(pages), pl.BlockSpec(memory_space=pl.ANY)
+    T, K, H = news[0].shape
+    grid_spec = pl.tpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(T,), in_specs=[whole] * (2 * n), out_specs=[whole] * n,
+        scratch_shapes=[pl.tpu.SemaphoreType.DMA((n,))])
+    return _aliased_call(
+        functools.partial(_dma_kernel, n=n, ps=ps), impl, pages,
+        (slots, *(x.reshape(T, K, 1, 1, H) for x in news), *pages),
+        pl.CompilerParams(("arbitrary",)), grid_spec=grid_spec)
 

@@ -154,3 +154,24 @@ def test_backward_steps_of_wide_tiles_fit_shared_memory():
         assert fm.backward_step(128, 32, 128, "triton") == 128
     assert fm.backward_step(512, 512, 512, "mosaic_tpu") == 512
     assert fm.backward_step(512, 512, 512, "interpret") == 512
+
+
+def test_grouped_matmul_stores_its_rows_in_pieces():
+    """ops.ragged_dot's grouped matmul on the core (triton in Triton's interpreter): each
+    visit stores its group's rows of every column piece (groups of 5, 0 and 45 rows; N =
+    90 in 64-wide tiles), forward and gradients."""
+    pytest.importorskip("triton")
+    from ops.moe.config import RaggedDotConfig
+    lhs = X
+    rhs = np.stack([W, W[::-1], -W]).astype(np.float32)
+    sizes = jnp.asarray([5, 0, 45], jnp.int32)
+    config = RaggedDotConfig(16, 64, 32, epilogue_subtile=2)
+    run = lambda lhs, rhs: ops.ragged_dot(lhs, rhs, sizes, implementation="triton",
+                                          block_sizes=config)
+    ref = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes,
+                                              precision=jax.lax.Precision.HIGHEST)
+    assert_close(run(lhs, rhs), ref(lhs, rhs), FORWARD[jnp.float32])
+    loss = lambda f: (lambda a, b: jnp.sum(jnp.sin(f(a, b))))
+    for g, e in zip(jax.grad(loss(run), (0, 1))(lhs, rhs), jax.grad(loss(ref), (0, 1))(lhs, rhs)):
+        assert_close(g, e, BACKWARD[jnp.float32])
+    assert "tl.split" in pl.triton.source(run, lhs, rhs)[0]

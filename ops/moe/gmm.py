@@ -101,7 +101,7 @@ def gmm(lhs, rhs, visits: group_table.Visits, *, transpose_rhs: bool, config: Ra
         lhs, rhs, ca=1, cb=1 if transpose_rhs else 0, blocks=(bm, bn, bk), backend=backend,
         out_shape=[jax.ShapeDtypeStruct((m, n_out), out_dtype)], epilogue=epilogue, walk=w,
         k_edge="mask", compiler_params=params, rows=rows, cols_outer=w == tiled.GRID,
-        name=name)[0]
+        epilogue_subtile=config.epilogue_subtile, name=name)[0]
 
 
 def tables_in_scalar_memory(backend: str) -> bool:

@@ -281,7 +281,7 @@ def decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128, page_size=1
 def decoder_op_cases(dtype=jnp.bfloat16) -> list[GateCase]:
     """Llama 3 8B's decoder ops: the rotary embedding of its queries (4 x 4096 tokens, 32
     heads of 128; one read of x, the design), and the SwiGLU MLP's gated linear unit
-    (8192 tokens, 4096 -> 14336) forward and forward+backward."""
+    (8192 tokens, 4096 -> 14336) forward and forward+backward, stacked and paired weights."""
     dt = jnp.dtype(dtype).name
     b, t, heads, h = 4, 4096, 32, 128
     inv_freq = _sds((h // 2,), jnp.float32)
@@ -298,6 +298,11 @@ def decoder_op_cases(dtype=jnp.bfloat16) -> list[GateCase]:
     def glu(x, w):
         return ops.gated_linear_unit(x, w, activation="silu", implementation="triton")
 
+    # The pair (gate, up) as layers.GatedMLP passes it: the forward is the stacked form's
+    # program (same SASS); the backward's dx sums two products per step and dw keeps two
+    # accumulators (no [K, 2N] view of a pair), so they get their own row.
+    pair_args = (_sds((m, k), dtype), _sds((k, n), dtype), _sds((k, n), dtype))
+
     return [
         GateCase(f"apply_rotary_embedding/rotate_half/{b}x{t}x{heads}x{h}/{dt}/fwd", rope,
                  (_sds((b, t, heads, h), dtype), _sds((b, t), jnp.int32), inv_freq), one_program,
@@ -306,6 +311,8 @@ def decoder_op_cases(dtype=jnp.bfloat16) -> list[GateCase]:
         GateCase(f"gated_linear_unit/swiglu/{m}x{k}x{n}/{dt}/fwd", glu, glu_args),
         GateCase(f"gated_linear_unit/swiglu/{m}x{k}x{n}/{dt}/fwd+bwd",
                  jax.grad(lambda x, w: _loss(glu(x, w)), (0, 1)), glu_args),
+        GateCase(f"gated_linear_unit/swiglu_pair/{m}x{k}x{n}/{dt}/fwd+bwd",
+                 jax.grad(lambda x, g, u: _loss(glu(x, (g, u))), (0, 1, 2)), pair_args),
     ]
 
 

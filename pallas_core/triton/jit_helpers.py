@@ -113,8 +113,9 @@ return tl.exp2(f * 1.4426950408889634) * tl.exp2(j)"""),
     # error drops out. Each result is rounded once (a final fused multiply-add). x < -87.5
     # (results below 2**-126: subnormal) gives 0; NaN stays NaN. Cost on sm_90: 51 SASS
     # instructions per element (1 / (1 + exp(-x)) on the exp helper: 20, 2.3 ulps with exp2
-    # exact, ~5 at ex2.approx's 2**-22); with e rounded to one float, 42 and 1.5 ulps, but
-    # x * sigmoid(x) (silu) is within 2 ulps only with e carried (1.5; XLA's: 2.6).
+    # exact, 10 at ex2.approx's and div.full's 2**-22); with e rounded to one float, 42 and
+    # 1.5 ulps, but x * sigmoid(x) (silu) is within 2 ulps only with e carried (1.5;
+    # XLA's: 2.6).
     "sigmoid": ("x", """\
 a = tl.abs(x)
 t = tl.minimum(a, 87.5, propagate_nan=tl.PropagateNan.ALL)

@@ -2,7 +2,7 @@
 
 This module lays the operands out (BlockSpecs over ``[B, L, N, H]`` or
 ``[B, N, L, H]``, the grid, compiler parameters) and calls the kernels of
-the call's strategy (:attr:`ops.attention.config.Config.strategy`, chosen by
+the call's strategy (:attr:`ops.attention.config.Backend.strategy`, chosen by
 backend as fused_matmul's contraction walk):
 
 * ``"grid"`` (interpret, mosaic_tpu), :mod:`ops.attention.grid_walk`: the
@@ -74,17 +74,17 @@ def _seq_spec(cfg: Config, block_l: int, pick, *, all_heads: bool = False, value
     (n ignored with ``all_heads``). BNTH operands are ``[B, heads, L, H]``.
     ``value``: an operand of the value head dim (v, out, dO, dV).
     """
-    h = cfg.v_dim if value else cfg.head_dim
+    h = cfg.problem.v_dim if value else cfg.problem.head_dim
 
     def index_map(*ids):
         b, l, n = pick(*ids)
         n = 0 if all_heads else n
-        return (b, l, n, 0) if cfg.layout == "BTNH" else (b, n, l, 0)
+        return (b, l, n, 0) if cfg.backend.layout == "BTNH" else (b, n, l, 0)
 
     heads = None
     if all_heads:
-        heads = _heads_block(cfg, cfg.heads)
-    shape = (None, block_l, heads, h) if cfg.layout == "BTNH" else (None, heads, block_l, h)
+        heads = _heads_block(cfg, cfg.problem.heads)
+    shape = (None, block_l, heads, h) if cfg.backend.layout == "BTNH" else (None, heads, block_l, h)
     return pl.BlockSpec(shape, index_map)
 
 
@@ -93,7 +93,7 @@ def _stat_spec(cfg: Config, block_l: int, pick, *, all_heads: bool = False):
     def index_map(*ids):
         b, l, n = pick(*ids)
         return (b, 0 if all_heads else n, l, 0)
-    heads = _heads_block(cfg, cfg.heads) if all_heads else None
+    heads = _heads_block(cfg, cfg.problem.heads) if all_heads else None
     return pl.BlockSpec((None, heads, block_l, 1), index_map)
 
 
@@ -133,9 +133,9 @@ def _params(cfg: Config, semantics, accumulator_rows: int, threshold: int = 128 
     (``accumulator_rows x H``, H padded to a power of two) reach ``threshold``
     elements, 4 below: the split that compiles for sm_90 without spills."""
     if cfg.backend.name in pl.TRITON_BACKENDS:
-        tile = accumulator_rows * pl.next_power_of_2(max(cfg.head_dim, cfg.v_dim))
-        warps = cfg.num_warps or (8 if tile >= threshold else 4)
-        stages = cfg.num_stages or 2
+        tile = accumulator_rows * pl.next_power_of_2(max(cfg.problem.head_dim, cfg.problem.v_dim))
+        warps = cfg.blocks.num_warps or (8 if tile >= threshold else 4)
+        stages = cfg.blocks.num_stages or 2
         if cfg.backend.name == "pallas_triton":
             return pl.triton.CompilerParams(num_warps=warps, num_stages=stages)
         return pl.triton.CompilerParams(num_warps=warps, num_stages=stages,
@@ -145,7 +145,7 @@ def _params(cfg: Config, semantics, accumulator_rows: int, threshold: int = 128 
 
 def _walk(cfg: Config):
     """The module of the kernels for ``cfg``'s strategy."""
-    return loop_walk if cfg.strategy == "loop" else grid_walk
+    return loop_walk if cfg.backend.strategy == "loop" else grid_walk
 
 
 def _aux_inputs(cfg: Config, bias, mask, q_seg, kv_seg):
@@ -155,13 +155,13 @@ def _aux_inputs(cfg: Config, bias, mask, q_seg, kv_seg):
         ops_.append(bias)
     if mask is not None:
         ops_.append(mask)
-    if cfg.spec.segments:
+    if cfg.problem.spec.segments:
         ops_ += [q_seg[:, :, None], kv_seg[:, None, :]]
     return ops_
 
 
 def _to_layout(cfg: Config, x):
-    return x if cfg.layout == "BTNH" else jnp.swapaxes(x, 1, 2)
+    return x if cfg.backend.layout == "BTNH" else jnp.swapaxes(x, 1, 2)
 
 
 def _from_layout(cfg: Config, x):
@@ -189,58 +189,60 @@ class _QueryBlockLayout:
 
     def aux_specs(self, cfg: Config, has_bias: bool, has_mask: bool) -> list[pl.BlockSpec]:
         """Specs of the optional operands (bias, mask, segment ids), in kernel order."""
-        bq, specs = cfg.block_q, []
+        bq, specs = cfg.blocks.block_q, []
         if has_bias:
-            specs.append(_pair_spec(cfg.bias_full, bq, self.kv_block, self.pair))
+            specs.append(_pair_spec(cfg.problem.bias_full, bq, self.kv_block, self.pair))
         if has_mask:
-            specs.append(_pair_spec(cfg.mask_full, bq, self.kv_block, self.pair))
-        if cfg.spec.segments:
+            specs.append(_pair_spec(cfg.problem.mask_full, bq, self.kv_block, self.pair))
+        if cfg.problem.spec.segments:
             specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, *_: (b, i, 0)), self.seg_k]
         return specs
 
 
 def _query_block_layout(cfg: Config) -> _QueryBlockLayout:
-    bq, bk, g = cfg.block_q, cfg.block_k, cfg.group
-    nq, nk = pl.cdiv(cfg.spec.T, bq), pl.cdiv(cfg.spec.S, bk)
+    bq, bk, g = cfg.blocks.block_q, cfg.blocks.block_k, cfg.problem.group
+    nq, nk = pl.cdiv(cfg.problem.spec.T, bq), pl.cdiv(cfg.problem.spec.S, bk)
     q_pick = lambda b, n, i, *_: (b, i, n)
-    if cfg.strategy == "grid":
+    if cfg.backend.strategy == "grid":
         return _QueryBlockLayout(
-            grid=(cfg.batch, cfg.heads, nq, nk), semantics=("parallel",) * 3 + ("arbitrary",),
+            grid=(cfg.problem.batch, cfg.problem.heads, nq, nk),
+            semantics=("parallel",) * 3 + ("arbitrary",),
             kv_block=bk, q_pick=q_pick, kv_pick=lambda b, n, i, j: (b, j, div(n, g)),
             pair=lambda b, n, i, j: (b, i, j, n),
             seg_k=pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j)))
-    kv_block = padded_length(cfg.spec.S, bk, cfg.backend.name)
+    kv_block = padded_length(cfg.problem.spec.S, bk, cfg.backend.name)
     return _QueryBlockLayout(
-        grid=(cfg.batch, cfg.heads, nq), semantics=("parallel",) * 3, kv_block=kv_block,
+        grid=(cfg.problem.batch, cfg.problem.heads, nq), semantics=("parallel",) * 3,
+        kv_block=kv_block,
         q_pick=q_pick, kv_pick=lambda b, n, i: (b, 0, div(n, g)), pair=lambda b, n, i: (b, i, 0, n),
         seg_k=pl.BlockSpec((None, 1, kv_block), lambda b, n, i: (b, 0, 0)))
 
 
 def _out_shape(cfg: Config, q):
     """The output's ``ShapeDtypeStruct`` in the call's layout: q's, with the value head dim."""
-    return jax.ShapeDtypeStruct(_to_layout(cfg, q).shape[:-1] + (cfg.v_dim,), q.dtype)
+    return jax.ShapeDtypeStruct(_to_layout(cfg, q).shape[:-1] + (cfg.problem.v_dim,), q.dtype)
 
 
 def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table, sinks=None):
     """``(out [B, T, N, Hv] in q's dtype, lse float32 [B, N, T, 1])``."""
-    T, bq = cfg.spec.T, cfg.block_q
+    T, bq = cfg.problem.spec.T, cfg.blocks.block_q
     lay = _query_block_layout(cfg)
-    grid_walk, q_pick = cfg.strategy == "grid", lay.q_pick
+    grid_walk, q_pick = cfg.backend.strategy == "grid", lay.q_pick
     in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, lay.kv_block, lay.kv_pick),
                 _seq_spec(cfg, lay.kv_block, lay.kv_pick, value=True)]
     in_specs += lay.aux_specs(cfg, bias is not None, mask is not None)
     aux = _aux_inputs(cfg, bias, mask, q_seg, kv_seg)
-    if cfg.sinks:
+    if cfg.score.sinks:
         in_specs.append(_table_spec(cfg))
         aux.append(sinks_operand(sinks))
     in_specs.append(_table_spec(cfg))
     out_shape = [_out_shape(cfg, q),
-                 jax.ShapeDtypeStruct((cfg.batch, cfg.heads, T, 1), jnp.float32)]
+                 jax.ShapeDtypeStruct((cfg.problem.batch, cfg.problem.heads, T, 1), jnp.float32)]
     out_specs = [_seq_spec(cfg, bq, q_pick, value=True), _stat_spec(cfg, bq, q_pick)]
     scratch = []
     if grid_walk:
         scratch = [pl.tpu.VMEM((bq, 1), jnp.float32), pl.tpu.VMEM((bq, 1), jnp.float32),
-                   pl.tpu.VMEM((bq, cfg.v_dim), jnp.float32)]
+                   pl.tpu.VMEM((bq, cfg.problem.v_dim), jnp.float32)]
     out, lse = pl.pallas_call(
         functools.partial(_walk(cfg).forward_kernel, cfg=cfg), out_shape=out_shape, grid=lay.grid,
         in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch,
@@ -256,9 +258,10 @@ def forward_call(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, table, sinks=N
 
 def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table, want_dbias):
     """``dq [B, T, N, H]`` (q's dtype) and, with ``want_dbias``, float32 ``[B, N, T, S]``."""
-    T, S, bq = cfg.spec.T, cfg.spec.S, cfg.block_q
+    T, S, bq = cfg.problem.spec.T, cfg.problem.spec.S, cfg.blocks.block_q
     lay = _query_block_layout(cfg)
-    grid_walk, q_pick, kv_block, pair = cfg.strategy == "grid", lay.q_pick, lay.kv_block, lay.pair
+    grid_walk = cfg.backend.strategy == "grid"
+    q_pick, kv_block, pair = lay.q_pick, lay.kv_block, lay.pair
     in_specs = [_seq_spec(cfg, bq, q_pick), _seq_spec(cfg, kv_block, lay.kv_pick),
                 _seq_spec(cfg, kv_block, lay.kv_pick, value=True),
                 _seq_spec(cfg, bq, q_pick, value=True),
@@ -271,13 +274,14 @@ def dq_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, tab
                 lse, delta, *_aux_inputs(cfg, bias, mask, q_seg, kv_seg), table]
     aliases = {}
     if want_dbias:
-        out_shape.append(jax.ShapeDtypeStruct((cfg.batch, cfg.heads, T, S), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((cfg.problem.batch, cfg.problem.heads, T, S),
+                                              jnp.float32))
         out_specs.append(_pair_spec((True,) * 4, bq, kv_block, pair))
         if not grid_walk:  # only visible blocks are written: start from zeros
             in_specs.append(out_specs[-1])
-            operands.append(jnp.zeros((cfg.batch, cfg.heads, T, S), jnp.float32))
+            operands.append(jnp.zeros((cfg.problem.batch, cfg.problem.heads, T, S), jnp.float32))
             aliases = {len(operands) - 1: 1}
-    scratch = [pl.tpu.VMEM((bq, cfg.head_dim), jnp.float32)] if grid_walk else []
+    scratch = [pl.tpu.VMEM((bq, cfg.problem.head_dim), jnp.float32)] if grid_walk else []
     kernel = functools.partial(_walk(cfg).dq_kernel, cfg=cfg, want_dbias=want_dbias)
     if aliases:
         kernel = _ignore_input(kernel, position=len(operands) - 1)
@@ -305,20 +309,20 @@ def _ignore_input(kernel, position: int):
 
 def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, table):
     """``(dk, dv)``, ``[B, S, K, H]`` in k's dtype."""
-    T, S = cfg.spec.T, cfg.spec.S
-    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    T, S = cfg.problem.spec.T, cfg.problem.spec.S
+    bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
     nq, nk = pl.cdiv(T, bq), pl.cdiv(S, bk)
-    g = cfg.group
-    grid_walk = cfg.strategy == "grid"
+    g = cfg.problem.group
+    grid_walk = cfg.backend.strategy == "grid"
     kv_pick = lambda b, kh, j, *_: (b, j, kh)
     if grid_walk:
-        grid = (cfg.batch, cfg.kv_heads, nk, g * nq)
+        grid = (cfg.problem.batch, cfg.problem.kv_heads, nk, g * nq)
         q_block, all_heads = bq, False
         q_pick = lambda b, kh, j, t: (b, rem(t, nq), kh * g + div(t, nq))
         pair = lambda b, kh, j, t: (b, rem(t, nq), j, kh * g + div(t, nq))
         seg_q = pl.BlockSpec((None, bq, 1), lambda b, kh, j, t: (b, rem(t, nq), 0))
     else:
-        grid = (cfg.batch, cfg.kv_heads, nk)
+        grid = (cfg.problem.batch, cfg.problem.kv_heads, nk)
         q_block, all_heads = padded_length(T, bq, cfg.backend.name), True
         q_pick = lambda b, kh, j: (b, 0, 0)
         pair = lambda b, kh, j: (b, 0, j, 0)
@@ -328,14 +332,14 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
                 _seq_spec(cfg, q_block, q_pick, all_heads=all_heads, value=True),
                 _stat_spec(cfg, q_block, q_pick, all_heads=all_heads),
                 _stat_spec(cfg, q_block, q_pick, all_heads=all_heads)]
-    heads_block = _heads_block(cfg, cfg.heads)
+    heads_block = _heads_block(cfg, cfg.problem.heads)
     if bias is not None:
-        in_specs.append(_pair_spec(cfg.bias_full, q_block, bk, pair, all_heads=all_heads,
+        in_specs.append(_pair_spec(cfg.problem.bias_full, q_block, bk, pair, all_heads=all_heads,
                                    heads=heads_block))
     if mask is not None:
-        in_specs.append(_pair_spec(cfg.mask_full, q_block, bk, pair, all_heads=all_heads,
+        in_specs.append(_pair_spec(cfg.problem.mask_full, q_block, bk, pair, all_heads=all_heads,
                                    heads=heads_block))
-    if cfg.spec.segments:
+    if cfg.problem.spec.segments:
         in_specs += [seg_q, pl.BlockSpec((None, 1, bk), lambda b, kh, j, *_: (b, 0, j))]
     in_specs.append(_table_spec(cfg))
     out_shape = [jax.ShapeDtypeStruct(_to_layout(cfg, k).shape, k.dtype),
@@ -343,8 +347,8 @@ def dkdv_call(cfg: Config, q, k, v, do, lse, delta, bias, mask, q_seg, kv_seg, t
     out_specs = [_seq_spec(cfg, bk, kv_pick), _seq_spec(cfg, bk, kv_pick, value=True)]
     scratch, semantics = [], ("parallel",) * 3
     if grid_walk:
-        scratch = [pl.tpu.VMEM((bk, cfg.head_dim), jnp.float32),
-                   pl.tpu.VMEM((bk, cfg.v_dim), jnp.float32)]
+        scratch = [pl.tpu.VMEM((bk, cfg.problem.head_dim), jnp.float32),
+                   pl.tpu.VMEM((bk, cfg.problem.v_dim), jnp.float32)]
         semantics += ("arbitrary",)
     dk, dv = pl.pallas_call(
         functools.partial(_walk(cfg).dkdv_kernel, cfg=cfg), out_shape=out_shape, grid=grid,

@@ -47,8 +47,9 @@ def split_refs(cfg: Config, refs, leading: int, sinks: bool = False):
     kernel's) sink logits, then the scalar table, the outputs and the scratch."""
     refs = list(refs)
     first, rest = refs[:leading], refs[leading:]
-    flags = (cfg.bias_full is not None, cfg.mask_full is not None, cfg.spec.segments,
-             cfg.spec.segments, sinks and cfg.sinks)
+    problem = cfg.problem
+    flags = (problem.bias_full is not None, problem.mask_full is not None, problem.spec.segments,
+             problem.spec.segments, sinks and cfg.score.sinks)
     aux = AuxRefs(*(rest.pop(0) if f else None for f in flags))
     return first, aux, rest
 
@@ -87,9 +88,9 @@ class QueryProgram(NamedTuple):
 
 def query_program(cfg: Config, table_ref, qs_ref) -> QueryProgram:
     b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    table = RangeTable(table_ref, pl.cdiv(cfg.spec.T, cfg.block_q))
+    table = RangeTable(table_ref, pl.cdiv(cfg.problem.spec.T, cfg.blocks.block_q))
     row = table.row(b, i)
-    return QueryProgram(i=i, head=b * cfg.heads + n, seed=table.seed, ranges=row.read(),
+    return QueryProgram(i=i, head=b * cfg.problem.heads + n, seed=table.seed, ranges=row.read(),
                         q_seg=None if qs_ref is None else qs_ref[...])
 
 
@@ -101,14 +102,15 @@ def _query_body(prog: QueryProgram, step, init, finish, rest) -> Body:
 
 def kv_tile(cfg: Config, prog: QueryProgram, q, j, k_ref, v_ref, aux: AuxRefs, read):
     """``(tile, v)`` for key/value block ``j``, read with the walk's ``read``."""
-    bk = cfg.block_k
+    bk = cfg.blocks.block_k
     k = read(k_ref, j, bk, 0)
     v = read(v_ref, j, bk, 0)
     k_seg = None if aux.k_seg is None else read(aux.k_seg, j, bk, 1)
-    tile = Tile(q=q, k=zero_rows_past(k, j, bk, cfg.spec.S), i=prog.i, j=j, head=prog.head,
-                q_seg=prog.q_seg, k_seg=k_seg, bias=_pair_block(aux.bias, cfg.bias_full, j, bk, read),
-                mask=_pair_block(aux.mask, cfg.mask_full, j, bk, read))
-    return tile, zero_rows_past(v, j, bk, cfg.spec.S)
+    tile = Tile(q=q, k=zero_rows_past(k, j, bk, cfg.problem.spec.S), i=prog.i, j=j, head=prog.head,
+                q_seg=prog.q_seg, k_seg=k_seg,
+                bias=_pair_block(aux.bias, cfg.problem.bias_full, j, bk, read),
+                mask=_pair_block(aux.mask, cfg.problem.mask_full, j, bk, read))
+    return tile, zero_rows_past(v, j, bk, cfg.problem.spec.S)
 
 
 def _pair_block(ref, full, j, block, read):
@@ -123,7 +125,7 @@ def forward_body(cfg: Config, refs, read, stats) -> Body:
     """Forward (FA-2 Algorithm 1): carry ``(m, l, acc)``, the running max and sum
     shaped ``stats`` (see :func:`ops.attention.tile_math.forward_update`). A sink
     logit starts the carry as a key of value zero already seen (:func:`sink_carry`)."""
-    bq, bk = cfg.block_q, cfg.block_k
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     (q_ref, k_ref, v_ref), aux, (table_ref, out_ref, lse_ref, *rest) = split_refs(
         cfg, refs, 3, sinks=True)
     prog = query_program(cfg, table_ref, aux.q_seg)
@@ -143,7 +145,7 @@ def forward_body(cfg: Config, refs, read, stats) -> Body:
         m0, l0 = jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32)
     else:
         m0, l0 = sink_carry(aux.sinks[pl.program_id(1)], stats)
-    init = (m0, l0, jnp.zeros((bq, cfg.v_dim), jnp.float32))
+    init = (m0, l0, jnp.zeros((bq, cfg.problem.v_dim), jnp.float32))
     return _query_body(prog, step, init, finish, rest)
 
 
@@ -158,7 +160,7 @@ def dq_body(cfg: Config, refs, read, want_dbias: bool, write_dbias) -> Body:
     """dQ (FA-2 Algorithm 2, the dQ half): carry ``(dq,)``. With ``want_dbias`` the
     bias gradient of each visited block is written by ``write_dbias(ref, j,
     value)``; the dbias Ref is then the first of ``rest``."""
-    bq, bk = cfg.block_q, cfg.block_k
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), aux, rest = split_refs(cfg, refs, 6)
     table_ref, dq_ref, *rest = rest
     dbias_ref = rest[0] if want_dbias else None
@@ -175,9 +177,10 @@ def dq_body(cfg: Config, refs, read, want_dbias: bool, write_dbias) -> Body:
         return (dq + dot(dscores.astype(tile.k.dtype), tile.k, 1, 0),)
 
     def finish(dq):
-        dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+        dq_ref[...] = (dq * cfg.score.scale).astype(dq_ref.dtype)
 
-    return _query_body(prog, step, (jnp.zeros((bq, cfg.head_dim), jnp.float32),), finish, rest)
+    init = (jnp.zeros((bq, cfg.problem.head_dim), jnp.float32),)
+    return _query_body(prog, step, init, finish, rest)
 
 
 class QueryBlock(NamedTuple):
@@ -198,12 +201,12 @@ def dkdv_body(cfg: Config, refs, read_q, transposed: bool) -> Body:
     operands the walk's ``read_q(refs, aux, n, i) -> QueryBlock`` reads.
     ``transposed``: tiles are ``[bk, bq]`` (see
     :func:`ops.attention.tile_math.backward_tile`), per-query rows ``[1, bq]``."""
-    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-    g = cfg.group
+    bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+    g = cfg.problem.group
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), aux, rest = split_refs(cfg, refs, 6)
     table_ref, dk_ref, dv_ref, *rest = rest
     b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    table = RangeTable(table_ref, pl.cdiv(cfg.spec.S, bk))
+    table = RangeTable(table_ref, pl.cdiv(cfg.problem.spec.S, bk))
     seed = table.seed
     row = table.row(b, j)
     lo, hi = row.lo, row.hi
@@ -217,10 +220,11 @@ def dkdv_body(cfg: Config, refs, read_q, transposed: bool) -> Body:
         dk, dv = carry
         n = kh * g + gi
         blk = read_q(q_refs, aux, n, i)
-        q = zero_rows_past(blk.q, i, bq, cfg.spec.T)
-        do = zero_rows_past(blk.do, i, bq, cfg.spec.T)
-        delta = zero_rows_past(blk.delta, i, bq, cfg.spec.T, axis=1 if transposed else 0)
-        tile = Tile(q=q, k=k, i=i, j=j, head=b * cfg.heads + n, q_seg=blk.q_seg, k_seg=k_seg,
+        q = zero_rows_past(blk.q, i, bq, cfg.problem.spec.T)
+        do = zero_rows_past(blk.do, i, bq, cfg.problem.spec.T)
+        delta = zero_rows_past(blk.delta, i, bq, cfg.problem.spec.T, axis=1 if transposed else 0)
+        tile = Tile(q=q, k=k, i=i, j=j, head=b * cfg.problem.heads + n, q_seg=blk.q_seg,
+                    k_seg=k_seg,
                     bias=blk.bias, mask=blk.mask, transposed=transposed)
         p, dscores, _ = backward_tile(cfg.score, cfg.problem.spec, tile, v, do, blk.lse, delta,
                                       seed, bq, bk, masked)
@@ -230,11 +234,12 @@ def dkdv_body(cfg: Config, refs, read_q, transposed: bool) -> Body:
         return dk, dv
 
     def finish(dk, dv):
-        dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+        dk_ref[...] = (dk * cfg.score.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv.astype(dv_ref.dtype)
 
-    zeros = jnp.zeros((bk, cfg.head_dim), jnp.float32)
-    init = (zeros, zeros if cfg.value_head_dim is None else jnp.zeros((bk, cfg.v_dim), jnp.float32))
+    zeros = jnp.zeros((bk, cfg.problem.head_dim), jnp.float32)
+    init = (zeros, zeros if cfg.problem.value_head_dim is None
+            else jnp.zeros((bk, cfg.problem.v_dim), jnp.float32))
     return Body(lo, hi, lambda: (row.full_lo, row.full_hi), step, init, finish, rest)
 
 
@@ -246,7 +251,7 @@ def decode_body(cfg: Config, refs, read, stats) -> Body:
     step are the forward's; the finish writes the share's normalized output and
     logsumexp (0 and -inf for a row that saw no key), which the merge kernel
     combines."""
-    bk, g = cfg.block_k, cfg.group
+    bk, g = cfg.blocks.block_k, cfg.problem.group
     (q_ref, k_ref, v_ref), aux, (table_ref, out_ref, lse_ref, *rest) = split_refs(cfg, refs, 3)
     rows = q_ref.shape[0]
     row = RangeTable(table_ref, 1).row(pl.program_id(0), 0)
@@ -259,10 +264,11 @@ def decode_body(cfg: Config, refs, read, stats) -> Body:
         v = read(v_ref, j, bk, 0)
         k_seg = None if aux.k_seg is None else read(aux.k_seg, j, bk, 1)
         q_pos = div(jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0), g)
-        tile = Tile(q=q, k=zero_rows_past(k, j, bk, cfg.spec.S), i=0, j=j, head=0, q_seg=q_seg,
+        tile = Tile(q=q, k=zero_rows_past(k, j, bk, cfg.problem.spec.S), i=0, j=j, head=0,
+                    q_seg=q_seg,
                     k_seg=k_seg, q_pos=q_pos)
         return forward_update(cfg.score, cfg.problem.spec, carry, tile,
-                              zero_rows_past(v, j, bk, cfg.spec.S), None, rows, bk, masked)
+                              zero_rows_past(v, j, bk, cfg.problem.spec.S), None, rows, bk, masked)
 
     def finish(m, l, acc):
         out, lse = forward_finish(m, l, acc)
@@ -270,5 +276,5 @@ def decode_body(cfg: Config, refs, read, stats) -> Body:
         lse_ref[...] = lse.reshape(lse_ref.shape)
 
     init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros((rows, cfg.v_dim), jnp.float32))
+            jnp.zeros((rows, cfg.problem.v_dim), jnp.float32))
     return Body(lo, hi, lambda: (lo, lo), step, init, finish, rest)

@@ -54,7 +54,7 @@ def _walk(body: programs.Body, scratch, t, visited, step, after_step=None):
 
 
 def forward_kernel(*refs, cfg: Config):
-    body = programs.forward_body(cfg, refs, _whole_block, stats=(cfg.block_q, 1))
+    body = programs.forward_body(cfg, refs, _whole_block, stats=(cfg.blocks.block_q, 1))
     j = pl.program_id(3)
     _walk(body, body.rest, j, lambda: (j >= body.lo) & (j < body.hi),
           lambda carry: body.step(j, carry))
@@ -87,7 +87,7 @@ def _read_query_block(refs, aux, n, i) -> QueryBlock:
 
 
 def dkdv_kernel(*refs, cfg: Config):
-    nq = pl.cdiv(cfg.spec.T, cfg.block_q_dkv)
+    nq = pl.cdiv(cfg.problem.spec.T, cfg.blocks.block_q_dkv)
     body = programs.dkdv_body(cfg, refs, _read_query_block, transposed=False)
     t = pl.program_id(3)  # walks (query head of the group, query block)
     gi, i = div(t, nq), rem(t, nq)

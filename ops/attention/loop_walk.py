@@ -70,8 +70,9 @@ def _walk(body: programs.Body, loop, sides):
 
 
 def forward_kernel(*refs, cfg: Config):
-    body = programs.forward_body(cfg, refs, _block_slice, stats=(cfg.block_q,))
-    _walk(body, _each_block(body.step), masked_sides(cfg.spec, cfg.block_q, cfg.block_k))
+    body = programs.forward_body(cfg, refs, _block_slice, stats=(cfg.blocks.block_q,))
+    _walk(body, _each_block(body.step),
+          masked_sides(cfg.problem.spec, cfg.blocks.block_q, cfg.blocks.block_k))
 
 
 def _write_dbias(ref, j, value):
@@ -82,17 +83,17 @@ def _write_dbias(ref, j, value):
 
 def dq_kernel(*refs, cfg: Config, want_dbias: bool):
     body = programs.dq_body(cfg, refs, _block_slice, want_dbias, _write_dbias)
-    sides = masked_sides(cfg.spec, cfg.block_q, cfg.block_k, bound_q=True)
+    sides = masked_sides(cfg.problem.spec, cfg.blocks.block_q, cfg.blocks.block_k, bound_q=True)
     _walk(body, _each_block(body.step), sides)
 
 
 def _read_query_block(cfg: Config, refs, aux, n, i) -> QueryBlock:
     """Query head ``n``'s query block ``i``, sliced from the whole-length blocks of
     every head; per-query statistics and ids as ``[1, bq]`` rows (transposed tiles)."""
-    bq = cfg.block_q_dkv
+    bq = cfg.blocks.block_q_dkv
     q_ref, do_ref, lse_ref, delta_ref = refs
     rows = pl.ds(i * bq, bq)
-    if cfg.layout == "BTNH":
+    if cfg.backend.layout == "BTNH":
         q, do = q_ref[rows, n, :], do_ref[rows, n, :]
     else:
         q, do = q_ref[n, rows, :], do_ref[n, rows, :]
@@ -100,7 +101,7 @@ def _read_query_block(cfg: Config, refs, aux, n, i) -> QueryBlock:
     delta = delta_ref[n, rows, :].reshape(1, bq)
     q_seg = None if aux.q_seg is None else aux.q_seg[rows, :].reshape(1, bq)
     bias, mask = (_pair_rows(r, full, n, rows) for r, full in
-                  ((aux.bias, cfg.bias_full), (aux.mask, cfg.mask_full)))
+                  ((aux.bias, cfg.problem.bias_full), (aux.mask, cfg.problem.mask_full)))
     return QueryBlock(q, do, lse, delta, q_seg, bias, mask)
 
 
@@ -113,7 +114,7 @@ def _pair_rows(ref, full, n, rows):
 
 
 def dkdv_kernel(*refs, cfg: Config):
-    g = cfg.group
+    g = cfg.problem.group
     read = lambda refs, aux, n, i: _read_query_block(cfg, refs, aux, n, i)
     body = programs.dkdv_body(cfg, refs, read, transposed=True)
 
@@ -125,16 +126,17 @@ def dkdv_kernel(*refs, cfg: Config):
 
         return lax.fori_loop(0, g * count, flat_step, carry)
 
-    sides = masked_sides(cfg.spec, cfg.block_q_dkv, cfg.block_k_dkv, transpose=True, bound_q=True)
+    sides = masked_sides(cfg.problem.spec, cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv,
+                         transpose=True, bound_q=True)
     _walk(body, blocks, sides)
 
 
 def decode_kernel(*refs, cfg: Config):
-    """Split-KV decode: program ``(b, kh, s)`` walks share ``s`` of ``cfg.k_splits``
+    """Split-KV decode: program ``(b, kh, s)`` walks share ``s`` of ``cfg.blocks.k_splits``
     equal shares of its visible blocks ``[lo, hi)`` (split at run time, so a cache
     filled to a short length still spreads over every program)."""
     body = programs.decode_body(cfg, refs, _block_slice, stats=(refs[0].shape[0],))
-    splits, s = cfg.k_splits, pl.program_id(2)
+    splits, s = cfg.blocks.k_splits, pl.program_id(2)
     lo, hi = body.lo, body.hi
     per = div(hi - lo + (splits - 1), splits)
     first = jnp.minimum(lo + s * per, hi)

@@ -93,7 +93,7 @@ def rows_block(cfg: Config) -> int:
     minimum) the products fall back to ``mma.sync``; the padding rows cost tensor-core
     time, which a loop bound by reading K/V has to spare (sm_90 at h128, 64-key tiles:
     140 registers, 80 KiB shared memory, no spills). A multiple of 8 elsewhere."""
-    rows = cfg.spec.T * cfg.group
+    rows = cfg.problem.spec.T * cfg.problem.group
     if cfg.backend.name in pl.TRITON_BACKENDS:
         return MAX_ROWS
     return max(8, pl.cdiv(rows, 8) * 8)
@@ -103,30 +103,33 @@ def _query_rows(cfg: Config, x, rows: int, fill=0):
     """``[B, T, N, ...]`` -> ``[B, K, rows, ...]``, row ``t * G + g`` holding head ``kh * G + g``."""
     b, t = x.shape[:2]
     rest = x.shape[3:]
-    x = x.reshape(b, t, cfg.kv_heads, cfg.group, *rest)
-    x = jnp.moveaxis(x, 2, 1).reshape(b, cfg.kv_heads, t * cfg.group, *rest)
-    pad = [(0, 0), (0, 0), (0, rows - t * cfg.group)] + [(0, 0)] * len(rest)
+    kv_heads, g = cfg.problem.kv_heads, cfg.problem.group
+    x = x.reshape(b, t, kv_heads, g, *rest)
+    x = jnp.moveaxis(x, 2, 1).reshape(b, kv_heads, t * g, *rest)
+    pad = [(0, 0), (0, 0), (0, rows - t * g)] + [(0, 0)] * len(rest)
     return jnp.pad(x, pad, constant_values=fill)
 
 
 def _from_rows(cfg: Config, x):
     """``[B, K, rows, ...]`` -> ``[B, T, N, ...]`` (the inverse of :func:`_query_rows`)."""
-    b, t = x.shape[0], cfg.spec.T
+    b, t = x.shape[0], cfg.problem.spec.T
     rest = x.shape[3:]
-    x = x[:, :, :t * cfg.group].reshape(b, cfg.kv_heads, t, cfg.group, *rest)
-    return jnp.moveaxis(x, 1, 2).reshape(b, t, cfg.heads, *rest)
+    g = cfg.problem.group
+    x = x[:, :, :t * g].reshape(b, cfg.problem.kv_heads, t, g, *rest)
+    return jnp.moveaxis(x, 1, 2).reshape(b, t, cfg.problem.heads, *rest)
 
 
 def forward(cfg: Config, q, k, v, q_seg, kv_seg, sinks):
     """``(out [B, T, N, Hv] in q's dtype, lse float32 [B, N, T, 1])``, as
     :func:`ops.attention.calls.forward_call` returns them."""
-    rows, splits, bk = rows_block(cfg), cfg.k_splits, cfg.block_k
-    loop = cfg.strategy == "loop"
-    B, K, S = cfg.batch, cfg.kv_heads, cfg.spec.S
-    vis = block_visibility(cfg.spec, max(cfg.spec.T, 1), bk, q_seg, kv_seg)
+    rows, splits, bk = rows_block(cfg), cfg.blocks.k_splits, cfg.blocks.block_k
+    loop = cfg.backend.strategy == "loop"
+    B, K, S = cfg.problem.batch, cfg.problem.kv_heads, cfg.problem.spec.S
+    vis = block_visibility(cfg.problem.spec, max(cfg.problem.spec.T, 1), bk, q_seg, kv_seg)
     table = range_table.pack(None, block_ranges(vis, B))
     operands = [_query_rows(cfg, q, rows), calls._to_layout(cfg, k), calls._to_layout(cfg, v)]
-    q_spec = pl.BlockSpec((None, None, rows, cfg.head_dim), lambda b, kh, s, *_: (b, kh, 0, 0))
+    q_spec = pl.BlockSpec((None, None, rows, cfg.problem.head_dim),
+                          lambda b, kh, s, *_: (b, kh, 0, 0))
     nk = pl.cdiv(S, bk)
     if loop:
         grid, kv_block = (B, K, splits), calls.padded_length(S, bk, cfg.backend.name)
@@ -144,21 +147,21 @@ def forward(cfg: Config, q, k, v, q_seg, kv_seg, sinks):
         semantics = ("parallel",) * 3 + ("arbitrary",)
     in_specs = [q_spec, calls._seq_spec(cfg, kv_block, kv_pick),
                 calls._seq_spec(cfg, kv_block, kv_pick, value=True)]
-    if cfg.spec.segments:
-        q_ids = _query_rows(cfg, jnp.repeat(q_seg[:, :, None], cfg.heads, axis=2), rows,
+    if cfg.problem.spec.segments:
+        q_ids = _query_rows(cfg, jnp.repeat(q_seg[:, :, None], cfg.problem.heads, axis=2), rows,
                             fill=QUERY_PAD)
         operands += [q_ids[..., None], kv_seg[:, None, :]]
         in_specs += [pl.BlockSpec((None, None, rows, 1), lambda b, kh, s, *_: (b, kh, 0, 0)), seg_k]
     operands.append(table)
     in_specs.append(calls._table_spec(cfg))
     part = lambda b, kh, s, *_: (b, kh, s, 0)
-    out_shape = [jax.ShapeDtypeStruct((B, K, splits * rows, cfg.v_dim), jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((B, K, splits * rows, cfg.problem.v_dim), jnp.float32),
                  jax.ShapeDtypeStruct((B, K, splits * rows, 1), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, rows, cfg.v_dim), part),
+    out_specs = [pl.BlockSpec((None, None, rows, cfg.problem.v_dim), part),
                  pl.BlockSpec((None, None, rows, 1), part)]
     scratch = [] if loop else [pl.tpu.VMEM((rows, 1), jnp.float32),
                                pl.tpu.VMEM((rows, 1), jnp.float32),
-                               pl.tpu.VMEM((rows, cfg.v_dim), jnp.float32)]
+                               pl.tpu.VMEM((rows, cfg.problem.v_dim), jnp.float32)]
     out_part, lse_part = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=scratch, compiler_params=calls._params(cfg, semantics, rows),
@@ -171,20 +174,20 @@ def forward(cfg: Config, q, k, v, q_seg, kv_seg, sinks):
 def merge_call(cfg: Config, out_part, lse_part, sinks, rows: int, dtype):
     """The merge kernel: ``(out [B, K, rows, Hv] in dtype, lse float32 [B, K, rows, 1])``
     from the splits' ``[B, K, splits * rows, ...]`` partial outputs and logsumexps."""
-    B, K, splits = cfg.batch, cfg.kv_heads, cfg.k_splits
+    B, K, splits = cfg.problem.batch, cfg.problem.kv_heads, cfg.blocks.k_splits
     whole = lambda width: pl.BlockSpec((None, None, splits * rows, width),
                                        lambda b, kh: (b, kh, 0, 0))
     own = lambda width: pl.BlockSpec((None, None, rows, width), lambda b, kh: (b, kh, 0, 0))
-    operands, in_specs = [out_part, lse_part], [whole(cfg.v_dim), whole(1)]
+    operands, in_specs = [out_part, lse_part], [whole(cfg.problem.v_dim), whole(1)]
     if sinks is not None:  # each row's head's sink, [K, rows, 1]
         per_row = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :],
-                                   (1, cfg.spec.T, cfg.heads))
+                                   (1, cfg.problem.spec.T, cfg.problem.heads))
         operands.append(_query_rows(cfg, per_row, rows)[0][..., None])
         in_specs.append(pl.BlockSpec((None, rows, 1), lambda b, kh: (kh, 0, 0)))
     kernel = functools.partial(_merge_kernel, splits=splits, rows=rows, sinks=sinks is not None)
     return pl.pallas_call(
-        kernel, grid=(B, K), in_specs=in_specs, out_specs=[own(cfg.v_dim), own(1)],
-        out_shape=[jax.ShapeDtypeStruct((B, K, rows, cfg.v_dim), dtype),
+        kernel, grid=(B, K), in_specs=in_specs, out_specs=[own(cfg.problem.v_dim), own(1)],
+        out_shape=[jax.ShapeDtypeStruct((B, K, rows, cfg.problem.v_dim), dtype),
                    jax.ShapeDtypeStruct((B, K, rows, 1), jnp.float32)],
         compiler_params=calls._params(cfg, ("parallel", "parallel"), rows),
         backend=cfg.backend.name, name="flash_decoding_merge")(*operands)

@@ -385,17 +385,18 @@ def _check_block_sizes(block_sizes, T, S, H, dtype, backend, variant=None) -> Bl
 def _tables(cfg: Config, q_seg, kv_seg, seed):
     """The scalar tables of the forward/dQ kernels and of the dK/dV kernel."""
     def ranges(bq, bk, transpose=False, bound_q=False):
-        vis = block_visibility(cfg.spec, bq, bk, q_seg, kv_seg)
+        vis = block_visibility(cfg.problem.spec, bq, bk, q_seg, kv_seg)
         # Only the loop strategy skips masks on fully visible blocks (loop_walk.walk_blocks).
         # A kernel must walk with masks every side the table was built with: the dQ
         # kernel's sides (bound_q) include the forward's, so one table serves both.
-        full = block_full_visibility(cfg.spec, bq, bk, q_seg, kv_seg) if cfg.strategy == "loop" else None
-        sides = masked_sides(cfg.spec, bq, bk, transpose=transpose, bound_q=bound_q)
-        return range_table.pack(seed, block_ranges(vis, cfg.batch, transpose=transpose,
+        full = (block_full_visibility(cfg.problem.spec, bq, bk, q_seg, kv_seg)
+                if cfg.backend.strategy == "loop" else None)
+        sides = masked_sides(cfg.problem.spec, bq, bk, transpose=transpose, bound_q=bound_q)
+        return range_table.pack(seed, block_ranges(vis, cfg.problem.batch, transpose=transpose,
                                                    full=full, sides=sides))
 
-    return (ranges(cfg.block_q, cfg.block_k),
-            ranges(cfg.block_q_dkv, cfg.block_k_dkv, transpose=True, bound_q=True))
+    return (ranges(cfg.blocks.block_q, cfg.blocks.block_k),
+            ranges(cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv, transpose=True, bound_q=True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
@@ -444,9 +445,9 @@ def _flash_bwd(cfg, saved, cotangents):
             return dq, dk, dv
         # A bias broadcast over batch or heads sums its gradient over them, across
         # devices too where those dims are split.
-        axes = tuple(d for d, full in enumerate(c.bias_full) if not full)
+        axes = tuple(d for d, full in enumerate(c.problem.bias_full) if not full)
         dbias = jnp.sum(dbias, axis=axes, keepdims=True)
-        split = [f for f, full in zip(("b", "k"), c.bias_full[:2]) if not full]
+        split = [f for f, full in zip(("b", "k"), c.problem.bias_full[:2]) if not full]
         return dq, dk, dv, psum(dbias, reduced, *split).astype(bias.dtype)
 
     dims = _dims(cfg, bias, mask)
@@ -483,12 +484,12 @@ def _dims(cfg: Config, bias, mask) -> _Signature:
         return " ".join(f if is_full else "one" for f, is_full in zip(("b", "(k g)", "t", "s"), full))
 
     # The value head dim is its own factor ("hv") when it differs from the query/key one.
-    hv = "h" if cfg.value_head_dim is None else "hv"
+    hv = "h" if cfg.problem.value_head_dim is None else "hv"
     gather = ("t", "s", "h") + ((hv,) if hv != "h" else ()) + (
-        ("b", "k") if cfg.dropout_rate > 0 else ())
+        ("b", "k") if cfg.score.dropout_rate > 0 else ())
     return _Signature(
-        operands=("b t (k g) h", "b s k h", f"b s k {hv}", pair(cfg.bias_full),
-                  pair(cfg.mask_full), "b t", "b s", "", "(k g)"),
+        operands=("b t (k g) h", "b s k h", f"b s k {hv}", pair(cfg.problem.bias_full),
+                  pair(cfg.problem.mask_full), "b t", "b s", "", "(k g)"),
         out=f"b t (k g) {hv}", lse="b (k g) t one", gather=gather)
 
 
@@ -502,7 +503,7 @@ def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks=No
     """``(out, lse)`` of :func:`calls.forward_call`, partitioned over batch and heads."""
     def local(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, *, reduced):
         c = _local_config(cfg, q, k)
-        if c.k_splits > 1:
+        if c.blocks.k_splits > 1:
             return decode.forward(c, q, k, v, q_seg, kv_seg, sinks)
         table, _ = _tables(c, q_seg, kv_seg, seed)
         return calls.forward_call(c, q, k, v, bias, mask, q_seg, kv_seg, table, sinks)

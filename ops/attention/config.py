@@ -94,16 +94,3 @@ class Config:
     problem: AttentionProblem
     score: ScoreMath
     blocks: BlockSizes
-
-    # Transitional: the flat names of the earlier one-level Config, forwarded to their part
-    # while the readers move to the parts.
-    def __getattr__(self, name):
-        for part in ("problem", "score", "blocks"):
-            if name.startswith("__"):
-                break
-            value = object.__getattribute__(self, part)
-            if hasattr(value, name):
-                return getattr(value, name)
-        if name in ("layout", "strategy"):
-            return getattr(object.__getattribute__(self, "backend"), name)
-        raise AttributeError(name)

@@ -359,9 +359,10 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
                                  f"BoundedSlice block dims) are only supported on the "
                                  f"interpret and mosaic_tpu backends and on triton, not "
                                  f"{chosen!r}.")
-            if chosen in validation.TPU_BACKENDS:
-                validation.check_tpu_tiling(m)
-            if chosen in validation.POW2_BACKENDS:
+            traits = registry.traits(chosen)
+            if traits.tile != (1, 1):
+                validation.check_tpu_tiling(m, traits.tile)
+            if traits.power_of_two_blocks:
                 validation.check_pow2(m, chosen)
         out_tables = []
         for m, is_output in [(m, False) for m in in_maps] + [(m, True) for m in out_maps]:

@@ -45,22 +45,27 @@ class BackendTraits:
         ``num_stages`` (:class:`pallas_core.triton.CompilerParams`) apply, and
         every tensor in a program has power-of-two dims (``tl.arange``), so row
         tiles are padded to one.
-      power_of_two_blocks: every BlockSpec block dim must be a power of two:
-        JAX's Triton lowering refuses other tensor shapes. Our Triton lowering
-        pads a block to a power of two and masks the padding itself, so it
-        takes any block.
+      power_of_two_blocks: every BlockSpec block dim must be a power of two or
+        the whole array dim (walked in power-of-two slices): JAX's Triton
+        lowering refuses other tensor shapes. Our Triton lowering pads a block
+        to a power of two and masks the padding itself, so it takes any block.
+        ``pallas_call`` checks it (:func:`pallas_core.validation.check_pow2`).
       min_dot: the smallest M, N and K of a ``pl.dot`` on a block: 16 on our
         Triton lowering (``tl.dot``'s minimum; it refuses smaller products),
         1 where the lowering takes any product.
       tile: ``(sublanes, lanes)``: each of a block's last two dims is a
         multiple of this or the whole array dim (Mosaic TPU's (8, 128) vector
-        register tiling); (1, 1) where any block is laid out.
+        register tiling; ``pallas_call`` checks it,
+        :func:`pallas_core.validation.check_tpu_tiling`); (1, 1) where any
+        block is laid out.
       sequential_grid: a grid axis marked ``"arbitrary"`` runs in order with
         the output block resident across it, so a kernel may accumulate over
         grid steps (the interpreter and Mosaic TPU walk the grid in order; our
         Triton lowering runs arbitrary axes as a loop inside each program).
         False on JAX's Triton lowering, which runs every grid point
-        concurrently: a reduction there is a loop inside the kernel.
+        concurrently: a reduction there is a loop inside the kernel, and
+        ``pallas_call`` refuses an output block revisited along a grid axis
+        (:func:`pallas_core.validation.resolve_semantics`).
       walk: how a kernel with a long reduction (attention's keys, a grouped
         matmul's K) walks it by default: ``"loop"`` (one program per output
         tile, an in-kernel loop keeping the accumulator in registers: GPUs run

@@ -5,16 +5,13 @@ import warnings
 
 import numpy as np
 
-from pallas_core import grid_analysis
+from pallas_core import grid_analysis, registry
 from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.signatures import arity_error, function_source
 from pallas_core.specs import BlockMapping
 
-TPU_BACKENDS = ("mosaic_tpu",)
-# JAX's Triton lowering needs power-of-two blocks; ours pads them and masks (triton/codegen.py).
-POW2_BACKENDS = ("pallas_triton",)
-# Backends that run every grid point concurrently: no grid axis may revisit an output.
-NO_SEQUENTIAL_AXES = ("pallas_triton",)
+# Which backend needs which check is what it declared when it registered
+# (pallas_core.traits.BackendTraits: tile, power_of_two_blocks, sequential_grid).
 
 
 def check_kernel_arity(kernel, n_in: int, n_out: int, n_scratch: int) -> None:
@@ -34,15 +31,16 @@ def check_kernel_result(kernel, result) -> None:
                          f"writes its outputs to the output Refs), but it returned {result!r}.")
 
 
-def check_tpu_tiling(m: BlockMapping) -> None:
-    """Mosaic TPU: the last two block dims divisible by 8 and 128 or equal to the
-    array's; rank-1 blocks divisible by ``128 * (32 / bitwidth)`` or whole."""
+def check_tpu_tiling(m: BlockMapping, tile: tuple[int, int] = (8, 128)) -> None:
+    """Mosaic TPU (a backend whose traits declare a ``tile``, (8, 128) there): the
+    last two block dims divisible by ``tile`` or equal to the array's; rank-1
+    blocks divisible by ``tile[1] * (32 / bitwidth)`` or whole."""
     rank = len(m.block_shape)
     if rank == 0:
         return
     bits = np.dtype(m.dtype).itemsize * 8
     if rank == 1:
-        unit = 128 * max(1, 32 // bits)
+        unit = tile[1] * max(1, 32 // bits)
         b, d = m.block_shape[0], m.array_shape[0]
         if not (m.squeezed[0] or b == d or b % unit == 0):
             raise ValueError(
@@ -50,14 +48,14 @@ def check_tpu_tiling(m: BlockMapping) -> None:
                 f"{m.array_shape} ({np.dtype(m.dtype).name}) breaks the TPU tiling rule: a "
                 f"rank-1 block must equal the array dim or be divisible by {unit}.")
         return
-    for axis, unit in ((rank - 2, 8), (rank - 1, 128)):
+    for axis, unit in ((rank - 2, tile[0]), (rank - 1, tile[1])):
         b, d, sq = m.block_shape[axis], m.array_shape[axis], m.squeezed[axis]
         if sq or b == d or b % unit == 0:
             continue
         raise ValueError(
             f"{m.origin}: block_shape {m.block_shape} for an array of shape "
             f"{m.array_shape} breaks the TPU tiling rule: the last two block dims must "
-            f"be divisible by 8 and 128 respectively or equal the array's "
+            f"be divisible by {tile[0]} and {tile[1]} respectively or equal the array's "
             f"(dim {axis} is {b}).")
 
 
@@ -85,7 +83,8 @@ def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: Fal
 
     Raises:
       ValueError: wrong length; an output block revisited after being left;
-        on backends without sequential axes, any revisited output block.
+        on backends without sequential axes (``sequential_grid`` False in
+        their traits), any revisited output block.
     """
     rank = len(grid)
     if given is not None and len(given) != rank:
@@ -106,7 +105,7 @@ def resolve_semantics(given, out_tables, grid, backend, uses_atomics=lambda: Fal
                 f"written at grid point {first}, left, and revisited at {later}; an output "
                 "block may only be revisited on consecutive grid points, so reductions "
                 "must run over the minor-most (last) grid axes (docs/pallas_core.md section 5).")
-    if backend in NO_SEQUENTIAL_AXES and revisits:
+    if not registry.traits(backend).sequential_grid and revisits:
         raise ValueError(
             f"backend {backend!r} runs every grid point concurrently, but an output block "
             f"is revisited along grid axes {sorted(revisits)}; move the reduction inside "

@@ -71,7 +71,7 @@ def test_declared_block_rules_are_the_lowerings(backend):
     small = (traits.tile[0] // 2 or 1, 128)
     if traits.tile != (1, 1):
         assert not traits.fits_tile(small[0], 48, axis=-2)
-        with pytest.raises(ValueError, match="8"):
+        with pytest.raises(ValueError, match=f"divisible by {traits.tile[0]} and {traits.tile[1]}"):
             _copy(small, (48, 256), backend)
     else:
         _copy((4, 128), (48, 256), backend)
@@ -112,3 +112,33 @@ def test_declared_min_dot_is_the_triton_lowerings():
     assert dot_call(n)
     with pytest.raises(Exception, match="tl.dot's minimum"):
         dot_call(n // 2)
+
+
+def _jax_lowers(block, backend, body=None):
+    """Whether JAX's own Pallas lowering (not ours: no pallas_core check runs) takes a
+    ``block`` copy of a [48, 256] array for ``backend``'s platform, lowered from this host."""
+    from jax.experimental import pallas as jpl
+    from jax.experimental.pallas import tpu as pltpu, triton as pltriton
+    params, platform = {"mosaic_tpu": (pltpu.CompilerParams(), "tpu"),
+                        "pallas_triton": (pltriton.CompilerParams(), "cuda")}[backend]
+    x = jax.ShapeDtypeStruct((48, 256), jnp.float32)
+    grid = tuple(pl.cdiv(s, b) for s, b in zip(x.shape, block))
+    call = jpl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] + 1), out_shape=x,
+                           grid=grid, in_specs=[jpl.BlockSpec(block, lambda i, j: (i, j))],
+                           out_specs=jpl.BlockSpec(block, lambda i, j: (i, j)), compiler_params=params)
+    try:
+        jax.jit(call).trace(x).lower(lowering_platforms=(platform,))
+    except ValueError:
+        return False
+    return True
+
+
+def test_declared_block_rules_match_jaxs_own_lowerings():
+    """mosaic_tpu's tile and pallas_triton's power_of_two_blocks are what JAX's Mosaic
+    TPU and Triton lowerings themselves require (our checks bypassed)."""
+    sub, lanes = pl.backend_traits("mosaic_tpu").tile
+    assert _jax_lowers((sub, lanes), "mosaic_tpu") and _jax_lowers((3 * sub, lanes), "mosaic_tpu")
+    assert not _jax_lowers((sub // 2, lanes), "mosaic_tpu")
+    assert not _jax_lowers((sub, lanes // 2), "mosaic_tpu")
+    assert pl.backend_traits("pallas_triton").power_of_two_blocks
+    assert _jax_lowers((16, 128), "pallas_triton") and not _jax_lowers((24, 128), "pallas_triton")

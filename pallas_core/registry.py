@@ -32,14 +32,15 @@ from pallas_core.traits import BackendTraits
 
 @dataclasses.dataclass(frozen=True)
 class Runner:
-    """A backend's ``run(call, args)`` and whether vmap adds a batch grid axis for it."""
+    """A backend's ``run(call, args)``, whether vmap adds a batch grid axis for it, and
+    the traits it declared."""
 
     run: Callable
     batch_grid: bool
+    traits: BackendTraits
 
 
 _RUNNERS: dict[str, Runner] = {}
-_TRAITS: dict[str, BackendTraits] = {}
 _RULES: dict[tuple[str, str], Callable] = {}
 _ATOMIC_PREFIXES: list[str] = []
 
@@ -54,8 +55,7 @@ def register_backend(name: str, run: Callable, *, traits: BackendTraits,
     """
     if not isinstance(traits, BackendTraits) or traits.name != name:
         raise ValueError(f"traits: expected BackendTraits(name={name!r}, ...), got {traits!r}.")
-    _RUNNERS[name] = Runner(run, batch_grid)
-    _TRAITS[name] = traits
+    _RUNNERS[name] = Runner(run, batch_grid, traits)
 
 
 def runner(name: str) -> Runner:
@@ -77,11 +77,7 @@ def traits(name: str) -> BackendTraits:
     Raises:
       NotImplementedError: no backend module registered ``name``.
     """
-    try:
-        return _TRAITS[name]
-    except KeyError:
-        raise NotImplementedError(f"backend {name!r}: no traits registered; registered: "
-                                  f"{sorted(_TRAITS)}.") from None
+    return runner(name).traits
 
 
 def register_rule(primitive: str, backend: str, rule: Callable) -> None:

@@ -28,7 +28,7 @@ def test_every_backend_declares_its_traits():
 def test_unknown_backend_and_bad_traits_are_refused():
     with pytest.raises(ValueError, match="backend: unknown backend 'cuda'"):
         pl.backend_traits("cuda")
-    with pytest.raises(NotImplementedError, match="no traits registered"):
+    with pytest.raises(NotImplementedError, match="no runner registered"):
         registry.traits("not_a_backend")
     with pytest.raises(ValueError, match="traits: expected BackendTraits"):
         registry.register_backend("x", lambda call, args: None, traits=pl.backend_traits("triton"))

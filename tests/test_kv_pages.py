@@ -113,9 +113,9 @@ def test_lowering(impl, layout):
     assert PLATFORM[impl][1] in text and "update_kv_pages" in text
 
 
-def test_pallas_triton_refuses_blocks_not_a_power_of_two():
-    kp = jnp.zeros((3, P, PS, H), F32)
-    k = jnp.zeros((5, 3, H), F32)
+def test_pallas_triton_refuses_a_head_dim_not_a_power_of_two():
+    kp = jnp.zeros((K, P, PS, 48), F32)
+    k = jnp.zeros((5, K, 48), F32)
     with pytest.raises(NotImplementedError, match="power-of-two"):
         ops.update_kv_pages((kp, kp), k, k, jnp.zeros((5,), jnp.int32),
                             implementation="pallas_triton")
@@ -124,7 +124,7 @@ def test_pallas_triton_refuses_blocks_not_a_power_of_two():
 @pytest.mark.parametrize("path, layout", [("stores", "combined"), ("stores", "heads_first"),
                                           ("dma", "heads_first")])
 def test_store_and_dma_kernels_on_the_interpreter(path, layout, monkeypatch):
-    # pallas_triton's kernel (one program storing every token into the whole caches) and
+    # pallas_triton's kernel (a program per head storing chunks of tokens at their slots) and
     # mosaic_tpu's for the [K, P, page_size, H] layout (a DMA per token) on the
     # interpreter: same cache as the scatter, in place (a donated cache is not copied).
     write = kv_pages._write_by_stores if path == "stores" else (

@@ -20,16 +20,18 @@ def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None
     """Writes ``T`` new tokens' keys and values into their slots of a paged cache.
 
     Slot ``s`` is token ``s % page_size`` of page ``s // page_size`` (vLLM's slot
-    mapping). One program per token writes its ``[heads, H]`` keys and values into
-    the cache, an aliased output (``input_output_aliases``): nothing else of the
+    mapping). Each token's ``[heads, H]`` keys and values are written into the
+    cache, an aliased output (``input_output_aliases``): nothing else of the
     cache is read or written, and under ``jax.jit`` with the cache donated
-    (``donate_argnums``) no copy of it is made. How the token reaches its slot
-    depends on the backend: through a BlockSpec whose index map reads the slot
-    (scalar prefetch; ``interpret``, ``triton``, and ``mosaic_tpu`` for the combined
-    layout), by a store at the slot into the whole cache (``pallas_triton``, which
-    has no scalar prefetch), or by a DMA from HBM into the cache (``mosaic_tpu``
-    for the ``[K, P, page_size, H]`` layout, where one token is ``K`` rows far
-    apart, a block below the TPU's (8, 128) tiling).
+    (``donate_argnums``) no copy of it is made. How a token reaches its slot
+    depends on the backend: one program per token through a BlockSpec whose
+    index map reads the slot (scalar prefetch: ``interpret``, ``triton``, and
+    ``mosaic_tpu`` for the combined layout); one program per head storing the
+    tokens' rows at their slots, 16 tokens per step (``pallas_triton``, which
+    has no scalar prefetch); or one DMA per token from HBM into the cache
+    (``mosaic_tpu`` for the ``[K, P, page_size, H]`` layout, where one token's
+    ``K`` rows lie ``page_size * H`` apart, a block below the TPU's (8, 128)
+    tiling).
 
     On a device mesh the cache's heads and pages stay where they live; each device
     writes the tokens of its own heads into its own pages (docs/design.md §5.6).
@@ -43,8 +45,8 @@ def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None
       slot_mapping: int32 ``[T]``; a negative slot (or one past the cache) skips
         the token (padding). Two tokens with one slot: either may win.
       implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
-        "xla" (a scatter), "interpret", "triton", "pallas_triton" (power-of-two
-        heads (``2 * K`` combined) and head dim; NotImplementedError otherwise),
+        "xla" (a scatter), "interpret", "triton", "pallas_triton" (a power-of-two
+        head dim; NotImplementedError otherwise),
         "mosaic_tpu", or a sequence tried in order. "mosaic_gpu" raises
         NotImplementedError.
 
@@ -222,42 +224,54 @@ def _aliased_call(kernel, impl: str, pages, operands, params, **grid):
     )(*operands))
 
 
-def _store_kernel(slots_ref, *refs, n: int, ps: int, combined: bool):
-    """Each token's ``[heads, H]`` stored at its slot of each whole, aliased cache."""
-    news, outs = refs[:n], refs[2 * n:]
+# Tokens one program stores per step of its loop (one scatter of [chunk, H]).
+STORE_CHUNK = 16
 
-    def store(t, carry):
-        slot = slots_ref[t]
+
+def _store_kernel(slots_ref, *refs, n: int, ps: int, chunk: int):
+    """Program ``h`` stores head ``h`` of every token at its slot, ``chunk`` tokens per
+    step (one ``[chunk, H]`` scatter into the head's ``[P, page_size, H]`` block)."""
+    news, outs = refs[:n], refs[2 * n:]
+    h = pl.program_id(0)
+
+    def store(c, carry):
+        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        slot = slots_ref[rows]
         page, off = div(slot, ps), rem(slot, ps)
         for new, out in zip(news, outs):
-            if combined:
-                out[page, off] = new[t]
-            else:
-                out[:, page, off] = new[t]
+            out[page, off] = new[rows, h]
         return carry
 
-    jax.lax.fori_loop(0, slots_ref.shape[0], store, 0)
+    jax.lax.fori_loop(0, slots_ref.shape[0] // chunk, store, 0)
 
 
 def _write_by_stores(impl: str, combined: bool, ps: int, pages, news, slots):
     """The write for backends without scalar prefetch (JAX's Triton lowering): one program
-    loops over the tokens, loading each slot and storing the token there, every operand a
-    whole Ref (the caches aliased: nothing else of them is read or written).
-
-    One program, because the caches are then one output block that concurrent programs
-    would all revisit, which pallas_core refuses on a backend without sequential grid
-    axes; it stores ``T * heads * H`` elements from one SM: cheap at decode's ``T`` (the
-    batch), serial for long prefill chunks (``triton`` writes one token per program)."""
-    heads, H = news[0].shape[1:]
-    if pl.backend_traits(impl).power_of_two_blocks and (heads & (heads - 1) or H & (H - 1)):
+    per head (of the ``2K`` combined heads, or of ``K`` for both caches) owning that head's
+    ``[P, page_size, H]`` block of the aliased caches, storing its rows of ``STORE_CHUNK``
+    tokens per step at their slots (loaded as a vector from the whole slot table). The
+    tokens are padded to a multiple of the chunk with copies of the last one (the same
+    bytes written twice); nothing else of the caches is read or written."""
+    T, heads, H = news[0].shape
+    if pl.backend_traits(impl).power_of_two_blocks and H & (H - 1):
         raise NotImplementedError(
-            f"{_OP}: implementation={impl!r} stores power-of-two blocks only; a token here is "
-            f"[{heads}, {H}] (heads, head dim).")
+            f"{_OP}: implementation={impl!r} needs a power-of-two head dim; got {H}.")
+    chunk = STORE_CHUNK
+    pad = -T % chunk
+    if pad:
+        slots = jnp.concatenate([slots, jnp.broadcast_to(slots[-1:], (pad,))])
+        news = tuple(jnp.concatenate([x, jnp.broadcast_to(x[-1:], (pad,) + x.shape[1:])])
+                     for x in news)
     n, whole = len(pages), pl.BlockSpec(memory_space=pl.ANY)
+    P = _geometry(pages, combined)[0]
+    if combined:
+        out_spec = pl.BlockSpec((P, ps, None, H), lambda h: (0, 0, h, 0))
+    else:
+        out_spec = pl.BlockSpec((None, P, ps, H), lambda h: (h, 0, 0, 0))
     return _aliased_call(
-        functools.partial(_store_kernel, n=n, ps=ps, combined=combined), impl, pages,
-        (slots, *news, *pages), pl.triton.CompilerParams(num_warps=1), grid=(1,),
-        in_specs=[whole] * (1 + 2 * n), out_specs=[whole] * n)
+        functools.partial(_store_kernel, n=n, ps=ps, chunk=chunk), impl, pages,
+        (slots, *news, *pages), pl.triton.CompilerParams(num_warps=4), grid=(heads,),
+        in_specs=[whole] * (1 + 2 * n), out_specs=[out_spec] * n)
 
 
 def _dma_kernel(slots_ref, *refs, n: int, ps: int):

@@ -90,6 +90,63 @@ def test_tma_default_switch(monkeypatch):
             pass
 
 
+# ---- which descriptors ----------------------------------------------------------------------
+
+def _squeezed_kernel(x_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(3) == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    acc_ref[...] += x_ref[...].astype(jnp.float32)
+
+    @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
+    def _():
+        o_ref[...] = acc_ref[...]
+
+
+def _squeezed_call(backend, stacked):
+    """Sums x[b, :, h, :] blocks (batch and head squeezed, fixed per program) over a sequential
+    axis: along x's dim 1 (``stacked=False``: the fixed indices do not change in the loop) or
+    over a leading stack dim indexed by the loop (``stacked=True``: one of them does)."""
+    if stacked:  # x: [4(loop), B=2, T=40, H=3, D=32]
+        spec = pl.BlockSpec((None, None, 16, None, 32), lambda b, h, t, k: (k, b, t, h, 0))
+        out = pl.BlockSpec((None, 16, None, 32), lambda b, h, t, k: (b, t, h, 0))
+        grid, shape = (2, 3, 3, 4), (2, 40, 3, 32)
+    else:  # x: [B=2, T=48, H=3, D=32], 3 blocks of 16 rows summed
+        spec = pl.BlockSpec((None, 16, None, 32), lambda b, h, i, k: (b, k, h, 0))
+        out = pl.BlockSpec((None, 16, None, 32), lambda b, h, i, k: (b, 0, h, 0))
+        grid, shape = (2, 3, 1, 3), (2, 16, 3, 32)
+    return pl.pallas_call(
+        _squeezed_kernel, out_shape=jax.ShapeDtypeStruct(shape, jnp.float32), grid=grid, in_specs=[spec],
+        out_specs=out, scratch_shapes=[pl.tpu.VMEM((16, 32), jnp.float32)], backend=backend,
+        compiler_params=pl.triton.CompilerParams(
+            dimension_semantics=("parallel",) * 3 + ("arbitrary",), tma=True) if backend == "triton"
+        else pl.CompilerParams(("parallel",) * 3 + ("arbitrary",)))
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_fixed_indices_fold_into_the_descriptor_unless_a_loop_changes_them(stacked):
+    """A [1, 16, 1, 32] block of a squeezed batch and head: a 2-D descriptor at the access, its
+    address offset by the fixed indices, loading the tile without a reshape; a fixed index
+    the loop changes (the stacked axis) keeps the full-rank descriptor made ahead of the
+    loops. Results as on the interpret backend, bit for bit."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 2, 40, 3, 32) if stacked else (2, 48, 3, 32)), jnp.float32)
+    source = pl.triton.source(_squeezed_call("triton", stacked), x)[0]
+    described = re.findall(r"^( *)d(\d) = tl\.make_tensor_descriptor\((.*)$", source, re.M)
+    if stacked:  # x: full rank (5-D) ahead of the loop; the output (fixed b, h): 2-D, folded
+        assert [(len(indent), args.count("shape=[A0_0, A0_1, A0_2, A0_3, A0_4]")) for indent, _, args in
+                described if args.startswith("p0,")] == [(4, 1)]
+        assert "d0.load([(i3 * B0_0), (i0 * B0_1), (i2 * B0_2), (i1 * B0_3), 0])" in source
+    else:
+        assert [args.split(", shape=")[1] for _, _, args in described] == [
+            "[A0_1, A0_3], strides=[(A0_3 * A0_2), 1], block_shape=[16, 32])",
+            "[A1_1, A1_3], strides=[(A1_3 * A1_2), 1], block_shape=[16, 32])"]
+        assert "p0 + ((i0 * B0_0) * ((A0_3 * A0_2) * A0_1)) + ((i1 * B0_2) * A0_3)" in source
+        assert "tl.reshape" not in source
+    got = _squeezed_call("triton", stacked)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_squeezed_call("interpret", stacked)(x)))
+
+
 # ---- the launch as jax_triton lowers it -------------------------------------------------------
 
 def _custom_call_types(text):

@@ -39,6 +39,7 @@ values, shapes and masks in :mod:`pallas_core.triton.values`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -91,6 +92,18 @@ def trace_kernel(call) -> jex_core.ClosedJaxpr:
     blocks = [jax.ShapeDtypeStruct(m.ref_shape, m.dtype) for m in mappings]
     scratch = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in call.scratch_shapes]
     return jax.make_jaxpr(body)(ids, blocks, scratch)
+
+
+def _grouped(expr: str) -> str:
+    """``expr`` safe as an operand of ``*``: a name, a number, or one parenthesised group."""
+    if re.fullmatch(r"\w+", expr):
+        return expr
+    depth = 0
+    for i, ch in enumerate(expr):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and i < len(expr) - 1:
+            return f"({expr})"
+    return expr if expr.startswith("(") else f"({expr})"
 
 
 # ------------------------------------------------------------------------------------
@@ -275,8 +288,9 @@ class KernelWriter(ElementwiseWriter):
         self.eqn_stack: list = []  # equations being written, outermost first
         self.access: dict | None = None  # the masked access a load / store marker is writing
         self.options = schedule_options(call.params.triton)
-        self.descriptors: dict[tuple, str] = {}  # (pointer, box) -> tensor descriptor name
+        self.descriptors: dict[tuple, str] = {}  # (pointer, box[, site]) -> tensor descriptor name
         self.descriptor_lines: list[str] = []
+        self.scopes = descriptors.LoopScopes()  # with tma: where names change (descriptors at an access)
         self.ids: dict[int, str] = {}  # grid axis -> this program's id expression
         self.scalar_refs: list[RefView] = []  # the scalar-prefetch operands' views
 
@@ -286,6 +300,8 @@ class KernelWriter(ElementwiseWriter):
         return f"{prefix}{self.counter}"
 
     def emit(self, line: str) -> None:
+        if self.options.tma:
+            self.scopes.see(self.indent, line)
         self.lines.append("    " * self.indent + line)
 
     def assign(self, expr: str, shape, dtype, prefix="v") -> Val:
@@ -634,13 +650,15 @@ class KernelWriter(ElementwiseWriter):
         n_in = len(self.call.in_mappings)
         buffer = {f"p{n_in + o}": f"p{i}" for i, o in self.call.input_output_aliases.items()}
         both = {buffer.get(p, p) for p in self.reads} & {buffer.get(p, p) for p in self.writes}
-        conflicts = {ptr for ptr, _ in self.descriptors if buffer.get(ptr, ptr) in both}
+        conflicts = {key[0] for key in self.descriptors if buffer.get(key[0], key[0]) in both}
         if conflicts:
             raise _DescriptorsNeedPointers(conflicts)
 
-    def _descriptor(self, ref: RefView, access: dict) -> tuple[str, tuple[int, ...]] | None:
-        """``(descriptor name, box)`` if ``tma`` is on and the view can move as one TMA box
-        (:mod:`pallas_core.triton.descriptors`); the descriptor is made on first use."""
+    def _descriptor(self, ref: RefView, access: dict) -> tuple[str, tuple[int, ...], list[int]] | None:
+        """``(descriptor name, box, the array dims it describes)`` if ``tma`` is on and the view
+        can move as one TMA box (:mod:`pallas_core.triton.descriptors`). Fixed indices that
+        no open loop changes are folded into the descriptor's address, made here; otherwise it
+        covers every dim and is made once, ahead of the loops, on first use."""
         if (not self.options.tma or ref.register is not None or ref.origin_last is None
                 or ref.ptr in self.pointer_only or any(b is not None for b in ref.bounds)):
             return None
@@ -649,23 +667,33 @@ class KernelWriter(ElementwiseWriter):
         box = descriptors.tma_box(ref.array_shape, ref.dtype, ref.dims, ref.origin_last, plain)
         if box is None:
             return None
+        strides = _strides(ref)
+        fixed = [d for d, dim in enumerate(ref.dims) if isinstance(dim, str)]
+        if fixed and not ref.wide and self.scopes.invariant(self.indent, [ref.dims[d] for d in fixed]):
+            kept = [d for d in range(len(ref.dims)) if d not in fixed]
+            name = self.descriptors[(ref.ptr, box, len(self.descriptors))] = f"d{len(self.descriptors)}"
+            address = " + ".join([ref.ptr] + [_mul(_grouped(ref.dims[d]), strides[d]) for d in fixed])
+            self.emit(descriptors.make_source(name, address, [ref.dim_names[d] for d in kept],
+                                              [strides[d] for d in kept], [box[d] for d in kept]))
+            return name, tuple(box[d] for d in kept), kept
         key = (ref.ptr, box)
         if key not in self.descriptors:
             name = self.descriptors[key] = f"d{len(self.descriptors)}"
-            self.descriptor_lines.append(descriptors.make_source(name, ref.ptr, ref.dim_names, _strides(ref), box))
-        return self.descriptors[key], box
+            self.descriptor_lines.append(descriptors.make_source(name, ref.ptr, ref.dim_names, strides, box))
+        return self.descriptors[key], box, list(range(len(ref.dims)))
 
-    def _box_offsets(self, ref: RefView) -> str:
-        """The box origin of a descriptor access: one element index per array dim."""
-        return "[" + ", ".join(d.start if isinstance(d, Range) else d for d in ref.dims) + "]"
+    def _box_offsets(self, ref: RefView, dims) -> str:
+        """The box origin of a descriptor access: one element index per described array dim."""
+        return "[" + ", ".join(ref.dims[d].start if isinstance(ref.dims[d], Range) else ref.dims[d]
+                               for d in dims) + "]"
 
     def _load(self, ref: RefView, access: dict | None = None) -> Val:
         """``tl.load`` of a view; ``access`` (a masked load): ``mask``, ``other`` Vals and hints."""
         access = access or {}
         self.reads.add(ref.ptr)
         if tma := self._descriptor(ref, access):
-            name, box = tma
-            value = self.assign(f"{name}.load({self._box_offsets(ref)})", box, ref.dtype)
+            name, box, dims = tma
+            value = self.assign(f"{name}.load({self._box_offsets(ref, dims)})", box, ref.dtype)
             if tuple(box) == tuple(ref.shape):
                 return value
             return self.assign(f"tl.reshape({value.expr}, {tl_shape(ref.shape)})", ref.shape, ref.dtype)
@@ -686,11 +714,11 @@ class KernelWriter(ElementwiseWriter):
         access = access or {}
         self.writes.add(ref.ptr)
         if tma := self._descriptor(ref, access):
-            name, box = tma
+            name, box, dims = tma
             value = fit(val, ref.shape, ref.dtype)
             if tuple(box) != tuple(ref.shape):
                 value = f"tl.reshape({value}, {tl_shape(box)})"
-            self.emit(f"{name}.store({self._box_offsets(ref)}, {value})")
+            self.emit(f"{name}.store({self._box_offsets(ref, dims)}, {value})")
             return
         offset, mask, shape = self._addresses(ref)
         user = access.get("mask")

@@ -18,6 +18,16 @@ tensor-memory accelerator can move it as one box (CUDA programming guide,
   stores are not ordered with TMA reads, so a revisited output block or an
   aliased operand keeps pointers).
 
+A box whose size-1 dims are fixed indices (a squeezed block dim: the batch
+and head of an attention block ``[1, T, 1, D]``) is described without them
+when those indices do not change inside the loops around the access
+(:class:`LoopScopes`): the descriptor is made at the access, over the kept
+dims, from the operand's address plus the fixed indices' offset (a multiple
+of 16 bytes: every stride but the last is), so the kernel loads and stores a
+2-D tile instead of reshaping a 4-D one through registers; Triton hoists it
+out of the loop. Otherwise the descriptor covers every dim and is made once,
+ahead of the kernel's loops.
+
 Blocks that run past the array's edge qualify: the descriptor knows the
 array's shape and the hardware zero-fills reads and drops writes outside it,
 which is what our edge masks do (docs/design.md §4). Every other view keeps pointer
@@ -36,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import re
 
 import numpy as np
 
@@ -88,6 +99,50 @@ def make_source(name: str, ptr: str, dim_names, strides, box) -> str:
     """``name = tl.make_tensor_descriptor(...)`` over the whole operand at ``ptr``."""
     return (f"{name} = {MAKE}{ptr}, shape=[{', '.join(dim_names)}], "
             f"strides=[{', '.join(strides)}], block_shape=[{', '.join(map(str, box))}])")
+
+
+class LoopScopes:
+    """Which names of a kernel's source change inside the loops open at the current line.
+
+    The writer shows it every line it emits (:meth:`see`, with its indent);
+    :meth:`invariant` then says whether expressions can be evaluated once
+    outside every loop open now: each name they use is assigned outside those
+    loops (names never assigned, such as constexprs, are constants).
+    """
+
+    _ASSIGNED = re.compile(r"^(\w+(?:, \w+)*) = ")
+    _NAME = re.compile(r"[A-Za-z_]\w*")
+
+    def __init__(self):
+        self._open: list[tuple[int, int | None]] = []  # (indent, loop id or None) of open blocks
+        self._defined: dict[str, frozenset[int]] = {}  # name -> the loops open where it is assigned
+        self._loops = 0
+
+    def _close(self, indent: int) -> frozenset[int]:
+        while self._open and self._open[-1][0] >= indent:
+            self._open.pop()
+        return frozenset(loop for _, loop in self._open if loop is not None)
+
+    def see(self, indent: int, line: str) -> None:
+        """Records ``line``, emitted at ``indent``."""
+        loops = self._close(indent)
+        if assigned := self._ASSIGNED.match(line):
+            for name in assigned.group(1).split(", "):
+                self._defined[name] = loops
+        head = line.split(" ", 1)[0].rstrip(":")
+        if head in ("for", "while"):
+            self._loops += 1
+            self._open.append((indent, self._loops))
+            if head == "for":
+                self._defined[line.split()[1]] = loops | {self._loops}
+        elif head in ("if", "elif", "else"):
+            self._open.append((indent, None))
+
+    def invariant(self, indent: int, exprs) -> bool:
+        """Whether ``exprs``, written at ``indent``, use no name assigned inside an open loop."""
+        loops = self._close(indent)
+        return not any(self._defined.get(name, frozenset()) & loops
+                       for expr in exprs for name in self._NAME.findall(expr))
 
 
 ENV_VAR = "PALLAS_CORE_TRITON_TMA"

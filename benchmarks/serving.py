@@ -32,6 +32,20 @@ contexts of 1k, 8k, 32k and 128k tokens (every sequence full; batch 64 up to 32k
 query heads over 4 key/value heads of 128, Llama-3-8B's attention), pages of
 16 tokens (vLLM's default), bfloat16; CPUs run the interpreters at tiny
 sizes.
+
+Prefill chunks (``ops.ragged_paged_attention``): ``S`` sequences each bring a
+chunk of ``C`` new tokens, the last ``C`` of a full ``L``-token cache (chunked
+prefill; GPUs: 4 x 512 against 4k, GQA 8:1, 16-token pages, bfloat16). Two rows
+side by side: ``prefill-per-token`` (``block_q=1``: every query token a row of
+the split-KV decode kernel, reading its sequence's cache alone) and
+``prefill-query-blocked`` (the default here: ``block_q`` tokens per program,
+:mod:`ops.serving.prefill_kernels`). FLOPs: ``4 N H`` per visible (query, key)
+pair. GB/s is of the cache bytes each path reads (:func:`prefill_cache_bytes`:
+the pages each program's key range touches, per key/value head, keys and
+values; plus q and the output), so the two rows' bytes differ by about
+``block_q``. The baseline gathers each sequence's pages into a dense cache and
+runs ``jax.nn.dot_product_attention`` with a causal mask aligned to the
+cache's end.
 """
 from __future__ import annotations
 
@@ -39,11 +53,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 import ops
 from benchmarks import harness
+from ops.serving.block_sizes import ragged_block_q
 from benchmarks.jax_pallas_tests import load_on_pallas_core
 
 OP = "paged_attention"
@@ -59,6 +75,11 @@ CPU_SHAPES = ((2, 256, 8, 1, 32, PAGE_SIZE, "float32"), (3, 512, 16, 2, 64, PAGE
 QUICK_SHAPES = {"cpu": ((1, 64, 8, 1, 32, PAGE_SIZE, "float32"),),
                 "accelerator": ((8, 8192, 32, 4, 128, PAGE_SIZE, "bfloat16"),)}
 
+# Prefill chunks: (S sequences, C new tokens each, L cached tokens each, N, K, H, page_size, dtype)
+PREFILL_ACCELERATOR_SHAPES = ((4, 512, 4096, 32, 4, 128, PAGE_SIZE, "bfloat16"),)
+PREFILL_CPU_SHAPES = ((2, 24, 96, 8, 2, 32, PAGE_SIZE, "float32"),)
+PREFILL_QUICK_SHAPES = {"cpu": PREFILL_CPU_SHAPES, "accelerator": PREFILL_ACCELERATOR_SHAPES}
+
 
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     shapes = harness.pick_shapes(platform, quick, cpu=CPU_SHAPES, accelerator=ACCELERATOR_SHAPES,
@@ -66,7 +87,12 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     ours = harness.kernel_implementations(platform)
     # A quick CPU run skips JAX's kernel on JAX's interpreter (a smoke test of ours).
     theirs = not (quick and platform == "cpu")
-    return [make_case(shape, ours, interpret=platform == "cpu", theirs=theirs) for shape in shapes]
+    out = [make_case(shape, ours, interpret=platform == "cpu", theirs=theirs) for shape in shapes]
+    prefill = harness.pick_shapes(platform, quick, cpu=PREFILL_CPU_SHAPES,
+                                  accelerator=PREFILL_ACCELERATOR_SHAPES,
+                                  quick_shapes=PREFILL_QUICK_SHAPES)
+    return out + [make_prefill_case(shape, ours, blocked) for shape in prefill
+                  for blocked in (False, True)]
 
 
 def make_case(shape, implementations, *, interpret: bool, theirs: bool = True) -> harness.Case:
@@ -145,3 +171,102 @@ def reference(q, k_pages, v_pages, tables, lengths):
     logits = jnp.where(seen[:, None, None, :], logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
     return jnp.einsum("bkgs,bskh->bkgh", p, v, precision=lax.Precision.HIGHEST).reshape(b, n, h)
+
+
+# --------------------------------------------------------------------------
+# Prefill chunks: ops.ragged_paged_attention per token vs query-blocked
+# --------------------------------------------------------------------------
+
+def prefill_blocks(shape, blocked: bool) -> dict:
+    """The explicit block sizes of a prefill row: the query-blocked kernel's defaults
+    (:func:`ops.serving.block_sizes.ragged_block_q`, 128-key tiles) or ``block_q=1``
+    (the per-token path) with 128 keys per step and one split."""
+    s, c, _, n, k, _, ps, _ = shape
+    pages = max(1, 128 // ps)
+    block_q = ragged_block_q(None, s * c, s, n // k) if blocked else 1
+    return dict(pages_per_block=pages, k_splits=1, block_q=block_q)
+
+
+def prefill_cache_bytes(shape, blocked: bool) -> float:
+    """Cache bytes one call reads: per program (a query block, or one token), the pages of
+    key tiles its causal range ``[0, position]`` touches, keys and values of each of the
+    ``K`` heads."""
+    s, c, L, n, k, h, ps, dtype = shape
+    bs = prefill_blocks(shape, blocked)
+    bq, keys = bs["block_q"], bs["pages_per_block"] * ps
+    last = L - c + np.arange(c)  # each token's position
+    if bq > 1:
+        ends = last[np.minimum(np.arange(0, c, bq) + bq, c) - 1] + 1
+        read = np.sum(-(-ends // keys) * keys)
+    else:
+        read = np.sum(-(-(last + 1) // ps) * ps)
+    return float(s * read * 2 * k * h * jnp.dtype(dtype).itemsize)
+
+
+def make_prefill_case(shape, implementations, blocked: bool) -> harness.Case:
+    s, c, L, n, k, h, ps, dtype = shape
+    itemsize = jnp.dtype(dtype).itemsize
+    bs = prefill_blocks(shape, blocked)
+    fns = {harness.BASELINE: prefill_xla}
+    for name in implementations:
+        fns[name] = functools.partial(prefill_ours, implementation=name, block_sizes=bs)
+    pairs = s * c * (L - c) + s * c * (c + 1) // 2  # visible (query, key) pairs
+    return harness.Case(
+        op="ragged_paged_attention",
+        variant=f"prefill-{'query-blocked' if blocked else 'per-token'}+gqa{n // k}",
+        shape=(s, c, L, n, k, h, ps), dtype=dtype, pass_name="fwd", flops=4.0 * n * h * pairs,
+        make_inputs=functools.partial(_prefill_inputs, shape=shape), implementations=fns,
+        reference=prefill_reference, ceiling="copy",
+        bytes_accessed=prefill_cache_bytes(shape, blocked) + 2.0 * s * c * n * h * itemsize)
+
+
+def _prefill_inputs(key, *, shape):
+    """q ``[S * C, N, H]`` (scaled by 1/sqrt(H)), a combined cache of exactly the
+    sequences' pages in shuffled order, full ``kv_lens``, tables, ``cu_q_lens``, num_seqs."""
+    s, c, L, n, k, h, ps, dtype = shape
+    pages = L // ps
+    kq, kc, kp = jax.random.split(key, 3)
+    q = harness.random_normal(kq, (s * c, n, h), dtype, scale=h ** -0.5)
+    kv = harness.random_normal(kc, (s * pages, ps, 2 * k, h), dtype)
+    tables = jax.random.permutation(kp, s * pages).reshape(s, pages).astype(jnp.int32)
+    return (q, kv, jnp.full((s,), L, jnp.int32), tables,
+            jnp.arange(s + 1, dtype=jnp.int32) * c, jnp.asarray([s], jnp.int32))
+
+
+def prefill_ours(q, kv, kv_lens, tables, cu, num_seqs, *, implementation, block_sizes):
+    return ops.ragged_paged_attention(q, kv, kv_lens, tables, cu, num_seqs,
+                                      implementation=implementation, block_sizes=block_sizes)
+
+
+def _prefill_dense(q, kv, tables):
+    """``q [S, C, N, H]`` and the dense ``[S, L, K, H]`` keys and values of each sequence."""
+    s = tables.shape[0]
+    x = jnp.take(kv, tables, axis=0)  # [S, pages, ps, 2K, H]
+    x = x.reshape(s, -1, x.shape[-2], x.shape[-1])
+    return q.reshape(s, -1, q.shape[-2], q.shape[-1]), x[:, :, 0::2], x[:, :, 1::2]
+
+
+def _end_aligned_causal(c: int, L: int):
+    """``[C, L]``: query ``t`` (position ``L - C + t``) sees keys up to its position."""
+    return jnp.arange(L)[None, :] <= (L - c + jnp.arange(c))[:, None]
+
+
+def prefill_xla(q, kv, kv_lens, tables, cu, num_seqs):
+    """Each sequence's pages gathered, then jax.nn's XLA attention (scale 1: q is scaled)."""
+    qs, k, v = _prefill_dense(q, kv, tables)
+    mask = _end_aligned_causal(qs.shape[1], k.shape[1])[None, None]
+    out = jax.nn.dot_product_attention(qs, k, v, scale=1.0, mask=mask, implementation="xla")
+    return out.reshape(q.shape)
+
+
+def prefill_reference(q, kv, kv_lens, tables, cu, num_seqs):
+    """Exact attention of each chunk over its sequence's cache, causal from the end."""
+    qs, k, v = (harness.upcast(x) for x in _prefill_dense(q, kv, tables))
+    s, c, n, h = qs.shape
+    kh = k.shape[2]
+    logits = jnp.einsum("sckgh,slkh->skgcl", qs.reshape(s, c, kh, n // kh, h), k,
+                        precision=lax.Precision.HIGHEST)
+    logits = jnp.where(_end_aligned_causal(c, k.shape[1]), logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("skgcl,slkh->sckgh", p, v, precision=lax.Precision.HIGHEST)
+    return out.reshape(q.shape)

@@ -1,6 +1,10 @@
 """ops.ragged_paged_attention against JAX's own ``ref_ragged_paged_attention``: mixed prefill,
 decode and empty sequences over random pages and tables, GQA, sliding windows, soft caps,
-int8 caches with scales, sinks; every kernel backend; bad input named."""
+int8 caches with scales, sinks; the per-token split-KV path (``block_q=1``) and the
+query-blocked kernel; every kernel backend; bad input named. The op has no gradient
+(serving only), so none is tested."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +13,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import (
     ref_ragged_paged_attention)
 
 import ops
-from ops.serving import kernels
+from ops.serving import PagedBlockSizes, kernels, prefill_kernels
+from ops.serving.block_sizes import ragged_block_q
 from tests.test_lowering import lower_text
 from tests.tolerances import FORWARD, assert_close
 
@@ -72,9 +77,11 @@ def test_xla_matches_jax_reference(case):
 @pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("case", ["mixed", "windowed"])
 def test_kernels_match_xla(impl, case):
-    # Two splits of two pages per step (the merge runs) / three splits of one page.
+    # The per-token path: two splits of two pages per step (the merge runs) / three splits
+    # of one page.
     args, kw = cases()[case]
-    bs = (2, 2) if case == "mixed" else (1, 3)
+    bs = dict(pages_per_block=2, k_splits=2, block_q=1) if case == "mixed" else \
+        dict(pages_per_block=1, k_splits=3, block_q=1)
     out = ops.ragged_paged_attention(*args, implementation=impl, block_sizes=bs, **kw)
     assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw),
                  FORWARD[F32], f"{impl} {case}")
@@ -82,13 +89,15 @@ def test_kernels_match_xla(impl, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("block_q", [1, None])
 @pytest.mark.parametrize("N,K,H,page_size", [(8, 8, 64, 16), (16, 2, 64, 32), (12, 4, 96, 16)])
-def test_sweep_against_jax_reference(impl, N, K, H, page_size):
+def test_sweep_against_jax_reference(impl, block_q, N, K, H, page_size):
     args = make_case(N + K + H, N=N, K=K, H=H, page_size=page_size, q_lens=(4, 1, 1, 7, 2),
                      kv_lens=(40, 1, 64, 7, 30), T=16, pages_per_seq=64 // page_size,
                      total_pages=5 * 64 // page_size + 3)
     kw = dict(scale=H ** -0.5, sliding_window=24)
-    out = ops.ragged_paged_attention(*args, implementation=impl, block_sizes=(2, 2), **kw)
+    bs = dict(pages_per_block=2, k_splits=2, block_q=block_q)
+    out = ops.ragged_paged_attention(*args, implementation=impl, block_sizes=bs, **kw)
     assert_close(out, jax_reference(args, **kw), FORWARD[F32], impl)
 
 
@@ -132,20 +141,124 @@ def test_loop_walk_and_pallas_triton_lowering(monkeypatch):
     monkeypatch.setattr(kernels, "LOOP_BACKENDS", ("pallas_triton", "interpret"))
     args, kw = cases()["windowed"]
     kw = dict(kw, sinks=jnp.linspace(-1.0, 1.0, 8))
-    out = ops.ragged_paged_attention(*args, implementation="interpret", block_sizes=(1, 3), **kw)
+    out = ops.ragged_paged_attention(*args, implementation="interpret",
+                                     block_sizes=dict(pages_per_block=1, k_splits=3, block_q=1), **kw)
     assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw), FORWARD[F32])
-    text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="pallas_triton"),
+    bs = dict(pages_per_block=2, k_splits=2, block_q=1)
+    text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="pallas_triton",
+                                                            block_sizes=bs),
                       "pallas_triton", ((16, 16, 128), jnp.bfloat16),
                       ((64, 16, 4, 128), jnp.bfloat16), ((4,), jnp.int32), ((4, 8), jnp.int32),
                       ((5,), jnp.int32), ((1,), jnp.int32))
     assert "__gpu$xla.gpu.triton" in text
 
 
-def test_mosaic_tpu_lowering():
-    text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="mosaic_tpu"),
+@pytest.mark.parametrize("block_q", [1, 8])
+def test_mosaic_tpu_lowering(block_q):
+    # Per token (split-KV decode) and query-blocked (the grid walk, pages concatenated).
+    bs = dict(pages_per_block=2, k_splits=1, block_q=block_q)
+    text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="mosaic_tpu",
+                                                            sliding_window=20, block_sizes=bs),
                       "mosaic_tpu", ((16, 16, 128), jnp.bfloat16), ((32, 16, 4, 128), jnp.bfloat16),
                       ((4,), jnp.int32), ((4, 8), jnp.int32), ((5,), jnp.int32), ((1,), jnp.int32))
     assert "tpu_custom_call" in text
+
+
+# --------------------------------------------------------------------------
+# The query-blocked kernel (block_q > 1)
+# --------------------------------------------------------------------------
+
+@functools.cache
+def prefill_cases():
+    """A chunked prefill of 7 tokens (not a multiple of block_q) at positions 30..36 (the
+    first sees keys 0..30 of the first 32-key tile: a tile one key short of whole), a decode
+    token, an empty sequence (kv_len 0), a 3-token verification run, a whole 12-token
+    prompt, a decode token at a full cache (4 full pages), padding tokens and a garbage
+    slot; GQA 4:1. Then 8-token pages (four per key tile, gathered), GQA 2:1, a window, a
+    soft cap and an int8 cache, block_q 3."""
+    lens = dict(q_lens=(7, 1, 0, 3, 12, 1), kv_lens=(37, 17, 0, 48, 12, 64), T=26, slots=7)
+    return {
+        "chunks": (make_case(5, N=8, K=2, total_pages=28, **lens), dict(scale=0.3),
+                   dict(pages_per_block=2, k_splits=1, block_q=4)),
+        "small_pages": (make_case(6, N=6, K=3, page_size=8, pages_per_seq=8, total_pages=56,
+                                  int8=True, **lens), WINDOWED,
+                        dict(pages_per_block=4, k_splits=1, block_q=3)),
+    }
+
+
+@functools.cache
+def prefill_expected(case):
+    args, kw, _ = prefill_cases()[case]
+    return jax_reference(args, **kw)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("case", ["chunks", "small_pages"])
+def test_query_blocked_matches_jax_reference(impl, case):
+    args, kw, bs = prefill_cases()[case]
+    out = ops.ragged_paged_attention(*args, implementation=impl, block_sizes=bs, **kw)
+    assert_close(out, prefill_expected(case), FORWARD[F32], f"{impl} {case}")
+    assert np.all(np.asarray(out[24:]) == 0)  # padding tokens
+
+
+def test_query_blocked_grid_walk_with_sinks(monkeypatch):
+    # Mosaic TPU's walk (pages by index maps, three concatenated into one tile) on the
+    # interpreter, sinks starting each row's softmax.
+    monkeypatch.setattr(prefill_kernels, "GRID_BACKENDS", ("interpret",))
+    args, kw, _ = prefill_cases()["small_pages"]
+    kw = dict(kw, sinks=jnp.linspace(-1.0, 1.0, 6))
+    bs = dict(pages_per_block=3, k_splits=1, block_q=4)
+    out = ops.ragged_paged_attention(*args, implementation="interpret", block_sizes=bs, **kw)
+    assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw), FORWARD[F32])
+
+
+def test_query_blocked_sinks_on_the_loop_walk():
+    args = make_case(7, N=8, K=2)
+    kw = dict(scale=0.3, sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0, 1.0, -3.0, 0.2, 4.0], F32))
+    bs = dict(pages_per_block=1, k_splits=1, block_q=2)
+    out = ops.ragged_paged_attention(*args, implementation="interpret", block_sizes=bs, **kw)
+    assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw), FORWARD[F32])
+
+
+def test_work_items_cover_every_token_once():
+    # 13 tokens of 4 live sequences (q_lens 5, 0, 1, 7) in blocks of 4: 2 + 0 + 1 + 2
+    # items of at most 16 // 4 + min(6, 16) = 10; slots past num_seqs hold garbage.
+    cu = jnp.asarray([0, 5, 5, 6, 13, 99, 99], jnp.int32)
+    kv_lens = jnp.asarray([9, 3, 1, 7, 50, 50], jnp.int32)
+    seq, lo, hi, full_lo, full_hi, token, pos = prefill_kernels.work_items(
+        cu, kv_lens, jnp.asarray([4], jnp.int32), items=10, block_q=4, capacity=64, window=3)
+    token = np.asarray(token)
+    assert sorted(token[token >= 0].tolist()) == list(range(13))
+    np.testing.assert_array_equal(np.asarray(seq)[:5], [0, 0, 2, 3, 3])
+    np.testing.assert_array_equal(np.asarray(hi), [8, 9, 1, 4, 7, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(lo), [2, 6, 0, 0, 2, 0, 0, 0, 0, 0])
+    # Sequence 0's tokens sit at positions 4..8 of its 9; the first block's rows see
+    # keys [2, 5) all (the first token's causal limit 5, the last one's window start 8 - 3).
+    np.testing.assert_array_equal(np.asarray(pos)[0], [4, 5, 6, 7])
+    np.testing.assert_array_equal(np.asarray(full_lo)[:2], [5, 6])
+    np.testing.assert_array_equal(np.asarray(full_hi)[:2], [5, 9])
+
+
+def test_block_q_heuristic():
+    assert ragged_block_q(None, 8, 8, 4) == 1  # no more tokens than slots: per token
+    assert ragged_block_q(None, 2048, 4, 8) == 16  # 16 tokens x 8 heads = 128 rows
+    assert ragged_block_q(None, 2048, 4, 1) == 128
+    assert ragged_block_q(None, 12, 4, 1) == 16  # at most the tokens (rounded up)
+    assert ragged_block_q(None, 64, 4, 6) == 16
+    assert ragged_block_q(PagedBlockSizes(1, 1, block_q=3), 8, 8, 4) == 3
+    assert ragged_block_q(PagedBlockSizes(1, 2), 64, 4, 4) == 1  # splits asked for: per token
+    assert ragged_block_q(PagedBlockSizes(1, 1), 64, 4, 4) == 32
+
+
+def test_query_blocked_pallas_triton_lowering():
+    bs = dict(pages_per_block=2, k_splits=1, block_q=8)
+    text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="pallas_triton",
+                                                            sliding_window=20, block_sizes=bs,
+                                                            sinks=jnp.zeros(16)),
+                      "pallas_triton", ((64, 16, 128), jnp.bfloat16),
+                      ((64, 16, 4, 128), jnp.bfloat16), ((4,), jnp.int32), ((4, 8), jnp.int32),
+                      ((5,), jnp.int32), ((1,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in text
 
 
 def _bad_inputs():
@@ -164,10 +277,12 @@ def _bad_inputs():
         (dict(good, soft_cap=-1.0), ValueError, "soft_cap must be"),
         (dict(good, k_scale="x"), ValueError, "k_scale must be"),
         (dict(good, sinks=jnp.zeros((4, 1))), ValueError, "sinks must have shape"),
+        (dict(good, block_sizes=dict(pages_per_block=1, k_splits=1, block_q=0)), ValueError,
+         "block_sizes.block_q must be a positive int"),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(13))
 def test_bad_input_named(case):
     kwargs, error, match = _bad_inputs()[case]
     with pytest.raises(error, match=match):

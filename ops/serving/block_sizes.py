@@ -1,5 +1,5 @@
-"""Launch configuration of the paged decode kernels: pages per grid step and KV splits
-(the op layer's config of ``paged_attention`` and ``ragged_paged_attention``)."""
+"""Launch configuration of the paged attention kernels: pages per step, KV splits and the
+query block (the op layer's config of ``paged_attention`` and ``ragged_paged_attention``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,14 +20,22 @@ class PagedBlockSizes(KernelConfig):
     """Attributes:
       pages_per_block: pages each grid step (one trip of a Triton program's loop) reads.
       k_splits: how many programs split each row's page table (flash-decoding);
-        1 writes the output directly, more add a merge kernel.
+        1 writes the output directly, more add a merge kernel. The query-blocked
+        kernel does not split (it has a program per query block already).
       num_warps, num_stages: Triton launch parameters (None: 4 warps, 2 stages).
+      block_q: ``ragged_paged_attention`` only: query tokens of one sequence per
+        program. 1 serves every token as its own row of the split-KV decode
+        kernel; more run the query-blocked kernel
+        (:mod:`ops.serving.prefill_kernels`), which reads a sequence's pages once
+        per block of ``block_q`` tokens. None: :func:`ragged_block_q` chooses (1
+        when ``k_splits > 1``).
     """
 
     pages_per_block: int = tunable()
     k_splits: int = tunable()
     num_warps: int | None = tunable(None)
     num_stages: int | None = tunable(None)
+    block_q: int | None = tunable(None)
 
     @classmethod
     def heuristic(cls, problem: Problem, device: Device) -> "PagedBlockSizes":
@@ -71,7 +79,7 @@ def check_block_sizes(block_sizes, op: str) -> PagedBlockSizes | None:
 
     Raises:
       ValueError: anything else, or a field that is not a positive int (or None for the
-        launch parameters).
+        launch parameters and ``block_q``).
     """
     fields = {f.name for f in dataclasses.fields(PagedBlockSizes)}
     if block_sizes is None or isinstance(block_sizes, PagedBlockSizes):
@@ -82,13 +90,36 @@ def check_block_sizes(block_sizes, op: str) -> PagedBlockSizes | None:
     elif isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2:
         bs = PagedBlockSizes(*block_sizes)
     else:
+        optional = sorted(fields - {"pages_per_block", "k_splits"})
         raise ValueError(f"{op}: block_sizes must be None, a PagedBlockSizes, a dict with keys "
-                         f"'pages_per_block' and 'k_splits', or a pair of them; got {block_sizes!r}.")
+                         f"'pages_per_block' and 'k_splits' (optionally {optional}), or a pair "
+                         f"of them; got {block_sizes!r}.")
     if bs is not None:
         for f in dataclasses.fields(bs):
             x = getattr(bs, f.name)
-            if x is None and f.name in ("num_warps", "num_stages"):
+            if x is None and f.name in ("num_warps", "num_stages", "block_q"):
                 continue
             if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
                 raise ValueError(f"{op}: block_sizes.{f.name} must be a positive int, got {x!r}.")
     return bs
+
+
+# Query-tile rows the query-blocked kernel aims for: block_q tokens x the GQA group.
+TARGET_QUERY_ROWS = 128
+
+
+def ragged_block_q(explicit: PagedBlockSizes | None, tokens: int, slots: int, group: int) -> int:
+    """The query block of a ``ragged_paged_attention`` call with block sizes ``explicit``:
+    their ``block_q`` when set; else 1 (every token its own split-KV decode row) when
+    they ask for ``k_splits > 1`` (only that path splits) or the call has no more query
+    tokens than sequence slots (``tokens <= slots``: a decode or verification batch,
+    the only static fact about the batch's query lengths); else the power of two
+    nearest below ``TARGET_QUERY_ROWS / group`` (at least 1, at most the tokens rounded up
+    to a power of two): a query tile of about 128 rows of ``block_q`` tokens x ``group``
+    query heads, so each page is read once per 128 / group tokens."""
+    if explicit is not None and explicit.block_q is not None:
+        return explicit.block_q
+    if tokens <= slots or (explicit is not None and explicit.k_splits > 1):
+        return 1
+    per = max(1, TARGET_QUERY_ROWS // max(group, 1))
+    return max(1, min(1 << (per.bit_length() - 1), pl.next_power_of_2(tokens)))

@@ -12,8 +12,8 @@ import numpy as np
 import pallas_core as pl
 from ops._checks import check_float_dtype
 from ops._op import Op, register
-from ops.serving import checks, kernels, sharding
-from ops.serving.block_sizes import DIMS, PagedBlockSizes, check_block_sizes
+from ops.serving import checks, kernels, prefill_kernels, sharding
+from ops.serving.block_sizes import DIMS, PagedBlockSizes, check_block_sizes, ragged_block_q
 from ops.serving.paged_attention import sink_tile
 from ops.serving.reference import gather_pages, rows_attention
 
@@ -35,11 +35,22 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     position. Chunked prefill (``q_len > 1``), decode (``q_len == 1``) and
     speculative verification mix in one call.
 
-    Every query token is a row of the paged decode kernel
-    (:mod:`ops.serving.kernels`) reading its sequence's page table, so decode
-    tokens read their cache once; a prefill chunk of ``q_len`` tokens reads its
-    cache ``q_len`` times (a query-blocked prefill kernel would read it once per
-    block; not built).
+    Two kernels, chosen per call from static facts (``block_sizes.block_q``,
+    else :func:`ops.serving.block_sizes.ragged_block_q`):
+
+    * ``block_q == 1`` (the default when ``T <= S``, decode and verification
+      batches, or when ``block_sizes`` asks for ``k_splits > 1``): every query
+      token is a row of the split-KV paged decode kernel
+      (:mod:`ops.serving.kernels`), so a decode token reads its cache once, split
+      over programs when the batch is small, but a prefill chunk of ``q_len``
+      tokens reads its cache ``q_len`` times;
+    * ``block_q > 1`` (the default when ``T > S``: about ``128 / G`` tokens): the
+      query-blocked kernel (:mod:`ops.serving.prefill_kernels`): a program per
+      (sequence, block of ``block_q`` of its tokens) and key/value head, the
+      block's tokens times the GQA group as one query tile, which reads the
+      pages its causal range touches once, in key tiles of ``pages_per_block``
+      pages (one online-softmax update per tile, also for 16-token pages).
+      ``k_splits`` does not apply.
 
     Shapes: ``T`` query tokens (a padded budget), ``N`` query heads, ``K``
     key/value heads, ``H`` head dim, ``S`` sequence slots.
@@ -58,7 +69,10 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
       k_scale, v_scale: optional Python floats: keys / values are ``kv_pages * scale``.
       sinks: optional float ``[N]`` sink logits joining each softmax's denominator.
       implementation: as :func:`ops.paged_attention`.
-      block_sizes: as :func:`ops.paged_attention`.
+      block_sizes: as :func:`ops.paged_attention`, and ``block_q`` (query tokens per
+        program, see above) in a :class:`ops.serving.PagedBlockSizes` or its dict.
+
+    There is no gradient (a serving op).
 
     Returns:
       ``[T, N, H]`` in q's dtype; rows past ``cu_q_lens[num_seqs]`` are 0 (JAX's
@@ -161,6 +175,17 @@ def _run(args, impl: str, bs):
                              sinks=args["sinks"])
         return out.astype(q.dtype)
     G = N // K
+    block_q = ragged_block_q(bs, T, S, G)
+    if block_q > 1:
+        problem = OP.problem((T, K, G, H, ps, pps), q.dtype)
+        pcfg = prefill_kernels.PrefillConfig.build(
+            _OP, impl, OP.select(problem, impl, bs), tokens=T, slots=S, block_q=block_q,
+            kv_heads=K, group=G, head_dim=H, page_size=ps, total_pages=P, pages_per_row=pps,
+            dtype=q.dtype, scale=args["scale"], soft_cap=args["soft_cap"],
+            window=args["window"], k_scale=args["k_scale"], v_scale=args["v_scale"],
+            sinks=args["sinks"] is not None)
+        return prefill_kernels.prefill(pcfg, q, kv, args["tables"], args["cu"], args["kv_lens"],
+                                       args["num_seqs"], args["sinks"])
     cfg = kernels.DecodeConfig.build(
         OP, impl, bs, rows=T, kv_heads=K, group=G, head_dim=H, page_size=ps, total_pages=P,
         pages_per_row=pps, dtype=q.dtype, layout=kernels.COMBINED, scale=args["scale"],

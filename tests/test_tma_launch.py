@@ -290,6 +290,40 @@ def test_scratch_requirements_and_refusals():
         global_scratch.check_metadata(dict(meta, num_warps=12), scratch, num_warps=4)
 
 
+def test_wrapped_compile_redirects_announced_kernels_and_refuses_unannounced_scratch():
+    """jax_triton's compile, wrapped: an announced kernel's PTX is redirected; a kernel needing
+    global scratch that nobody declared is refused; other platforms and kernels pass through."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class Result:
+        binary: str
+        name: str
+
+    def real(ttir, backend, options, capability, platform):  # Triton's stages fill the metadata
+        meta = dict(name="k", global_scratch_size=ttir["scratch"], global_scratch_align=128,
+                    profile_scratch_size=0, num_warps=4)
+        backend.make_llir(None, meta, options, capability)
+        return Result(_PTX.replace("BODY", ""), "k")
+
+    lib = types.SimpleNamespace(compile_ttir_inplace=real)
+    global_scratch.install(lib)
+    global_scratch.install(lib)  # once
+    assert lib.compile_ttir_inplace.__wrapped__ is real
+    backend = types.SimpleNamespace(make_llir=lambda *a: None)
+    options = types.SimpleNamespace(num_warps=4)
+    marker = "<pallas_core triton k 0123456789ab jit>"
+    global_scratch.expect(marker, global_scratch.Scratch(256, 128), declared=2)
+    announced = lib.compile_ttir_inplace(dict(scratch=256, loc=marker), backend, options, 90, "cuda")
+    assert "[k_param_1];\n\tadd.s64" in announced.binary
+    plain = lib.compile_ttir_inplace(dict(scratch=0), backend, options, 90, "cuda")
+    assert plain.binary == _PTX.replace("BODY", "")
+    with pytest.raises(NotImplementedError, match="no scratch output was declared"):
+        lib.compile_ttir_inplace(dict(scratch=256), backend, options, 90, "cuda")
+    assert lib.compile_ttir_inplace(dict(scratch=256), backend, options, 90, "rocm").name == "k"
+
+
 def test_with_parameter_refuses_unexpected_signatures():
     source = "@jit\ndef k(p0, p1, N: tl.constexpr):\n    pass\n"
     assert "def k(p0, p1, descriptor_scratch, N: tl.constexpr):" in global_scratch.with_parameter(source, "k", 2)

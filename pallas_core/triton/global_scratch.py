@@ -30,8 +30,9 @@ What this module does instead, keeping the jaxlib launch as it is:
    the address up to ``align`` (128 bytes on sm_90, which the tensor-map
    copies need; XLA guarantees 16 for a custom call's buffers, not more).
 
-What cannot work is refused with an error, never launched: a profile
-scratch (Triton's instrumentation, off unless requested), a kernel whose
+What cannot work is refused with an error, never launched: a kernel that
+needs global scratch without a declared output for it (once the wrapper is
+installed), a profile scratch (Triton's instrumentation), a kernel whose
 PTX reads the hidden parameter in any other way, a metadata size that
 differs from the one declared at trace time, a warp count changed by the
 compiler (warp specialization: jaxlib launches the requested count).
@@ -220,11 +221,18 @@ def install(triton_lib) -> None:
 
     @functools.wraps(real)
     def compile_ttir_inplace(ttir, backend, options, compute_capability, platform):
-        expected = _announced(ttir) if platform == "cuda" else None
-        if expected is None:
+        if platform != "cuda":
             return real(ttir, backend, options, compute_capability, platform)
+        expected = _announced(ttir)
         recording = _RecordingBackend(backend)
         result = real(ttir, recording, options, compute_capability, platform)
+        if expected is None:
+            if (recording.metadata or {}).get("global_scratch_size"):
+                raise NotImplementedError(
+                    f"triton backend: kernel {result.name} needs Triton's global scratch "
+                    f"({recording.metadata['global_scratch_size']} bytes per program), which jaxlib's "
+                    "launch passes as a null pointer, and no scratch output was declared for it.")
+            return result
         check_metadata(recording.metadata, expected.scratch, options.num_warps)
         return dataclasses.replace(result, binary=redirect(result.binary, result.name, expected.declared,
                                                            expected.scratch.align))

@@ -265,17 +265,33 @@ def attention_decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128,
 def decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128, page_size=16,
                  dtype=jnp.bfloat16) -> list[GateCase]:
     """Paged decode attention (split-KV and its merge): one query token per sequence over
-    ``context`` cached tokens in pages of ``page_size``, GQA ``heads / kv_heads``."""
+    ``context`` cached tokens in pages of ``page_size``, GQA ``heads / kv_heads``; and the
+    query-blocked ragged kernel on prefill chunks over the same kind of cache."""
     pages = context // page_size
 
     def fn(q, k, v, tables, lengths):
         return ops.paged_attention(q, k, v, tables, lengths, scale=h ** -0.5,
                                    implementation="triton")
     cache = _sds((kv_heads, batch * pages, page_size, h), dtype)
+
+    # Chunked prefill: 4 sequences x 512 new tokens at the end of 4096-token caches, the
+    # query-blocked kernel (16 tokens x 8 heads per query tile, 128-key tiles of 8 pages).
+    seqs, chunk, cached = 4, 512, 4096
+
+    def prefill(q, kv, kv_lens, tables, cu, num_seqs):
+        return ops.ragged_paged_attention(q, kv, kv_lens, tables, cu, num_seqs, scale=h ** -0.5,
+                                          implementation="triton")
     return [GateCase(
         f"paged_attention/decode/{batch}x{context}x{heads}x{kv_heads}x{h}/{jnp.dtype(dtype).name}/fwd",
         fn, (_sds((batch, heads, h), dtype), cache, cache, _sds((batch, pages), jnp.int32),
-             _sds((batch,), jnp.int32)))]
+             _sds((batch,), jnp.int32))),
+        GateCase(
+        f"ragged_paged_attention/prefill+gqa{heads // kv_heads}/{seqs}x{chunk}x{cached}x{heads}x"
+        f"{kv_heads}x{h}/{jnp.dtype(dtype).name}/fwd",
+        prefill, (_sds((seqs * chunk, heads, h), dtype),
+                  _sds((seqs * cached // page_size, page_size, 2 * kv_heads, h), dtype),
+                  _sds((seqs,), jnp.int32), _sds((seqs, cached // page_size), jnp.int32),
+                  _sds((seqs + 1,), jnp.int32), _sds((1,), jnp.int32)))]
 
 
 def decoder_op_cases(dtype=jnp.bfloat16) -> list[GateCase]:
@@ -349,6 +365,12 @@ def tma_cases(s: int = 8192, seq: int = 4096, head_dims=(64, 128), dtype=jnp.bfl
     cases = [GateCase(f"fused_matmul/plain+tma/{s}x{s}x{s}/{dt}/fwd",
                       _with_tma(lambda x, w: ops.fused_matmul(x, w, implementation="triton")),
                       (_sds((s, s), dtype), _sds((s, s), dtype)))]
+    m = 4096
+    cases.append(GateCase(
+        f"fused_matmul/bias+gelu+tma/{m}x{m}x{m}/{dt}/fwd+bwd",
+        _with_tma(jax.grad(lambda x, w, b: _loss(ops.fused_matmul(x, w, b, activation="gelu",
+                                                                  implementation="triton")), (0, 1, 2))),
+        (_sds((m, m), dtype), _sds((m, m), dtype), _sds((m,), dtype))))
     for h in head_dims:
         cases.append(GateCase(
             f"dot_product_attention/full+tma/1x{seq}x{seq}x16x4x{h}/{dt}/fwd",
@@ -478,6 +500,14 @@ BUDGETS: dict[tuple[str, str], Budget] = {
         "K loop 69 per step against 83 with cp.async (no per-step address arithmetic), 90 "
         "registers; then the TMA wait's retry (2) and its branch back (140)", loops=(69, 2, 140),
         registers=90, tma=True),
+    # The backward's products with descriptors: the transposed operand's box is read
+    # through a transposed shared-memory view, no per-step address arithmetic.
+    ("fused_matmul/bias+gelu+tma/4096x4096x4096/bfloat16/fwd+bwd", "fused_matmul_dx"): Budget(
+        "K loop 98 per step, 90 registers (cp.async: 156, 146); then the TMA wait's retry and "
+        "branch back", loops=(98, 2, 161), registers=90, tma=True),
+    ("fused_matmul/bias+gelu+tma/4096x4096x4096/bfloat16/fwd+bwd", "fused_matmul_dw"): Budget(
+        "K loop 82 per step, 90 registers (cp.async: 145, 96); then the TMA wait's retry and "
+        "branch back", loops=(82, 2, 152), registers=90, tma=True),
     # The attention forward with descriptors: batch and head fixed per program, folded into
     # 2-D descriptors made at the access (pallas_core.triton.descriptors); with 4-D boxes
     # reshaped to 2-D it took 222 / 170 registers. Pointer loads: 500 / 335 per iteration,

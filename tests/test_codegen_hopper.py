@@ -302,6 +302,29 @@ def test_tma_keeps_pointers_for_strided_masked_and_misaligned_views(run):
     np.testing.assert_array_equal(np.asarray(got)[:, :32], np.asarray(want)[:, :32])
 
 
+def test_tma_moves_column_pieces_of_a_block():
+    """Views of a block's columns at static offsets that keep 16-byte alignment (an
+    epilogue's halves) move through one descriptor; an unaligned offset keeps pointers.
+    N = 80 runs the second block past the array: its stores are clipped."""
+    def kernel(x_ref, o_ref):
+        for p in range(2):
+            cols = pl.ds(16 * p, 16)
+            o_ref.at[:, cols][...] = x_ref.at[:, cols][...] * (p + 2)
+        o_ref[:, pl.ds(2, 8)] = x_ref[:, pl.ds(2, 8)]  # 8 bytes past the origin: pointers
+
+    x = _inputs((16, 80))[0]
+    call = lambda backend: pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((16, 80), jnp.float32), grid=(3,),
+        in_specs=[pl.BlockSpec((16, 32), lambda i: (0, i))],
+        out_specs=pl.BlockSpec((16, 32), lambda i: (0, i)), backend=backend,
+        compiler_params=pl.triton.CompilerParams(tma=True) if backend == "triton" else None)
+    source = pl.triton.source(call("triton"), x)[0]
+    assert source.count(".load([") == 2 and source.count(".store([") == 2
+    assert source.count("tl.make_tensor_descriptor(") == 2  # one box per operand
+    assert source.count("tl.load(") == 1 and source.count("tl.store(") == 1
+    np.testing.assert_array_equal(np.asarray(call("triton")(x)), np.asarray(call("interpret")(x)))
+
+
 def test_tma_becomes_bulk_tensor_copies_on_sm90():
     """cp.async.bulk.tensor (the tensor-memory accelerator) with tma=True, cp.async without;
     wgmma either way."""

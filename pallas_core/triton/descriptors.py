@@ -11,7 +11,9 @@ tensor-memory accelerator can move it as one box (CUDA programming guide,
 * a view of Ranges of stride 1 and power-of-two sizes of at most 256
   (Triton tensors have power-of-two dims, TMA boxes at most 256 per dim) and
   fixed indices (box size 1); the last array dim a Range of at least 16 bytes
-  starting at its block's origin, so the box start is 16-byte aligned;
+  starting at its block's origin or a static multiple of 16 bytes past it (a
+  piece of the block, ``ref.at[:, pl.ds(64, 64)]``), so the box start is
+  16-byte aligned;
 * no gather, no user mask, no cache hints (a descriptor access takes none);
 * a buffer the kernel only reads or only writes (the writer's
   ``_check_descriptors``: TMA stores complete asynchronously and pointer
@@ -90,9 +92,20 @@ def tma_box(array_shape, dtype, dims, origin_last: str, plain: bool) -> tuple[in
         else:
             return None
     last = dims[-1]
-    if isinstance(last, str) or last.start != origin_last or box[-1] * itemsize < _ALIGN:
+    if isinstance(last, str) or not _aligned_start(last.start, origin_last, itemsize) \
+            or box[-1] * itemsize < _ALIGN:
         return None
     return tuple(box)
+
+
+def _aligned_start(start: str, origin: str, itemsize: int) -> bool:
+    """Whether a view's last-dim ``start`` is its block's ``origin``, or the origin plus a
+    static offset of a multiple of 16 bytes (a column piece of the block: a matmul's
+    epilogue subtile stored half by half), so the box start stays 16-byte aligned."""
+    if start == origin:
+        return True
+    piece = re.fullmatch(r"\((.*) \+ (\d+)\)", start)
+    return bool(piece) and piece.group(1) == origin and int(piece.group(2)) * itemsize % _ALIGN == 0
 
 
 def make_source(name: str, ptr: str, dim_names, strides, box) -> str:

@@ -44,7 +44,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._op import Device, Op, Problem, Tuning, fit, register
+from ops._op import Device, Op, Problem, Tuning, Variant, fit, register
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.activations import resolve_activation
 from ops.decoder.reference import gated_linear_unit_reference, glu_backward_reference
@@ -153,6 +153,11 @@ def _check(x, weights, activation, block_sizes):
     return act, explicit, weights
 
 
+def _problem(m: int, n: int, k: int, dtype, weights) -> Problem:
+    """The op layer's problem of a call: its dims, dtype and weights' form."""
+    return OP.problem((m, n, k), dtype, {"stacked": True} if not isinstance(weights, tuple) else None)
+
+
 def _dims(weights) -> tuple[int, int]:
     """``(K, N)`` of either form."""
     if isinstance(weights, tuple):
@@ -167,7 +172,7 @@ def _glu_on(impl, x, weights, act, explicit):
         # Nothing to multiply (M, K or N zero): XLA's answer is exact, with its gradients.
         return gated_linear_unit_reference(x, weights, act)
     x2 = reshape(x, (-1, k))
-    config = OP.select(OP.problem((x2.shape[0], n, k), x.dtype), impl, explicit)
+    config = OP.select(_problem(x2.shape[0], n, k, x.dtype, weights), impl, explicit)
     out = _glu(x2, weights, _Kernel(impl, config, act))
     return reshape(out, (*x.shape[:-1], n))
 
@@ -217,7 +222,7 @@ def glu_backward(x, weights, preactivations, g, *, activation=None, implementati
         if impl == "xla" or x.size == 0 or k * n == 0:
             return glu_backward_reference(x, weights, preactivations, g.astype(x.dtype), act)
         x2 = reshape(x, (-1, k))
-        config = OP.select(OP.problem((x2.shape[0], n, k), x.dtype), impl, explicit)
+        config = OP.select(_problem(x2.shape[0], n, k, x.dtype, weights), impl, explicit)
         zs = tuple(reshape(p.astype(x.dtype), (x2.shape[0], *p.shape[len(lead):])) for p in pres)
         dx, dw = _glu_bwd(_Kernel(impl, config, act), (x2, weights, zs),
                           reshape(g.astype(x.dtype), (-1, n)))
@@ -235,6 +240,16 @@ def _squeezes_halves(traits: pl.BackendTraits) -> bool:
     ``[K, 2, N]`` weights: a squeezed second-minor dim of 2 fits its tiling (not Mosaic
     TPU's (8, 128) tiles, where the stacked form reads column blocks of a ``[K, 2N]`` view)."""
     return traits.fits_tile(1, 2, axis=-2)
+
+
+@dataclasses.dataclass(frozen=True)
+class GluVariant(Variant):
+    """What changes the kernels beyond shape and dtype: the weights' form. ``stacked``
+    (one ``[K, 2, N]`` array) reads them through a squeezed or ``[K, 2N]`` view and runs
+    the backward's dx and dw as plain matmuls; the pair (the plain call, what
+    ``layers.GatedMLP`` passes) runs its own dx and dw kernels."""
+
+    stacked: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -684,18 +699,24 @@ _glu.defvjp(_glu_fwd, _glu_bwd)
 
 def _example(problem: Problem, implementation: str):
     m, n, k = problem.shape
-    args = [jax.ShapeDtypeStruct((m, k), problem.dtype),
-            jax.ShapeDtypeStruct((k, 2, n), problem.dtype)]
+    S = jax.ShapeDtypeStruct
+    if problem.variant_dict().get("stacked", False):
+        args = [S((m, k), problem.dtype), S((k, 2, n), problem.dtype)]
 
-    def fn(x, weights):
-        return gated_linear_unit(x, weights, activation="silu", implementation=implementation)
-    return fn, args
+        def fn(x, weights):
+            return gated_linear_unit(x, weights, activation="silu", implementation=implementation)
+        return fn, args
+    args = [S((m, k), problem.dtype), S((k, n), problem.dtype), S((k, n), problem.dtype)]
+
+    def paired(x, gate, up):
+        return gated_linear_unit(x, (gate, up), activation="silu", implementation=implementation)
+    return paired, args
 
 
 OP = register(Op(
     name=_OP, dims=("m", "n", "k"),
     configs={b: GluConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
-    reference=gated_linear_unit_reference,
+    reference=gated_linear_unit_reference, variant=GluVariant,
     tuning=Tuning(example=_example, shapes=((8192, 14336, 4096), (8192, 8192, 2048)),
                   quick=((256, 512, 256),), order=10),
     missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has no "

@@ -187,6 +187,22 @@ def test_glu_backward_takes_the_pair():
         glu_backward(x, w, pre, g, implementation="interpret")
 
 
+def test_tuning_key_tells_the_forms_apart_and_leaves_out_epilogue_subtile():
+    """The pair and the stacked weights run different backward kernels: their problems
+    have different tuning keys (the pair is the plain call); epilogue_subtile, pinned,
+    is no tunable field of the op (its cache entries hold the matmul's others)."""
+    from ops.decoder import glu
+    x, w = _X, _W
+    pair = glu._problem(4, 6, 8, x.dtype, (w[:, 0], w[:, 1]))
+    stacked = glu._problem(4, 6, 8, x.dtype, w)
+    assert pair.variant_dict() == {"stacked": False} and stacked.variant_dict() == {"stacked": True}
+    assert pair.key("triton", "NVIDIA H100") != stacked.key("triton", "NVIDIA H100")
+    assert glu.OP.tunable_fields() == ("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                       "group_size")
+    assert GluConfig(16, 16, 16, epilogue_subtile=1).tuned() == dict(block_m=16, block_n=16,
+                                                                     block_k=16)
+
+
 def test_float64_and_tokamax_semantics():
     """SwiGLU against the float64 formula and Tokamax's XLA semantics (bf16: they round
     the pre-activations to bf16, the kernel keeps them in float32)."""

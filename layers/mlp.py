@@ -15,7 +15,10 @@ reshaping. The kernel takes the two projections as the pair ``(gate, up)``
 (``ops.gated_linear_unit``'s paired form), each read in place as its own
 operand: no per-call stack of the ``2 d hidden`` weights (at decode, a few
 tokens per step, such a copy would read and write the weights once more
-before the kernel reads them), and their gradients come back as a pair.
+before the kernel reads them: XLA's cost analysis of one 8-token step of
+Llama 3 8B's gated linear unit in bfloat16 counts 674 MiB accessed with the
+stack against 226 MiB for the pair, the weights being 224 MiB), and their
+gradients come back as a pair.
 """
 from __future__ import annotations
 

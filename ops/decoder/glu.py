@@ -283,18 +283,19 @@ class GluConfig(MatmulConfig):
         """The tiled core's tiles for ``[M, K] @ [K, N]``, with ``block_n`` halved on the
         Triton backends: two ``block_m x block_n`` float32 accumulators then hold
         what one 128 x 128 matmul tile holds (64 KiB of registers at 8 warps), and
-        each x tile feeds 128 output columns, as in ``ops.fused_matmul``. On
-        mosaic_tpu ``block_n`` divides N where a multiple of 128 does (what the
-        stacked form needs)."""
+        each x tile feeds 128 output columns, as in ``ops.fused_matmul``. For stacked
+        weights on mosaic_tpu ``block_n`` divides N where a multiple of 128 does (the
+        ``[K, 2N]`` view needs it); a pair keeps the tiled core's ``block_n``."""
         m, n, k = problem.shape
         if device.interpreter:
             return cls.from_blocks(tiled.interpreter_block_sizes(m, n, k), device.backend)
         bm, bn, bk = tiled.default_block_sizes(m, n, k, problem.dtype, device.backend)
         if device.traits.triton:
             bn = max(16, bn // 2)
-        elif not _squeezes_halves(device.traits) and n % bn:
+        elif (problem.variant_dict().get("stacked", False) and not _squeezes_halves(device.traits)
+              and n % bn):
             # The stacked form's gate and up tiles are column blocks of one [K, 2N] view:
-            # block_n divides N.
+            # block_n divides N (a pair takes edge blocks).
             bn = next((c for c in (512, 384, 256, 128) if c <= bn and n % c == 0), bn)
         return cls.from_blocks((bm, bn, bk), device.backend)
 

@@ -16,7 +16,8 @@ from ops.matmul import tiled
 # halves (and quarters, once): whole, the forward that also writes the
 # pre-activation for the backward spills 272 bytes at 255 registers on sm_90 (bf16,
 # bias + gelu, 8 warps); in halves it takes 216 registers and no spill, in
-# quarters 196 (benchmarks.static, the subtiled row).
+# quarters 196 (benchmarks.static, the subtiled row); with TMA stores 172 against
+# 255 (ops.matmul.tiled's table).
 _SPACE = ((128, 256, 64, 8, 3, 8, 2), (256, 128, 64, 8, 3, 8, None), (128, 128, 64, 8, 3, 8, None),
           (128, 128, 64, 4, 4, 8, None), (128, 128, 32, 4, 4, 8, None), (128, 64, 64, 4, 4, 8, None),
           (64, 128, 64, 4, 4, 8, None), (64, 64, 64, 4, 4, 8, None), (128, 128, 128, 8, 3, 8, None),

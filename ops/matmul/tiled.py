@@ -41,23 +41,24 @@ the device from the group sizes.
 Epilogue subtiles (``epilogue_subtile``, :func:`subtiled`): the float32
 accumulator split along N into 2 or 4 pieces, each run through the epilogue
 and stored before the next (the ``EPILOGUE_SUBTILE`` option of Triton's
-persistent TMA matmul tutorial). Off by default; what it buys at a 128 x 256 x
-64 tile (bf16, bias + gelu, 8 warps, 3 stages, sm_90; registers / spilled
-bytes / shared memory, from ``pl.triton.compile``)::
+persistent TMA matmul tutorial); with TMA each piece is one descriptor store.
+Off by default; what it buys (bf16, bias + gelu, 8 warps, 3 stages, sm_90;
+registers / spilled bytes / shared memory from ``pl.triton.compile``;
+"training": the forward that also stores the pre-activation)::
 
-    tile                  inference fwd   training fwd (+ z)   TMA + persistent(132) fwd
-    128x128               104 / 0 / 96K   118 / 0 / 96K        108 / 0 / 128K
-    128x256 whole         181 / 0 / 144K  255 / 272 / 144K     255 / 160 / 208K
-    128x256 in halves     175 / 0 / 144K  216 / 0 / 144K       255 / 0 / 176K
-    128x256 in quarters   184 / 0 / 144K  196 / 0 / 144K       218 / 0 / 160K
+    tile                 inference       training          TMA             TMA, persistent(132)
+    128x128              104 / 0 / 96K   118 / 0 / 96K     94 / 0 / 96K    108 / 0 / 128K
+    128x256 whole        181 / 0 / 144K  255 / 272 / 144K  255 / 0 / 144K  255 / 160 / 208K
+    128x256 in halves    175 / 0 / 144K  216 / 0 / 144K    172 / 0 / 144K  172 / 0 / 176K
+    128x256 in quarters  184 / 0 / 144K  196 / 0 / 144K    172 / 0 / 144K  169 / 0 / 160K
 
 The K loop takes 83 SASS instructions per 128 x 128 x 64 step and 97-99 per
-128 x 256 x 64 step (0.6x per FLOP); a piece costs about 3% more epilogue
-instructions (4888 against 4744 for the whole inference kernel). So the
-tuner's 128 x 256 candidates run in halves or quarters
+128 x 256 x 64 step (0.6x per FLOP); pieces cost 1-3% more epilogue
+instructions (inference: 4888 in halves against 4744 whole). So the tuner's
+128 x 256 candidates run in halves or quarters
 (:class:`ops.matmul.config.MatmulConfig`), and the heuristic keeps whole
-128 x 128 tiles: the wider tile holds twice the registers per thread (one
-block per SM instead of two), a trade only a GPU's timing can settle.
+128 x 128 tiles: the wider tile holds about twice the registers per thread
+(one block per SM instead of two), a trade only a GPU's timing can settle.
 """
 from __future__ import annotations
 

@@ -354,7 +354,7 @@ class KernelWriter(ElementwiseWriter):
         header = self._header(n_operands)
         helpers = "".join(jit_helpers.combiner_source(n) for n in sorted(self.combiners))
         helpers += "".join(jit_helpers.math_source(n) for n in jit_helpers.with_dependencies(self.math))
-        if "approx_tanh" in self.math:  # rebound to True when Triton's interpreter loads the module
+        if jit_helpers.PTX & self.math:  # rebound to True when Triton's interpreter loads the module
             helpers = f"\n{jit_helpers.INTERPRETED} = tl.constexpr(False)\n" + helpers
         # Descriptors depend only on parameters: made once, ahead of every loop.
         prologue = ["    " + line for line in self.descriptor_lines]

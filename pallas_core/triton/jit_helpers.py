@@ -42,6 +42,10 @@ COMBINERS = {
     "argmin": ("a, i, b, j", _ARG_PICK.format(op="<")),
 }
 
+# The module global that says whether Triton's CPU interpreter runs the module
+# (:func:`pallas_core.triton.runtime.load` sets it), for helpers with PTX in them.
+INTERPRETED = "_INTERPRETED"
+
 MATH = {
     # Goldberg: log(u) * x / (u - 1) corrects the rounding of u = 1 + x.
     # u == 1 keeps tiny x (and -0.0) exactly; u == inf keeps log1p(inf) = inf.
@@ -99,24 +103,24 @@ j = tl.minimum((a * 1.4426950408889634 + 12582912.0) - 12582912.0, 127.0)
 f = a - j * 0.693145751953125
 f = f - j * 1.428606765330187e-06
 return tl.exp2(f * 1.4426950408889634) * tl.exp2(j)"""),
-    # lax.logistic in float32, within 0.8 ulps of float64 (with the GPU's div.full.f32
-    # too; no exp2). e = exp(-|x|) is carried as e_hi + e_lo: t = |x| reduced as in the exp
-    # helper, exp(-t) = 2**-k exp(f), f = k ln2 - t = fh + fl in [-ln2/2, ln2/2] (fh exact),
-    # exp(f) = (1 + fh) + (fl + f^2 C(f)) with C of degree 5 (a least-squares fit reweighted
-    # towards minimax, 2**-29.7 absolute), each sum split exactly (Fast2Sum), and 2**-k
-    # built from exponent bits. Then
-    # sigmoid(|x|) = 1 / (1 + e) and sigmoid(-|x|) = e / (1 + e) with two error-free
-    # corrections (Muller et al., "Handbook of Floating-Point Arithmetic", 2nd ed., 2018,
-    # sections 4.3 and 4.4): the rounding error of d = 1 + e_hi (Fast2Sum, exact as
-    # 1 >= e_hi) and the residual of q ~ 1/d, rem = 1 - q d (one fused multiply-add, exact),
-    # so 1 / (1 + e) = q + c with c = (rem - q err) q to second order; the quotient's own
-    # error drops out. Each result is rounded once (a final fused multiply-add). x < -87.5
-    # (results below 2**-126: subnormal) gives 0; NaN stays NaN. Cost on sm_90: 51 SASS
-    # instructions per element (1 / (1 + exp(-x)) on the exp helper: 20, 2.3 ulps with exp2
-    # exact, 10 at ex2.approx's and div.full's 2**-22); with e rounded to one float, 42 and
-    # 1.5 ulps, but x * sigmoid(x) (silu) is within 2 ulps only with e carried (1.5;
-    # XLA's: 2.6).
-    "sigmoid": ("x", """\
+    # lax.logistic in float32, within 0.8 ulps of float64, with no exp2 and whatever the
+    # quotient's rounding. e = exp(-|x|) is carried as e_hi + e_lo: t = |x| reduced as in
+    # the exp helper, exp(-t) = 2**-k exp(f), f = k ln2 - t = fh + fl in [-ln2/2, ln2/2] (fh
+    # exact), exp(f) = (1 + fh) + (fl + f^2 C(f)) with C of degree 5 (a least-squares fit
+    # reweighted towards minimax, 2**-29.7 absolute), each sum split exactly (Fast2Sum), and
+    # 2**-k built from exponent bits. Then sigmoid(|x|) = 1 / (1 + e) and sigmoid(-|x|) =
+    # e / (1 + e) with two error-free corrections (Muller et al., "Handbook of
+    # Floating-Point Arithmetic", 2nd ed., 2018, sections 4.3 and 4.4): the rounding error
+    # of d = 1 + e_hi (Fast2Sum, exact as 1 >= e_hi) and the residual of q ~ 1/d, rem =
+    # 1 - q d (one fused multiply-add, exact), so 1 / (1 + e) = q + c with c = (rem - q err) q
+    # to second order. The quotient's own error drops out, so the GPU takes rcp.approx.f32
+    # (one MUFU; d is in [1, 2]) rather than div.full.f32's range fix-ups. Each result is
+    # rounded once (a final fused multiply-add). x < -87.5 (results below 2**-126:
+    # subnormal) gives 0; NaN stays NaN. Cost on sm_90: 42 SASS instructions per element
+    # (1 / (1 + exp(-x)) on the exp helper: 20, 2.3 ulps with exp2 and the division exact,
+    # 10 at ex2.approx's and div.full's 2**-22); with e rounded to one float, 34 and 1.5 ulps,
+    # but x * sigmoid(x) (silu) is within 2 ulps only with e carried (1.5; XLA's: 2.6).
+    "sigmoid": ("x", f"""\
 a = tl.abs(x)
 t = tl.minimum(a, 87.5, propagate_nan=tl.PropagateNan.ALL)
 k = (t * 1.4426950408889634 + 12582912.0) - 12582912.0
@@ -137,7 +141,11 @@ e_lo = (l - (e_hi - h)) * scale
 e_hi = e_hi * scale
 d = 1.0 + e_hi
 err = (e_hi - (d - 1.0)) + e_lo
-q = 1.0 / d
+if {INTERPRETED}:
+    q = 1.0 / d
+else:  # d in [1, 2]: no range fix-ups; the residual below corrects rcp.approx's ulp
+    q = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                  is_pure=True, pack=1)
 rem = tl.fma(q * -1.0, d, 1.0)
 c = (rem - q * err) * q
 lo = tl.where(a > 87.5, 0.0, tl.fma(e_hi, q, tl.fma(e_lo, q, e_hi * c)))
@@ -172,10 +180,6 @@ one = (b == 0) | (a == 1.0) | ((a == -1.0) & (tl.abs(b) == inf))
 return tl.where(one, 1.0, r)"""),
 }
 
-# The module global that says whether Triton's CPU interpreter runs the module
-# (:func:`pallas_core.triton.runtime.load` sets it), for helpers with PTX in them.
-INTERPRETED = "_INTERPRETED"
-
 # pallas_core.triton.approx_tanh: PTX's tanh.approx.f32 (about 2**-11 relative error)
 # on a GPU; the interpreter cannot run PTX and computes the accurate tanh.
 MATH["approx_tanh"] = ("x", f"""\
@@ -186,6 +190,8 @@ return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=t
 
 # Helpers that call other helpers.
 _NEEDS = {"approx_tanh": ("tanh",)}
+# Helpers with PTX in them: their module defines INTERPRETED.
+PTX = frozenset({"approx_tanh", "sigmoid"})
 
 
 def with_dependencies(names) -> list[str]:

@@ -138,6 +138,12 @@ def matmul_cases(sizes=(4096, 8192), dtype=jnp.bfloat16) -> list[GateCase]:
         jax.grad(lambda x, w, b: _loss(ops.fused_matmul(x, w, b, activation="gelu", block_sizes=wide,
                                                         implementation="triton")), (0, 1, 2)),
         (_sds((s, s), dtype), _sds((s, s), dtype), _sds((s,), dtype))))
+    s = sizes[-1]
+    cases.append(GateCase(
+        f"fused_matmul/bias+gelu+128x256+subtile2+tma/{s}x{s}x{s}/{jnp.dtype(dtype).name}/fwd",
+        _with_tma(lambda x, w, b: ops.fused_matmul(x, w, b, activation="gelu", block_sizes=wide,
+                                                   implementation="triton")),
+        (_sds((s, s), dtype), _sds((s, s), dtype), _sds((s,), dtype))))
     return cases
 
 
@@ -544,6 +550,14 @@ BUDGETS: dict[tuple[str, str], Budget] = {
          "capped at 128: 256 took 288 KiB of shared memory)"),
         ("fused_matmul_dw", (91,), 106, "contraction step capped at 64 (128 took 240 KiB of "
          "shared memory): " + _FROZEN))},
+    # The same tile with TMA, each half one descriptor store (Triton's persistent matmul
+    # tutorial's EPILOGUE_SUBTILE): 172 registers against 255 for the whole tile. After the
+    # K loop (80 per step), each TMA wait's retry (2) and its branch back into the code.
+    ("fused_matmul/bias+gelu+128x256+subtile2+tma/8192x8192x8192/bfloat16/fwd",
+     "fused_matmul_bias_gelu"): Budget(
+        "registers: 172 in halves against 255 whole; K loop 80 per 128x256x64 step: " + _FROZEN
+        + "; then the TMA waits' retries and branches back", loops=(80, 2, 4495, 2, 4397, 2, 2185),
+        registers=172, tma=True),
     # 03-style matmul at our 128 x 128 x 64 tile with a libdevice tanh gelu: 2848 SASS
     # instructions; the bias+gelu kernel may take 1.25x that (the epilogue's tanh is
     # ours: pallas_core.triton.jit_helpers, within 2 ulps). The K loop: today's figure.

@@ -164,6 +164,29 @@ def test_multi_head_attention_decode_uses_split_kv(monkeypatch):
     assert len(calls) == 2
 
 
+def test_tuned_k_splits_serve_their_program_count(monkeypatch):
+    """The tuning key of a call split-KV decode can run holds batch x key/value heads,
+    bucketed: a cached ``k_splits`` serves calls with that many programs, and calls with
+    another count keep the heuristic's (traced only)."""
+    from ops import tuning
+    from ops.attention.block_sizes import tuning_variant
+    seen = []
+    original = decode.forward
+    monkeypatch.setattr(decode, "forward",
+                        lambda cfg, *a: seen.append(cfg.blocks.k_splits) or original(cfg, *a))
+    entry = tuning.make_entry(
+        "dot_product_attention", "interpret", jax.devices()[0].device_kind, "float32",
+        (1, 1024, 32), dict(block_q=16, block_k=32, k_splits=8),
+        variant=tuning_variant(group=4, decode_programs=2))
+    attend = lambda q, k, v: ops.dot_product_attention(q, k, v, implementation="interpret")
+    with tuning.override([entry]):
+        for b in (2, 1, 3):
+            q, kv = np.zeros((b, 1, 4, 32), np.float32), np.zeros((b, 1024, 1, 32), np.float32)
+            jax.make_jaxpr(attend)(q, kv, kv)
+    heuristic = [decode.default_k_splits(b, 1, 1, 1024, 4, 64, "interpret") for b in (1, 3)]
+    assert seen == [8, *heuristic] and 8 not in heuristic
+
+
 def test_heuristic():
     """GPU rule: enough programs to fill an H100 twice, >= 4 key blocks per split, a
     power of two; none for many queries; on Mosaic TPU only a lone program splits."""

@@ -258,9 +258,11 @@ def test_attention_cached_entry_serves_only_its_variant(monkeypatch):
         return chosen[-1]
 
     monkeypatch.setattr(attention_module, "select_block_sizes", spy)
-    q = np.zeros((1, 32, 2, 16), np.float32)
-    heuristic = attention_defaults(32, 32, 16, jnp.float32, "interpret")
-    entry = tuning.make_entry("dot_product_attention", "interpret", KIND, "float32", (32, 32, 16),
+    # 96 query rows per key/value head: more than split-KV decode takes (its calls' key
+    # also holds batch x key/value heads).
+    q = np.zeros((1, 96, 2, 16), np.float32)
+    heuristic = attention_defaults(96, 96, 16, jnp.float32, "interpret")
+    entry = tuning.make_entry("dot_product_attention", "interpret", KIND, "float32", (96, 96, 16),
                               dict(block_q=16, block_k=8), variant=tuning_variant(causal=True))
     with tuning.override([entry]):
         for causal in (True, False):

@@ -23,7 +23,8 @@ from ops._implementation import run_implementation
 from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
 from ops.attention import calls, decode, range_table
-from ops.attention.block_sizes import BlockSizes, register_op, select_block_sizes, tuning_variant
+from ops.attention.block_sizes import (BlockSizes, register_op, select_block_sizes,
+                                       split_kv_applies, tuning_variant)
 from ops.attention.config import AttentionProblem, Backend, Config, ScoreMath
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
                                    fold_key_mask, fold_lengths, masked_sides)
@@ -159,16 +160,19 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
             raise NotImplementedError(
                 f"{_OP}: pallas_triton (JAX's Triton lowering) needs power-of-two head dims, got "
                 f"H={q.shape[-1]}, Hv={v.shape[-1]}; use 'triton'")
+        key_mask = mask is not None and mask.shape[1:3] == (1, 1)
+        why_not_split = split_kv_applies(T, q.shape[2] // k.shape[2], bias=bias is not None,
+                                         mask=mask is not None and not key_mask,
+                                         dropout=rate > 0)
         variant = tuning_variant(
             causal=spec.causal, window=(spec.left, spec.right), segments=args["q_seg"] is not None,
             q_lengths=args["q_len"] is not None, kv_lengths=args["kv_len"] is not None,
             bias=bias, mask=mask, dropout=rate > 0, soft_cap=args["cap"] is not None,
-            group=q.shape[2] // k.shape[2])
+            group=q.shape[2] // k.shape[2],
+            decode_programs=q.shape[0] * k.shape[2] if why_not_split is None else None)
         blocks = _check_block_sizes(block_sizes, T, S, max(q.shape[-1], v.shape[-1]), q.dtype,
                                     impl, variant)
-        key_mask = mask is not None and mask.shape[1:3] == (1, 1)
-        k_splits = _k_splits(blocks, q.shape, k.shape, impl, bias=bias is not None,
-                             mask=mask is not None and not key_mask, dropout=rate > 0)
+        k_splits = _k_splits(blocks, q.shape, k.shape, impl, why_not_split)
         if k_splits > 1 and key_mask:
             # A mask over keys only (a decode cache's filled positions) becomes key padding
             # ids, which split-KV decode compares and whose empty blocks it skips.
@@ -323,11 +327,11 @@ def _check(query, key, value, bias, mask, scale, is_causal, q_len, kv_len, windo
                 segments=segments, unbatched=unbatched)
 
 
-def _k_splits(blocks: BlockSizes, q_shape, k_shape, backend, *, bias, mask, dropout) -> int:
+def _k_splits(blocks: BlockSizes, q_shape, k_shape, backend, why_not: str | None) -> int:
     """The split-KV decode splits (:mod:`ops.attention.decode`): the block sizes' own, else
-    the heuristic's; 1 where decode does not apply."""
+    the heuristic's; 1 where decode does not apply (``why_not``:
+    :func:`ops.attention.block_sizes.split_kv_applies`'s answer)."""
     (B, T, N, _), (_, S, K, _) = q_shape, k_shape
-    why_not = decode.applies(T, N // K, bias=bias, mask=mask, dropout=dropout)
     if blocks.k_splits is None:
         if why_not is not None:
             return 1

@@ -20,6 +20,12 @@ _OP = "dot_product_attention"
 
 # (block_q, block_k, num_warps, num_stages): the tuner's space for the forward kernel.
 _SPACE = tuple(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+# Split-KV decode (ops.attention.decode): the query rows (T * G) one program holds, and at
+# most this many programs share one key range.
+MAX_ROWS = 64
+MAX_SPLITS = 64
+# The tuner's space for split-KV decode: key blocks, splits (powers of two up to MAX_SPLITS).
+_DECODE_BLOCK_K = (32, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +73,34 @@ class BlockSizes(_op.KernelConfig):
     @classmethod
     def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["BlockSizes", ...]:
         """Forward and dQ tiles of 64 or 128 query and 32..128 key rows (clamped to the
-        sequences), 4 or 8 warps, 2 or 3 stages; the dK/dV tiles stay the heuristic's."""
+        sequences), 4 or 8 warps, 2 or 3 stages; the dK/dV tiles stay the heuristic's.
+        For a call split-KV decode can run (its variant's ``decode_programs`` set) those
+        with ``k_splits=1`` (the unsplit kernels) and split-KV decode's key tiles of
+        32..128 rows with every power-of-two ``k_splits`` from 2 up to
+        :data:`MAX_SPLITS` and the key blocks."""
         T, S, _ = problem.shape
-        return tuple(dict.fromkeys(cls(_op.fit(bq, T), _op.fit(bk, S), num_warps=w, num_stages=st)
-                                   for bq, bk, w, st in _SPACE))
+        tiles = [cls(_op.fit(bq, T), _op.fit(bk, S), num_warps=w, num_stages=st)
+                 for bq, bk, w, st in _SPACE]
+        if problem.variant_dict()["decode_programs"] is None:
+            return tuple(dict.fromkeys(tiles))
+        base = cls.heuristic(problem, device)
+        split = []
+        for bk in _DECODE_BLOCK_K:
+            bk, splits = _op.fit(bk, S), 2
+            while splits <= min(pl.cdiv(S, bk), MAX_SPLITS):
+                split.append(cls(base.block_q, bk, base.block_q_dkv, base.block_k_dkv,
+                                 k_splits=splits))
+                splits *= 2
+        return tuple(dict.fromkeys([dataclasses.replace(c, k_splits=1) for c in tiles] + split))
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionVariant(_op.Variant):
     """What changes the attention kernels beyond the shape bucket and dtype (the tuning
     key's variant; defaults: a plain call). Scalar constants that leave the kernels'
-    structure alone (the scale, the cap's and the dropout rate's values), the batch
-    size and the head count are not part of it.
+    structure alone (the scale, the cap's and the dropout rate's values) are not part of
+    it, nor are the batch size and the head count, except for split-KV decode, whose
+    ``k_splits`` is chosen for how many programs batch x key/value heads already give.
 
     Attributes:
       causal: causal masking.
@@ -89,6 +111,10 @@ class AttentionVariant(_op.Variant):
         ("" all broadcast); None: absent. bias_dtype: the bias's dtype name.
       dropout, soft_cap: dropout / a logit soft cap on.
       group: query heads per key/value head (GQA / MQA).
+      decode_programs: for a call split-KV decode can run
+        (:func:`split_kv_applies`), batch x key/value heads, bucketed
+        (:func:`ops.tuning.shape_bucket`): the programs one split gives, which the
+        best ``k_splits`` depends on; None for every other call.
     """
 
     causal: bool = False
@@ -103,6 +129,20 @@ class AttentionVariant(_op.Variant):
     dropout: bool = False
     soft_cap: bool = False
     group: int = 1
+    decode_programs: int | None = None
+
+
+def split_kv_applies(T: int, group: int, *, bias: bool, mask: bool,
+                     dropout: bool) -> str | None:
+    """None when split-KV decode (:mod:`ops.attention.decode`) can run a call with ``T``
+    queries of ``group`` query heads per key/value head, else why not (for the error of an
+    explicit ``k_splits > 1``)."""
+    if bias or mask or dropout:
+        return "a bias, a mask array or dropout (use the unsplit kernels: k_splits=1)"
+    if T * group > MAX_ROWS:
+        return (f"T * (N // K) = {T * group} query rows per key/value head (at most {MAX_ROWS}: "
+                "split-KV decode is for few queries)")
+    return None
 
 
 def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> BlockSizes:
@@ -161,7 +201,7 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
 def tuning_variant(*, causal: bool = False, window: tuple[int | None, int | None] = (None, None),
                    segments: bool = False, q_lengths: bool = False, kv_lengths: bool = False,
                    bias=None, mask=None, dropout: bool = False, soft_cap: bool = False,
-                   group: int = 1) -> dict:
+                   group: int = 1, decode_programs: int | None = None) -> dict:
     """The tuning cache's variant of an attention call as a dict (:class:`AttentionVariant`):
     everything besides the shape bucket and dtype that changes its kernels.
 
@@ -171,6 +211,8 @@ def tuning_variant(*, causal: bool = False, window: tuple[int | None, int | None
       bias, mask: the ``[B, N, T, S]``-shaped (4-d) operands or None; the key holds
         which of their dims are full (not broadcast) and the bias dtype.
       group: query heads per key/value head.
+      decode_programs: batch x key/value heads when split-KV decode can run the
+        call, else None; bucketed.
     """
     def full_dims(x):
         return None if x is None else "".join(l for l, d in zip("BNTS", x.shape) if d != 1)
@@ -180,7 +222,9 @@ def tuning_variant(*, causal: bool = False, window: tuple[int | None, int | None
         causal=bool(causal), window_left=left, window_right=right, segments=bool(segments),
         q_lengths=bool(q_lengths), kv_lengths=bool(kv_lengths), bias=full_dims(bias),
         bias_dtype=None if bias is None else np.dtype(bias.dtype).name, mask=full_dims(mask),
-        dropout=bool(dropout), soft_cap=bool(soft_cap), group=int(group)).as_dict()
+        dropout=bool(dropout), soft_cap=bool(soft_cap), group=int(group),
+        decode_programs=None if decode_programs is None
+        else tuning.shape_bucket((max(1, decode_programs),))[0]).as_dict()
 
 
 def select_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str,
@@ -209,14 +253,38 @@ def interpreter_block_sizes(T: int, S: int) -> BlockSizes:
     return BlockSizes(bq, bk, block_q_dkv=bq, block_k_dkv=bk)
 
 
+# The tuner's decode problem: one token against 8192 cached ones at head dim 128, 8 query
+# heads per key/value head, 32 (batch, key/value head) programs (the static gate's case).
+_DECODE_TUNING = (1, 8192, 128)
+
+
+def _example_dims(shape: tuple[int, ...]) -> tuple[int, int, int, bool]:
+    """``(batch, heads, kv_heads, causal)`` of the tuner's call for ``(T, S, head_dim)``:
+    the decode problem's (32 x 8 over 1, full), else batch 1 and 16 query heads over 16
+    key/value heads, causal self-attention when ``T == S`` and full attention otherwise."""
+    if tuple(shape) == _DECODE_TUNING:
+        return 32, 8, 1, False
+    return 1, 16, 16, shape[0] == shape[1]
+
+
+def _tuning_variant(shape: tuple[int, ...]) -> dict:
+    """The variant the tuner's call for ``shape`` has (:func:`_example_dims`), as
+    :func:`ops.dot_product_attention` computes it."""
+    batch, heads, kv_heads, causal = _example_dims(shape)
+    group = heads // kv_heads
+    decode = split_kv_applies(shape[0], group, bias=False, mask=False, dropout=False) is None
+    return tuning_variant(causal=causal, group=group,
+                          decode_programs=batch * kv_heads if decode else None)
+
+
 def _example(fn: Callable) -> Callable:
     """The tuner's call of ``fn`` (:func:`ops.dot_product_attention`) for a problem
-    ``(T, S, head_dim)``: batch 1, 16 query heads over 16 key/value heads, causal as the
-    problem's variant says."""
+    ``(T, S, head_dim)``, batch and heads as :func:`_example_dims` gives them."""
     def example(problem: _op.Problem, implementation: str):
         t, s, h = problem.shape
-        causal = problem.variant_dict()["causal"]
-        q, kv = (jax.ShapeDtypeStruct((1, n, 16, h), problem.dtype) for n in (t, s))
+        batch, heads, kv_heads, causal = _example_dims(problem.shape)
+        q = jax.ShapeDtypeStruct((batch, t, heads, h), problem.dtype)
+        kv = jax.ShapeDtypeStruct((batch, s, kv_heads, h), problem.dtype)
         return (lambda q, k, v: fn(q, k, v, is_causal=causal, implementation=implementation),
                 [q, kv, kv])
 
@@ -229,11 +297,14 @@ def register_op(fn: Callable, check: Callable | None = None) -> _op.Op:
 
     The tuner fills the cache for 2048 and 4096 tokens at head dims 64 and 128 (the
     static gate's sizes), self-attention being causal (an example with ``T == S`` is
-    causal, otherwise full); ``--quick`` tunes 512 tokens at head dim 64."""
+    causal, otherwise full), and for one split-KV decode step (the tiles and
+    ``k_splits`` of one query against 8192 keys, head dim 128, GQA group 8, 32
+    programs before splitting); ``--quick`` tunes 512 tokens at head dim 64."""
     return _op.register(_op.Op(
         name=_OP, dims=("T", "S", "head_dim"), configs=dict.fromkeys(KERNEL_BACKENDS, BlockSizes),
         reference=attention_reference, check=check, variant=AttentionVariant,
         tuning=_op.Tuning(example=_example(fn),
-                          shapes=tuple((t, t, h) for t in (2048, 4096) for h in (64, 128)),
-                          quick=((512, 512, 64),), variant=lambda shape: {"causal": shape[0] == shape[1]},
+                          shapes=tuple((t, t, h) for t in (2048, 4096) for h in (64, 128))
+                          + (_DECODE_TUNING,),
+                          quick=((512, 512, 64),), variant=_tuning_variant,
                           order=20)))

@@ -41,26 +41,14 @@ from jax import lax
 
 import pallas_core as pl
 from ops.attention import calls, grid_walk, loop_walk, range_table
+from ops.attention.block_sizes import MAX_ROWS, MAX_SPLITS, split_kv_applies
 from ops.attention.config import Config
 from ops.attention.masking import QUERY_PAD, block_ranges, block_visibility
 from ops.attention.tile_math import LN2, LOG2E
 from ops.reduction._rows import logsumexp_shift
 
-MAX_ROWS = 64  # query rows (T * G) one decode program holds
 GPU_PROGRAMS = 264  # programs that fill an H100's 132 SMs twice
 MIN_BLOCKS_PER_SPLIT = 4  # key/value blocks a split walks at least (else the merge dominates)
-MAX_SPLITS = 64
-
-
-def applies(T: int, group: int, *, bias: bool, mask: bool, dropout: bool) -> str | None:
-    """None when split-KV decode can run the call, else why not (for the error of an
-    explicit ``k_splits > 1``)."""
-    if bias or mask or dropout:
-        return "a bias, a mask array or dropout (use the unsplit kernels: k_splits=1)"
-    if T * group > MAX_ROWS:
-        return (f"T * (N // K) = {T * group} query rows per key/value head (at most {MAX_ROWS}: "
-                "split-KV decode is for few queries)")
-    return None
 
 
 def default_k_splits(batch: int, kv_heads: int, T: int, S: int, group: int, block_k: int,

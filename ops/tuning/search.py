@@ -50,7 +50,8 @@ class Problem:
       shape: the op's problem dims (its ``dims``: fused_matmul ``(m, n, k)``;
         row-wise ops ``(rows, features)``; dot_product_attention ``(T, S,
         head_dim)``, its example call batch 1, 16 query heads over 16 key/value
-        heads, causal when ``T == S``: see :meth:`variant`).
+        heads, causal when ``T == S``, and a split-KV decode step: see
+        :meth:`variant` and ``ops/attention/block_sizes.py``).
       dtype: input dtype name.
       implementation: the backend tuned ("triton" or "pallas_triton").
     """

@@ -175,3 +175,21 @@ def test_grouped_matmul_stores_its_rows_in_pieces():
     for g, e in zip(jax.grad(loss(run), (0, 1))(lhs, rhs), jax.grad(loss(ref), (0, 1))(lhs, rhs)):
         assert_close(g, e, BACKWARD[jnp.float32])
     assert "tl.split" in pl.triton.source(run, lhs, rhs)[0]
+
+
+@pytest.mark.parametrize("backend, platform, config", [
+    ("mosaic_tpu", "tpu", MatmulConfig(256, 512, 512, epilogue_subtile=4)),  # 128-lane pieces
+    ("pallas_triton", "cuda", MatmulConfig(64, 128, 32, epilogue_subtile=2))])
+def test_subtiled_kernels_lower_through_jax(backend, platform, config):
+    """Mosaic TPU and JAX's Triton lowering take the split accumulator and the narrowed
+    Refs (lowered from this host; compiled only on the device); the pieces change the
+    kernel."""
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    args = (sds(300, 768), sds(768, 1100), sds(1100))
+
+    def lowered(config):
+        fn = lambda x, w, b: ops.fused_matmul(x, w, b, activation="gelu", implementation=backend,
+                                              block_sizes=config)
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+    assert lowered(config) != lowered(dataclasses.replace(config, epilogue_subtile=None))

@@ -17,7 +17,9 @@ module supplies the epilogue.
 Backward (``jax.custom_vjp``): ``dz = g * act'(z)`` by one elementwise kernel
 that also emits per-row-block partial sums for ``dbias``; then
 ``dx = dz @ w.T`` and ``dw = x.T @ dz`` by the same tiled kernel with
-transposed operands. ``act'`` comes from JAX autodiff of the activation,
+transposed operands, on the forward's tiles by role (their contraction steps
+capped on GPUs so wide tiles fit shared memory, :func:`backward_step`) and its
+epilogue subtile. ``act'`` comes from JAX autodiff of the activation,
 traced inside the kernel.
 
 Residual choice: the forward kernel also writes ``z = x @ w + bias`` (in x's
@@ -345,14 +347,12 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
     # dx[M, K] = dz[M, N] @ w[K, N]^T: output tiles (bm, bk), contraction over N by bn.
     # Distinct kernel names, so the static gate budgets the two K loops apart.
     dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, backward_step(bm, bk, bn, backend)),
-                      backend=backend, walk=walk,
-                      out_dtype=x.dtype, epilogue_subtile=tiles.epilogue_subtile,
-                      name="fused_matmul_dx")
+                      backend=backend, walk=walk, out_dtype=x.dtype,
+                      epilogue_subtile=tiles.epilogue_subtile, name="fused_matmul_dx")
     # dw[K, N] = x[M, K]^T @ dz[M, N]: output tiles (bk, bn), contraction over M by bm.
     dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, backward_step(bk, bn, bm, backend)),
-                      backend=backend, walk=walk,
-                      out_dtype=w.dtype, epilogue_subtile=tiles.epilogue_subtile,
-                      name="fused_matmul_dw")
+                      backend=backend, walk=walk, out_dtype=w.dtype,
+                      epilogue_subtile=tiles.epilogue_subtile, name="fused_matmul_dw")
     return dx, dw, dbias
 
 

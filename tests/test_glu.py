@@ -223,17 +223,24 @@ def test_float64_and_tokamax_semantics():
        activation=st.sampled_from([None, "silu", "gelu", "relu", "sigmoid"]))
 def test_any_shape_forward_and_backward(m, k, n, activation):
     x, w = _inputs((m,), k, n, jnp.float32, seed=m * 131 + k * 7 + n)
+    if (m + k + n) % 2:  # the weights' form follows the shape, so the two fixed examples take both
+        w = (w[:, 0], w[:, 1])
     act = resolve_activation(activation, "test")
     out, (dx, dw) = _with_grads(lambda x, w: ops.gated_linear_unit(
         x, w, activation=activation, implementation="triton"))(x, w)
     want, (wdx, wdw) = _with_grads(lambda x, w: gated_linear_unit_reference(x, w, act))(x, w)
     assert_close(out, want, FORWARD[jnp.float32], "out")
     assert_close(dx, wdx, BACKWARD[jnp.float32], "dx")
-    assert_close(dw, wdw, BACKWARD[jnp.float32], "dw")
+    assert jax.tree.structure(dw) == jax.tree.structure(wdw)
+    for got, expected in zip(jax.tree.leaves(dw), jax.tree.leaves(wdw)):
+        assert_close(got, expected, BACKWARD[jnp.float32], "dw")
 
 
 def test_empty_contraction_gives_zeros():
     empty = ops.gated_linear_unit(jnp.zeros((3, 0)), jnp.zeros((0, 2, 5)), activation="silu",
+                                  implementation="interpret")
+    np.testing.assert_array_equal(empty, np.zeros((3, 5), np.float32))
+    empty = ops.gated_linear_unit(jnp.zeros((3, 0)), (jnp.zeros((0, 5)),) * 2, activation="silu",
                                   implementation="interpret")
     np.testing.assert_array_equal(empty, np.zeros((3, 5), np.float32))
 

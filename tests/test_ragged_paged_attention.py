@@ -138,7 +138,7 @@ def test_bfloat16_under_jit():
 
 def test_loop_walk_and_pallas_triton_lowering(monkeypatch):
     # The in-kernel loop walk of pallas_triton on the interpreter (int8, window, cap, sinks).
-    monkeypatch.setattr(kernels, "LOOP_BACKENDS", ("pallas_triton", "interpret"))
+    monkeypatch.setattr(kernels, "walk", lambda backend: "loop")
     args, kw = cases()["windowed"]
     kw = dict(kw, sinks=jnp.linspace(-1.0, 1.0, 8))
     out = ops.ragged_paged_attention(*args, implementation="interpret",
@@ -220,6 +220,15 @@ def test_query_blocked_sinks_on_the_loop_walk():
     assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw), FORWARD[F32])
 
 
+def test_query_blocked_splits_and_merge():
+    # Three programs share each item's key tiles (some get none), merged with the sinks.
+    args, kw, bs = prefill_cases()["chunks"]
+    kw = dict(kw, sinks=jnp.linspace(-2.0, 2.0, 8))
+    out = ops.ragged_paged_attention(*args, implementation="triton",
+                                     block_sizes=dict(bs, k_splits=3), **kw)
+    assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw), FORWARD[F32])
+
+
 def test_work_items_cover_every_token_once():
     # 13 tokens of 4 live sequences (q_lens 5, 0, 1, 7) in blocks of 4: 2 + 0 + 1 + 2
     # items of at most 16 // 4 + min(6, 16) = 10; slots past num_seqs hold garbage.
@@ -251,14 +260,14 @@ def test_block_q_heuristic():
 
 
 def test_query_blocked_pallas_triton_lowering():
-    bs = dict(pages_per_block=2, k_splits=1, block_q=8)
+    bs = dict(pages_per_block=2, k_splits=3, block_q=8)  # with the merge
     text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="pallas_triton",
                                                             sliding_window=20, block_sizes=bs,
                                                             sinks=jnp.zeros(16)),
                       "pallas_triton", ((64, 16, 128), jnp.bfloat16),
                       ((64, 16, 4, 128), jnp.bfloat16), ((4,), jnp.int32), ((4, 8), jnp.int32),
                       ((5,), jnp.int32), ((1,), jnp.int32))
-    assert "__gpu$xla.gpu.triton" in text
+    assert text.count("__gpu$xla.gpu.triton") == 2  # attention and merge
 
 
 def _bad_inputs():

@@ -66,7 +66,9 @@ from jax import lax
 import pallas_core as pl
 from ops.attention.tile_math import (LOG2E, ScoreMath, Tile, div, forward_finish, forward_update,
                                      rem)
+from ops._op import Device
 from ops.serving import kernels
+from ops.serving.block_sizes import MAX_SPLITS, TARGET_PROGRAMS
 
 GRID, LOOP = "grid", "loop"
 # Backends whose lowering has no vector gathers from a Ref: they take the grid walk.
@@ -88,6 +90,8 @@ class PrefillConfig:
       walk: ``"loop"`` or ``"grid"`` (module docstring).
       heads_per_program: key/value heads one program owns (all of them on the
         grid walk: a TPU block of the combined cache holds every head of a page).
+      k_splits: programs sharing each item's key tiles (loop walk only), their
+        partial outputs merged by the decode kernels' merge (which then adds the sinks).
     """
 
     backend: str
@@ -110,6 +114,7 @@ class PrefillConfig:
     dtype: str
     walk: str = LOOP
     heads_per_program: int = 1
+    k_splits: int = 1
     num_warps: int | None = None
     num_stages: int | None = None
 
@@ -121,15 +126,21 @@ class PrefillConfig:
     def blocks(self) -> int:
         return pl.cdiv(self.pages_per_row, self.pages_per_block)
 
+    @property
+    def merged(self) -> bool:
+        return self.k_splits > 1
+
     @classmethod
     def build(cls, op: str, impl: str, bs, *, tokens: int, slots: int, block_q: int,
               kv_heads: int, group: int, head_dim: int, page_size: int, total_pages: int,
-              pages_per_row: int, dtype, **fields) -> "PrefillConfig":
+              pages_per_row: int, dtype, explicit_splits: bool = False,
+              **fields) -> "PrefillConfig":
         """The config of one call on ``impl`` with block sizes ``bs`` (a
         :class:`ops.serving.block_sizes.PagedBlockSizes`: its ``pages_per_block``,
         raised until a key tile has the backend's smallest product's rows, and launch
         parameters, 8 warps by default for query tiles of 128 rows or more, which
-        spill at 4 on sm_90; ``k_splits`` does not apply).
+        spill at 4 on sm_90; its ``k_splits`` when ``explicit_splits``, else
+        :func:`prefill_splits`).
 
         Raises:
           NotImplementedError: a head dim or page size that is not a power of two on
@@ -147,11 +158,15 @@ class PrefillConfig:
         if traits.triton:
             rows = max(pl.next_power_of_2(rows), traits.min_dot)
         walk = GRID if impl in GRID_BACKENDS and traits.sequential_grid else LOOP
-        return cls(backend=impl, items=tokens // block_q + min(slots, tokens), block_q=block_q,
+        items = tokens // block_q + min(slots, tokens)
+        splits = (bs.k_splits if explicit_splits else
+                  prefill_splits(impl, items * kv_heads, pl.cdiv(pages_per_row, per_block)))
+        return cls(backend=impl, items=items, block_q=block_q,
                    kv_heads=kv_heads, group=group, rows=rows, head_dim=head_dim,
                    page_size=page_size, total_pages=total_pages, pages_per_row=pages_per_row,
                    pages_per_block=per_block, dtype=np.dtype(dtype).name, walk=walk,
                    heads_per_program=kv_heads if walk == GRID else 1,
+                   k_splits=1 if walk == GRID else splits,
                    num_warps=bs.num_warps or (8 if traits.triton and rows >= 128 else None),
                    num_stages=bs.num_stages, **fields)
 
@@ -166,6 +181,18 @@ class PrefillConfig:
             scale=self.scale, soft_cap=self.soft_cap, dtype=self.dtype, k_scale=self.k_scale,
             v_scale=self.v_scale, indirect=True, heads_per_program=self.heads_per_program,
             num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def prefill_splits(impl: str, programs: int, tiles: int) -> int:
+    """Splits of each item's key tiles: on a GPU (not Triton's CPU interpreter) as many as
+    it takes to launch :data:`ops.serving.block_sizes.TARGET_PROGRAMS` programs over
+    ``programs`` (items x key/value heads), at most one per key tile (``tiles``) and
+    :data:`ops.serving.block_sizes.MAX_SPLITS`: few long sequences (a verification
+    batch, a short chunk against a long cache) fill the GPU. 1 elsewhere."""
+    device = Device.current(impl)
+    if device.traits.hardware != "gpu" or device.interpreter:
+        return 1
+    return max(1, min(pl.cdiv(TARGET_PROGRAMS, max(programs, 1)), tiles, MAX_SPLITS))
 
 
 # --------------------------------------------------------------------------
@@ -307,12 +334,13 @@ def _gathered_tile(cfg: PrefillConfig, kv_ref, tables_ref, seq, j, h):
 
 
 def loop_kernel(seq_ref, lo_ref, hi_ref, full_lo_ref, full_hi_ref, tables_ref, q_ref, pos_ref,
-                sink_ref, kv_ref, o_ref, *, cfg: PrefillConfig):
-    """The ``"loop"`` walk: one program per (item, key/value head) over the key tiles
-    that meet ``[lo, hi)``: the tiles every row sees whole without a mask, the edge
-    tiles (window start, causal diagonal, end of the cache) before and after them with
-    one."""
-    i, h = pl.program_id(0), pl.program_id(1)
+                sink_ref, kv_ref, o_ref, lse_ref=None, *, cfg: PrefillConfig):
+    """The ``"loop"`` walk: one program per (item, key/value head, split) over its share
+    of the key tiles that meet ``[lo, hi)``: the tiles every row sees whole without a
+    mask, the edge tiles (window start, causal diagonal, end of the cache) before and
+    after them with one. Split programs write their normalized partial output and
+    logsumexp for the merge."""
+    i, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, lo, hi = seq_ref[i], lo_ref[i], hi_ref[i]
     q, q_pos = q_ref[...], pos_ref[...]
     sink = None if sink_ref is None else sink_ref[...]
@@ -327,6 +355,10 @@ def loop_kernel(seq_ref, lo_ref, hi_ref, full_lo_ref, full_hi_ref, tables_ref, q
 
     first = div(lo, bk)
     last = jnp.maximum(first, div(hi + (bk - 1), bk))
+    if cfg.merged:  # this split's share of [first, last)
+        per = div(last - first + (cfg.k_splits - 1), cfg.k_splits)
+        first = jnp.minimum(first + s * per, last)
+        last = jnp.minimum(first + per, last)
     full_first = jnp.clip(div(full_lo_ref[i] + (bk - 1), bk), first, last)
     full_last = jnp.clip(div(full_hi_ref[i], bk), full_first, last)
     carry = _init_carry(cfg, sink)
@@ -334,7 +366,10 @@ def loop_kernel(seq_ref, lo_ref, hi_ref, full_lo_ref, full_hi_ref, tables_ref, q
         carry = lax.fori_loop(first, full_first, steps(True), carry)
     carry = lax.fori_loop(full_first, full_last, steps(False), carry)
     carry = lax.fori_loop(full_last, last, steps(True), carry)
-    o_ref[...] = forward_finish(*carry)[0].astype(o_ref.dtype)
+    out, lse = forward_finish(*carry)
+    o_ref[...] = out.astype(o_ref.dtype)
+    if lse_ref is not None:
+        lse_ref[...] = lse.reshape(lse_ref.shape)
 
 
 def grid_kernel(tables, seq_ref, lo_ref, hi_ref, q_ref, pos_ref, sink_ref, *refs,
@@ -375,6 +410,24 @@ def grid_kernel(tables, seq_ref, lo_ref, hi_ref, q_ref, pos_ref, sink_ref, *refs
             o_ref[h] = forward_finish(m_ref[h], l_ref[h], acc_ref[h])[0].astype(o_ref.dtype)
 
 
+def _merge(cfg: PrefillConfig, o_part, lse_part, sink, dtype):
+    """The splits' partials ``[S, items, K, rows, H]`` combined by the decode kernels'
+    merge (:func:`ops.serving.kernels.merge_kernel`, which adds the sinks)."""
+    S, M, K, R, H = o_part.shape
+    # JAX's Triton lowering wants power-of-two blocks: the splits' block overhangs.
+    Sb = pl.next_power_of_2(S) if pl.backend_traits(cfg.backend).power_of_two_blocks else S
+    in_specs = [pl.BlockSpec((Sb, None, None, R, H), lambda i, h: (0, i, h, 0, 0)),
+                pl.BlockSpec((Sb, None, None, R, 1), lambda i, h: (0, i, h, 0, 0)),
+                None if sink is None else pl.BlockSpec((None, R, 1), lambda i, h: (h, 0, 0))]
+    return pl.pallas_call(
+        functools.partial(kernels.merge_kernel, splits=S),
+        out_shape=jax.ShapeDtypeStruct((M, K, R, H), dtype), grid=(M, K), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, R, H), lambda i, h: (i, h, 0, 0)),
+        compiler_params=_params(cfg, ("parallel", "parallel")), backend=cfg.backend,
+        name="ragged_prefill_merge",
+    )(o_part, lse_part, sink)
+
+
 def _params(cfg: PrefillConfig, semantics):
     if pl.backend_traits(cfg.backend).triton:
         return pl.triton.CompilerParams(num_warps=cfg.num_warps or 4,
@@ -402,16 +455,28 @@ def prefill(cfg: PrefillConfig, q, kv_pages, tables, cu_q_lens, kv_lens, num_seq
     out_shape = jax.ShapeDtypeStruct((M, K, R, H), q.dtype)
     if cfg.walk == LOOP:
         whole = pl.BlockSpec(memory_space=pl.ANY)
-        tile = pl.BlockSpec((None, None, R, H), lambda i, h: (i, h, 0, 0))
-        in_specs = [whole] * 6 + [tile, pl.BlockSpec((None, R, 1), lambda i, h: (i, 0, 0)),
-                                  None if sink is None else
-                                  pl.BlockSpec((None, R, 1), lambda i, h: (h, 0, 0)), whole]
+        tile = pl.BlockSpec((None, None, R, H), lambda i, h, s: (i, h, 0, 0))
+        sink_spec = pl.BlockSpec((None, R, 1), lambda i, h, *_: (h, 0, 0))
+        in_specs = [whole] * 6 + [tile, pl.BlockSpec((None, R, 1), lambda i, h, s: (i, 0, 0)),
+                                  None if sink is None or cfg.merged else sink_spec, whole]
         rows = kv_pages.reshape((-1,) + kv_pages.shape[2:])  # [P * page_size, 2K, H]
+        S = cfg.k_splits
+        if cfg.merged:
+            out_shape = [jax.ShapeDtypeStruct((S, M, K, R, H), jnp.float32),
+                         jax.ShapeDtypeStruct((S, M, K, R, 1), jnp.float32)]
+            out_specs = [pl.BlockSpec((None, None, None, R, H), lambda i, h, s: (s, i, h, 0, 0)),
+                         pl.BlockSpec((None, None, None, R, 1), lambda i, h, s: (s, i, h, 0, 0))]
+        else:
+            out_specs = tile
         out = pl.pallas_call(
-            functools.partial(loop_kernel, cfg=cfg), out_shape=out_shape, grid=(M, K),
-            in_specs=in_specs, out_specs=tile, compiler_params=_params(cfg, ("parallel",) * 2),
-            backend=cfg.backend, name="ragged_prefill_attention",
-        )(seq, lo, hi, full_lo, full_hi, tables, q_tiles, q_pos, sink, rows)
+            functools.partial(loop_kernel, cfg=cfg), out_shape=out_shape, grid=(M, K, S),
+            in_specs=in_specs, out_specs=out_specs,
+            compiler_params=_params(cfg, ("parallel",) * 3), backend=cfg.backend,
+            name="ragged_prefill_attention",
+        )(seq, lo, hi, full_lo, full_hi, tables, q_tiles, q_pos, None if cfg.merged else sink,
+          rows)
+        if cfg.merged:
+            out = _merge(cfg, *out, sink, q.dtype)
     else:
         kb = cfg.heads_per_program
         view = cfg.pages_view()

@@ -181,9 +181,9 @@ def _run(args, impl: str, bs):
         pcfg = prefill_kernels.PrefillConfig.build(
             _OP, impl, OP.select(problem, impl, bs), tokens=T, slots=S, block_q=block_q,
             kv_heads=K, group=G, head_dim=H, page_size=ps, total_pages=P, pages_per_row=pps,
-            dtype=q.dtype, scale=args["scale"], soft_cap=args["soft_cap"],
-            window=args["window"], k_scale=args["k_scale"], v_scale=args["v_scale"],
-            sinks=args["sinks"] is not None)
+            dtype=q.dtype, explicit_splits=bs is not None, scale=args["scale"],
+            soft_cap=args["soft_cap"], window=args["window"], k_scale=args["k_scale"],
+            v_scale=args["v_scale"], sinks=args["sinks"] is not None)
         return prefill_kernels.prefill(pcfg, q, kv, args["tables"], args["cu"], args["kv_lens"],
                                        args["num_seqs"], args["sinks"])
     cfg = kernels.DecodeConfig.build(

@@ -20,8 +20,9 @@ class PagedBlockSizes(KernelConfig):
     """Attributes:
       pages_per_block: pages each grid step (one trip of a Triton program's loop) reads.
       k_splits: how many programs split each row's page table (flash-decoding);
-        1 writes the output directly, more add a merge kernel. The query-blocked
-        kernel does not split (it has a program per query block already).
+        1 writes the output directly, more add a merge kernel. Asked for without
+        ``block_q``, it selects the per-token path of ``ragged_paged_attention``;
+        the query-blocked kernel splits each query block's key tiles too.
       num_warps, num_stages: Triton launch parameters (None: 4 warps, 2 stages).
       block_q: ``ragged_paged_attention`` only: query tokens of one sequence per
         program. 1 serves every token as its own row of the split-KV decode

@@ -24,7 +24,11 @@ window). Within it, each query row is causal against its own position ``p``
 logits are FlashAttention-2's online softmax (Dao 2023, Algorithm 1) over key
 tiles of ``pages_per_block`` pages (:mod:`ops.attention.tile_math`), one
 max and one rescale per tile whatever the page size. A sink logit starts each
-row's running max and sum (a key of value 0 seen first), so no merge is needed.
+row's running max and sum (a key of value 0 seen first). When items are few
+(a verification batch, a short chunk over a long cache) ``k_splits`` programs
+share each item's key tiles on the loop walk (flash-decoding's split), their
+partials and logsumexps merged by the decode kernels' merge, which then adds the
+sinks.
 
 Two walks, by what the backend offers (:class:`pallas_core.BackendTraits`):
 

@@ -49,8 +49,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
       (sequence, block of ``block_q`` of its tokens) and key/value head, the
       block's tokens times the GQA group as one query tile, which reads the
       pages its causal range touches once, in key tiles of ``pages_per_block``
-      pages (one online-softmax update per tile, also for 16-token pages).
-      ``k_splits`` does not apply.
+      pages (one online-softmax update per tile, also for 16-token pages);
+      ``k_splits`` programs share an item's key tiles (given with ``block_q``;
+      by default as many as fill a GPU).
 
     Shapes: ``T`` query tokens (a padded budget), ``N`` query heads, ``K``
     key/value heads, ``H`` head dim, ``S`` sequence slots.

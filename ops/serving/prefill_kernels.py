@@ -10,9 +10,9 @@ query heads of that key/value head, ``[block_q * G, H]`` (token-major rows, padd
 to a power of two on the Triton backends), so every key/value tile it loads
 serves ``block_q * G`` query rows. The items come from a table built outside
 the kernel from ``cu_q_lens``, ``kv_lens`` and ``num_seqs``
-(:func:`work_items`): at most ``T // block_q + min(S, T)`` of them (a static
-bound: each sequence adds at most one partial block), the unused ones with an
-empty key range, so they cost a program that loads nothing. The blocking is
+(:func:`work_items`): at most ``min(T // block_q + min(S, T), T)`` of them (a
+static bound: each sequence adds at most one partial block, and every item holds
+a token), the unused ones with an empty key range, so they cost a program that loads nothing. The blocking is
 that of JAX's TPU ``ragged_paged_attention`` (``num_queries_per_block``,
 all query heads of a key/value head together), here on every backend.
 
@@ -162,7 +162,7 @@ class PrefillConfig:
         if traits.triton:
             rows = max(pl.next_power_of_2(rows), traits.min_dot)
         walk = GRID if impl in GRID_BACKENDS and traits.sequential_grid else LOOP
-        items = tokens // block_q + min(slots, tokens)
+        items = min(tokens // block_q + min(slots, tokens), tokens)
         splits = (bs.k_splits if explicit_splits else
                   prefill_splits(impl, items * kv_heads, pl.cdiv(pages_per_row, per_block)))
         return cls(backend=impl, items=items, block_q=block_q,

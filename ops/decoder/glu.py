@@ -356,6 +356,7 @@ def _operand_spec(op: _Operand, tile: tuple[int, int], block_c: int):
     def index_map(i, j, kk=0):
         index = [0, 0]
         index[op.contract] = kk
+        # (no "+ 0": the index map's trace, so the generated code, stays the plain one)
         index[1 - op.contract] = i if op.rows else (j + op.offset if op.offset else j)
         return tuple(index) if op.half is None else (index[0], op.half, index[1])
 
@@ -422,12 +423,14 @@ def _loop_kernel(*refs, num_in, products, num_accs, ca, cb, block_k, k_size, fin
 
 
 def _products_call(operands: list[_Operand], products, *, num_accs: int, tile, block_k: int,
-                   k: int, kernel: "_Kernel", walk: str, out_shapes, out_specs, finish, params,
-                   name: str, k_edge: str):
+                   k: int, kernel: "_Kernel", walk: str, out_shapes, stacked_outs, finish,
+                   params, name: str, k_edge: str):
     """One pallas_call over output tiles ``tile`` of ``out_shapes``: the sum over the
     contraction ``k`` (steps of ``block_k``) of ``A @ B`` for each ``(a, b)`` of
     ``products`` (indices into ``operands``; product ``p`` adds to accumulator
-    ``min(p, num_accs - 1)``), then ``finish(accs, out_refs)``. ``k_edge``: a
+    ``min(p, num_accs - 1)``), then ``finish(accs, out_refs)``; ``stacked_outs``: per
+    output, whether it is an ``[M, 2, N]`` array (both halves of a column tile in one
+    block) rather than ``[M, N]``. ``k_edge``: a
     contraction ``block_k`` does not divide is ``"pad"``-ded by the caller or
     ``"mask"``-ed in the kernel (no copy of the operands)."""
     a_ops = {a for a, _ in products}
@@ -449,7 +452,7 @@ def _products_call(operands: list[_Operand], products, *, num_accs: int, tile, b
     in_specs = [_operand_spec(op, tile, block_c) for op in operands]
     return pl.pallas_call(
         body, out_shape=list(out_shapes), grid=grid, in_specs=in_specs,
-        out_specs=[_out_spec(stacked, tile) for stacked in out_specs],
+        out_specs=[_out_spec(stacked, tile) for stacked in stacked_outs],
         scratch_shapes=scratch, compiler_params=params, backend=kernel.backend, name=name,
     )(*(op.array for op in operands))
 
@@ -460,11 +463,11 @@ def _load_half(refs, half: int):
 
 
 def _store_half(refs, half: int, value) -> None:
-    ref = refs[0] if len(refs) == 1 else refs[half]
+    """Stores ``value`` as the gate (0) or up (1) half, as :func:`_load_half` reads it."""
     if len(refs) == 1:
-        ref[:, half, :] = value.astype(ref.dtype)
+        refs[0][:, half, :] = value.astype(refs[0].dtype)
     else:
-        ref[...] = value.astype(ref.dtype)
+        refs[half][...] = value.astype(refs[half].dtype)
 
 
 # --------------------------------------------------------------------------
@@ -532,7 +535,7 @@ def _forward_call(x, weights, kernel: _Kernel, *, want_z: bool, out_dtype=None):
     outs = _products_call(
         operands, ((0, 1), (0, 2)), num_accs=2, tile=(bm, bn), block_k=bk, k=k, kernel=kernel,
         walk=walk, out_shapes=out_shapes,
-        out_specs=[False] + ([False, False] if paired else [True])[:len(out_shapes) - 1],
+        stacked_outs=[False] + ([False, False] if paired else [True])[:len(out_shapes) - 1],
         finish=functools.partial(_epilogue, activation=kernel.activation), params=params,
         name="gated_linear_unit" + (f"_{act}" if kernel.activation else ""), k_edge=k_edge)
     return tuple(outs)
@@ -612,7 +615,7 @@ def _backward(x, weights, zs: tuple, g, kernel: _Kernel):
     (dx,) = _products_call(
         [_Operand(dzs[0], True, 1), _Operand(dzs[1], True, 1), _Operand(gate, False, 1),
          _Operand(up, False, 1)], ((0, 2), (1, 3)), num_accs=1, tile=(bm, bk), block_k=bn,
-        k=n, out_shapes=[jax.ShapeDtypeStruct((m, k), x.dtype)], out_specs=[False],
+        k=n, out_shapes=[jax.ShapeDtypeStruct((m, k), x.dtype)], stacked_outs=[False],
         params=tiled.launch_params(walk, kernel.backend, (bm, bk, bn)),
         name="gated_linear_unit_dx", **common)
     # d_gate, d_up [K, N] = x^T @ dz_gate, x^T @ dz_up: two accumulators sharing the x
@@ -620,7 +623,7 @@ def _backward(x, weights, zs: tuple, g, kernel: _Kernel):
     dws = _products_call(
         [_Operand(x, True, 0), _Operand(dzs[0], False, 0), _Operand(dzs[1], False, 0)],
         ((0, 1), (0, 2)), num_accs=2, tile=(bk, bn), block_k=bm, k=m,
-        out_shapes=[jax.ShapeDtypeStruct((k, n), gate.dtype)] * 2, out_specs=[False, False],
+        out_shapes=[jax.ShapeDtypeStruct((k, n), gate.dtype)] * 2, stacked_outs=[False, False],
         params=tiled.launch_params(walk, kernel.backend, (bk, 2 * bn, bm)),
         name="gated_linear_unit_dw", **common)
     return dx, tuple(dws)

@@ -1,7 +1,8 @@
 """``layers.linen.GatedMLP``: the Linen twin of :class:`layers.GatedMLP`.
 
-The same computation (the shared :func:`layers.mlp.gated_mlp`) as a
-``flax.linen`` module. Its variables mirror the NNX module's tree:
+The same computation (the shared :func:`layers.mlp.gated_mlp`: the gate and up
+kernels reach ``ops.gated_linear_unit`` as a pair, read in place, no per-call
+stack) as a ``flax.linen`` module. Its variables mirror the NNX module's tree:
 ``{'params': {'gate_proj': {'kernel'}, 'up_proj': {'kernel'}, 'down_proj':
 {'kernel'}}}``, each kernel ``[in, out]`` as ``nn.Dense`` declares it, so a
 transformers ``mlp.*_proj.weight`` maps with a transpose.

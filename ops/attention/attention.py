@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
 from ops._implementation import run_implementation
 from ops._partitioning import psum, run
@@ -156,9 +157,10 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
                                        dropout_rate=rate, seed=seed, sinks=args["sinks"])
         out = out.astype(q.dtype)
     else:
-        if impl == "pallas_triton" and any(d & (d - 1) for d in (q.shape[-1], v.shape[-1])):
+        traits = pl.backend_traits(impl)
+        if traits.power_of_two_blocks and any(d & (d - 1) for d in (q.shape[-1], v.shape[-1])):
             raise NotImplementedError(
-                f"{_OP}: pallas_triton (JAX's Triton lowering) needs power-of-two head dims, got "
+                f"{_OP}: {impl} (JAX's Triton lowering) needs power-of-two head dims, got "
                 f"H={q.shape[-1]}, Hv={v.shape[-1]}; use 'triton'")
         key_mask = mask is not None and mask.shape[1:3] == (1, 1)
         why_not_split = split_kv_applies(T, q.shape[2] // k.shape[2], bias=bias is not None,
@@ -189,8 +191,8 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
             score=ScoreMath(scale=args["scale"], softcap=args["cap"], dropout_rate=rate,
                             sinks=args["sinks"] is not None),
             blocks=dataclasses.replace(blocks, k_splits=k_splits))
-        if mask is not None and impl in ("pallas_triton", "mosaic_tpu"):
-            mask = mask.astype(jnp.int32)  # neither lowering loads booleans from memory
+        if mask is not None and traits.through_jax:
+            mask = mask.astype(jnp.int32)  # JAX's lowerings load no booleans from memory
         out, lse = _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, args["sinks"], cfg)
         lse = jnp.transpose(lse[..., 0], (0, 2, 1))
     if args["unbatched"]:
@@ -355,29 +357,32 @@ def _check_block_sizes(block_sizes, T, S, H, dtype, backend, variant=None) -> Bl
     sizes = (blocks.block_q, blocks.block_k, blocks.block_q_dkv, blocks.block_k_dkv)
     if not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in sizes):
         raise ValueError(f"{_OP}: block sizes must be positive ints, got {block_sizes!r}.")
-    if backend == "pallas_triton" and any(b & (b - 1) for b in sizes):
-        raise ValueError(f"{_OP}: block sizes must be powers of two on pallas_triton, got "
+    traits = pl.backend_traits(backend)
+    if traits.power_of_two_blocks and any(b & (b - 1) for b in sizes):
+        raise ValueError(f"{_OP}: block sizes must be powers of two on {backend}, got "
                          f"{block_sizes!r}.")
-    if backend == "triton" and min(sizes) < 16:
-        raise ValueError(f"{_OP}: block sizes must be >= 16 on triton (tl.dot's minimum), got "
-                         f"{block_sizes!r}.")
-    if backend == "mosaic_tpu":
-        for bq in (blocks.block_q, blocks.block_q_dkv):
-            if bq % 8 and bq != T:
-                raise ValueError(f"{_OP}: on mosaic_tpu query blocks must be multiples of 8 or T, "
-                                 f"got {block_sizes!r}.")
-        for bk in (blocks.block_k, blocks.block_k_dkv):
-            if bk % 128 and bk != S:
-                raise ValueError(f"{_OP}: on mosaic_tpu key blocks must be multiples of 128 or S, "
-                                 f"got {block_sizes!r}.")
+    if min(sizes) < traits.min_dot:
+        raise ValueError(f"{_OP}: block sizes must be >= {traits.min_dot} on {backend} (its "
+                         f"smallest dot), got {block_sizes!r}.")
+    # Query blocks are the operands' sublane dim, key blocks the lane dim of the
+    # bias / mask / segment ids (the backend's tile; (1, 1) takes any block).
+    (sublanes, lanes), where = traits.tile, f"on {backend}"
+    for bq in (blocks.block_q, blocks.block_q_dkv):
+        if not traits.fits_tile(bq, T, -2):
+            raise ValueError(f"{_OP}: {where} query blocks must be multiples of {sublanes} or "
+                             f"T, got {block_sizes!r}.")
+    for bk in (blocks.block_k, blocks.block_k_dkv):
+        if not traits.fits_tile(bk, S, -1):
+            raise ValueError(f"{_OP}: {where} key blocks must be multiples of {lanes} or S, got "
+                             f"{block_sizes!r}.")
     for name, value in (("num_warps", blocks.num_warps), ("num_stages", blocks.num_stages),
                         ("k_splits", blocks.k_splits)):
         if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
                                   or value <= 0):
             raise ValueError(f"{_OP}: {name} must be None or a positive int, got {value!r}.")
     splits = blocks.k_splits
-    if backend == "pallas_triton" and splits is not None and splits & (splits - 1):
-        raise ValueError(f"{_OP}: k_splits must be a power of two on pallas_triton, got {splits}.")
+    if traits.power_of_two_blocks and splits is not None and splits & (splits - 1):
+        raise ValueError(f"{_OP}: k_splits must be a power of two on {backend}, got {splits}.")
     return blocks
 
 

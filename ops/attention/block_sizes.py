@@ -177,7 +177,8 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
     * interpret: 64 x 64, or the whole (rounded) sequence when shorter.
     """
     wide = np.dtype(dtype).itemsize >= 4
-    if backend in pl.TRITON_BACKENDS:
+    traits = pl.backend_traits(backend)
+    if traits.triton:
         padded_h = pl.next_power_of_2(head_dim)
         if wide:  # float32 products run on FMA units (IEEE precision): the smallest tiles
             return BlockSizes(16, 16, block_q_dkv=16, block_k_dkv=16,
@@ -193,7 +194,7 @@ def default_block_sizes(T: int, S: int, head_dim: int, dtype, backend: str) -> B
         fit_t = lambda b: min(b, max(16, pl.next_power_of_2(T)))
         fit_s = lambda b: min(b, max(16, pl.next_power_of_2(S)))
         return BlockSizes(fit_t(bq), fit_s(bk), block_q_dkv=fit_t(bq_dkv), block_k_dkv=fit_s(bk_dkv))
-    if backend == "mosaic_tpu":
+    if traits.hardware == "tpu":
         return BlockSizes(T if T <= 128 else 128, S if S <= 128 else 128)
     return BlockSizes(min(64, pl.next_power_of_2(T)), min(64, pl.next_power_of_2(S)))
 

@@ -60,11 +60,11 @@ from ops.attention.tile_math import div, rem
 def padded_length(length: int, block: int, backend: str) -> int:
     """The whole-length block the loop strategy reads ``pl.ds`` slices of."""
     n = pl.cdiv(length, block) * block
-    return pl.next_power_of_2(n) if backend == "pallas_triton" else n
+    return pl.next_power_of_2(n) if pl.backend_traits(backend).power_of_two_blocks else n
 
 
 def _heads_block(cfg: Config, n: int) -> int:
-    return pl.next_power_of_2(n) if cfg.backend.name == "pallas_triton" else n
+    return pl.next_power_of_2(n) if cfg.backend.traits.power_of_two_blocks else n
 
 
 def _seq_spec(cfg: Config, block_l: int, pick, *, all_heads: bool = False, value: bool = False):
@@ -116,7 +116,7 @@ def _pair_spec(full, block_q: int, block_k: int, pick, *, all_heads=False, heads
 
 def _table_spec(cfg: Config):
     """The flat int32 scalar table (seed, block ranges): one whole-array block."""
-    space = pl.tpu.SMEM if cfg.backend.name == "mosaic_tpu" else None
+    space = cfg.backend.traits.scalar_memory
     return pl.BlockSpec(memory_space=space) if space is not None else pl.BlockSpec()
 
 
@@ -132,11 +132,12 @@ def _params(cfg: Config, semantics, accumulator_rows: int, threshold: int = 128 
     """Compiler params; Triton gets 8 warps once the float32 accumulator tiles
     (``accumulator_rows x H``, H padded to a power of two) reach ``threshold``
     elements, 4 below: the split that compiles for sm_90 without spills."""
-    if cfg.backend.name in pl.TRITON_BACKENDS:
+    traits = cfg.backend.traits
+    if traits.triton:
         tile = accumulator_rows * pl.next_power_of_2(max(cfg.problem.head_dim, cfg.problem.v_dim))
         warps = cfg.blocks.num_warps or (8 if tile >= threshold else 4)
         stages = cfg.blocks.num_stages or 2
-        if cfg.backend.name == "pallas_triton":
+        if traits.through_jax:  # JAX's Triton lowering: no dimension semantics
             return pl.triton.CompilerParams(num_warps=warps, num_stages=stages)
         return pl.triton.CompilerParams(num_warps=warps, num_stages=stages,
                                         dimension_semantics=semantics)

@@ -27,7 +27,7 @@ __all__ = ["AttentionProblem", "Backend", "BlockSizes", "Config", "ScoreMath"]
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """The backend part: its name (``"interpret"``, ``"triton"``, ``"pallas_triton"``,
-    ``"mosaic_tpu"``) and what follows from it (:meth:`of`).
+    ``"mosaic_tpu"``) and what follows from its traits (:meth:`of`, :attr:`traits`).
 
     Attributes:
       name: the backend.
@@ -40,14 +40,20 @@ class Backend:
 
     @classmethod
     def of(cls, name: str) -> "Backend":
-        """The backend part for ``name``: BNTH operands on ``mosaic_tpu``, BTNH elsewhere."""
-        return cls(name, "BNTH" if name == "mosaic_tpu" else "BTNH")
+        """The backend part for ``name``: BNTH operands on a TPU, BTNH elsewhere."""
+        return cls(name, "BNTH" if pl.backend_traits(name).hardware == "tpu" else "BTNH")
+
+    @property
+    def traits(self) -> pl.BackendTraits:
+        """What the backend declared about itself (:func:`pallas_core.backend_traits`)."""
+        return pl.backend_traits(self.name)
 
     @property
     def strategy(self) -> str:
-        """How the kernels walk the other sequence: ``"loop"`` on the Triton backends
-        (:mod:`ops.attention.loop_walk`), ``"grid"`` elsewhere (:mod:`ops.attention.grid_walk`)."""
-        return "loop" if self.name in pl.TRITON_BACKENDS else "grid"
+        """How the kernels walk the other sequence: the backend's preferred walk
+        (``traits.walk``): ``"loop"`` on the Triton backends (:mod:`ops.attention.loop_walk`),
+        ``"grid"`` elsewhere (:mod:`ops.attention.grid_walk`)."""
+        return self.traits.walk
 
 
 @dataclasses.dataclass(frozen=True)

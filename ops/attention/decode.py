@@ -67,7 +67,7 @@ def default_k_splits(batch: int, kv_heads: int, T: int, S: int, group: int, bloc
         return 1
     programs = max(1, batch * kv_heads)
     blocks = pl.cdiv(S, block_k)
-    if backend == "mosaic_tpu":
+    if pl.backend_traits(backend).hardware == "tpu":
         return 2 if programs == 1 and blocks >= 2 * MIN_BLOCKS_PER_SPLIT else 1
     want = min(pl.cdiv(GPU_PROGRAMS, programs), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS)
     if want < 2:
@@ -82,7 +82,7 @@ def rows_block(cfg: Config) -> int:
     time, which a loop bound by reading K/V has to spare (sm_90 at h128, 64-key tiles:
     140 registers, 80 KiB shared memory, no spills). A multiple of 8 elsewhere."""
     rows = cfg.problem.spec.T * cfg.problem.group
-    if cfg.backend.name in pl.TRITON_BACKENDS:
+    if cfg.backend.traits.triton:
         return MAX_ROWS
     return max(8, pl.cdiv(rows, 8) * 8)
 

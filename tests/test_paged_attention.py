@@ -182,7 +182,7 @@ def test_mosaic_tpu_lowering():
 @pytest.fixture
 def loop_walk_on_interpret(monkeypatch):
     """The in-kernel loop walk (pallas_triton's, which cannot run on a CPU) on the interpreter."""
-    monkeypatch.setattr(kernels, "LOOP_BACKENDS", ("pallas_triton", "interpret"))
+    monkeypatch.setattr(kernels, "walk", lambda backend: "loop")
 
 
 def test_loop_walk_matches_jax_reference(loop_walk_on_interpret):

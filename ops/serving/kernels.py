@@ -51,8 +51,6 @@ import pallas_core as pl
 from ops.attention.tile_math import ScoreMath, Tile, div, forward_finish, forward_update
 from ops.reduction._rows import logsumexp_shift
 
-# Backends whose kernels walk the page blocks in an in-kernel loop (DecodeConfig.walk).
-LOOP_BACKENDS = ("pallas_triton",)
 HEADS_FIRST = "heads_first"  # separate k/v pages [K, P, page_size, H] (JAX's GPU paged attention)
 COMBINED = "combined"  # one cache [P, page_size, 2K, H], k and v interleaved (JAX's TPU ragged)
 
@@ -137,8 +135,8 @@ class DecodeConfig:
         check_page_size(impl, page_size, op.name)
         problem = op.problem((rows, kv_heads, group, head_dim, page_size, pages_per_row), dtype)
         bs = op.select(problem, impl, explicit)
-        if impl in LOOP_BACKENDS:
-            fields["walk"] = "loop"
+        fields["walk"] = walk(impl)
+        if pl.backend_traits(impl).power_of_two_blocks:
             for name, n in (("head_dim", head_dim), ("page_size", page_size)):
                 if n & (n - 1):
                     raise NotImplementedError(f"{op.name}: implementation={impl!r} needs a "
@@ -157,12 +155,19 @@ class DecodeConfig:
         return ScoreMath(scale=self.scale, softcap=self.soft_cap)
 
 
+def walk(backend: str) -> str:
+    """How the kernels walk a row's page blocks on ``backend`` (:attr:`DecodeConfig.walk`):
+    ``"grid"`` where a grid axis runs in order (``sequential_grid`` of its traits),
+    ``"loop"`` elsewhere (JAX's Triton lowering)."""
+    return "grid" if pl.backend_traits(backend).sequential_grid else "loop"
+
+
 def group_rows(backend: str, group: int) -> int:
     """The query tile's rows for a GQA group of ``group`` heads: on the Triton backends a
     power of two >= 64, so both products run on Hopper's ``wgmma`` (64 rows per warpgroup;
     a 16-row tile, ``tl.dot``'s minimum, lowers to ``mma.sync``); elsewhere the group
     itself. The padding rows cost tensor-core work only: decode stays memory-bound."""
-    if backend in pl.TRITON_BACKENDS:
+    if pl.backend_traits(backend).triton:
         return max(64, pl.next_power_of_2(group))
     return group
 
@@ -170,7 +175,7 @@ def group_rows(backend: str, group: int) -> int:
 def check_page_size(backend: str, page_size: int, op: str) -> None:
     """Raises NotImplementedError for pages of fewer than 16 tokens on the Triton backends:
     a page is one key tile there, and ``tl.dot`` needs 16 rows."""
-    if backend in pl.TRITON_BACKENDS and page_size < 16:
+    if pl.backend_traits(backend).triton and page_size < 16:
         raise NotImplementedError(f"{op}: implementation={backend!r} needs page_size >= 16 "
                                   f"(a page is one tl.dot tile); got {page_size}.")
 
@@ -218,7 +223,7 @@ def _page_specs(cfg: DecodeConfig):
 
 
 def _params(cfg: DecodeConfig, semantics):
-    if cfg.backend in pl.TRITON_BACKENDS:
+    if pl.backend_traits(cfg.backend).triton:
         warps = cfg.num_warps or 4
         stages = cfg.num_stages or 2
         return pl.triton.CompilerParams(num_warps=warps, num_stages=stages,

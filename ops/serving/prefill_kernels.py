@@ -12,9 +12,10 @@ serves ``block_q * G`` query rows. The items come from a table built outside
 the kernel from ``cu_q_lens``, ``kv_lens`` and ``num_seqs``
 (:func:`work_items`): at most ``min(T // block_q + min(S, T), T)`` of them (a
 static bound: each sequence adds at most one partial block, and every item holds
-a token), the unused ones with an empty key range, so they cost a program that loads nothing. The blocking is
-that of JAX's TPU ``ragged_paged_attention`` (``num_queries_per_block``,
-all query heads of a key/value head together), here on every backend.
+a token), the unused ones with an empty key range, so they cost a program that
+loads nothing. The blocking is that of JAX's TPU ``ragged_paged_attention``
+(``num_queries_per_block``, all query heads of a key/value head together), here
+on every backend.
 
 Each item sees the keys ``[lo, hi)`` of its sequence: ``hi`` is one past its
 last token's position (each sequence's queries are the last ``q_len`` tokens of
@@ -33,7 +34,7 @@ sinks.
 Two walks, by what the backend offers (:class:`pallas_core.BackendTraits`):
 
 * ``"loop"`` (the Triton backends and the interpreter): one program per (item,
-  key/value head) loops over the key tiles its range touches, no more; a key
+  key/value head, split) loops over the key tiles its range touches, no more; a key
   tile's rows are gathered straight from the cache seen as ``[pages * page_size,
   2K, H]`` (row ``page * page_size + offset``, the page looked up in the table
   with a vector index), so small pages make one tile without copying.
@@ -68,9 +69,9 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from ops._op import Device
 from ops.attention.tile_math import (LOG2E, ScoreMath, Tile, div, forward_finish, forward_update,
                                      rem)
-from ops._op import Device
 from ops.serving import kernels
 from ops.serving.block_sizes import MAX_SPLITS, TARGET_PROGRAMS
 
@@ -156,11 +157,14 @@ class PrefillConfig:
                 if n & (n - 1):
                     raise NotImplementedError(f"{op}: implementation={impl!r} needs a "
                                               f"power-of-two {name}; got {n}.")
-        per_block = max(bs.pages_per_block, pl.cdiv(traits.min_dot, page_size))
+        # Both Triton lowerings need 16 rows per tl.dot operand (JAX's too, though its
+        # traits leave the check to its lowering).
+        min_dot = max(traits.min_dot, 16 if traits.triton else 1)
+        per_block = max(bs.pages_per_block, pl.cdiv(min_dot, page_size))
         per_block = min(per_block, pl.next_power_of_2(pages_per_row))
         rows = block_q * group
         if traits.triton:
-            rows = max(pl.next_power_of_2(rows), traits.min_dot)
+            rows = max(pl.next_power_of_2(rows), min_dot)
         walk = GRID if impl in GRID_BACKENDS and traits.sequential_grid else LOOP
         items = min(tokens // block_q + min(slots, tokens), tokens)
         splits = (bs.k_splits if explicit_splits else

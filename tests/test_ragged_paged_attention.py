@@ -229,6 +229,17 @@ def test_query_blocked_splits_and_merge():
     assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw), FORWARD[F32])
 
 
+def test_query_blocked_cache_overrun_as_the_reference():
+    # Invalid metadata: kv_lens past the table's capacity (64). Not detected; the rows see
+    # the cache's end, as the XLA reference clips them.
+    args = make_case(8, q_lens=(3, 2), kv_lens=(70, 65), T=6, N=4, K=2, total_pages=8,
+                     pages_per_seq=4)
+    bs = dict(pages_per_block=1, k_splits=1, block_q=2)
+    kw = dict(scale=0.5, sliding_window=20)
+    out = ops.ragged_paged_attention(*args, implementation="triton", block_sizes=bs, **kw)
+    assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw), FORWARD[F32])
+
+
 def test_work_items_cover_every_token_once():
     # 13 tokens of 4 live sequences (q_lens 5, 0, 1, 7) in blocks of 4: 2 + 0 + 1 + 2
     # items of at most 16 // 4 + min(6, 16) = 10; slots past num_seqs hold garbage.

@@ -232,7 +232,10 @@ def work_items(cu_q_lens, kv_lens, num_seqs, *, items: int, block_q: int, capaci
     count = jnp.where(m < ends[-1], jnp.minimum(block_q, q_len[seq] - block * block_q), 0)
     first = kv_lens[seq] - q_len[seq] + block * block_q  # the block's first position
     hi = jnp.where(count > 0, jnp.clip(first + count, 0, capacity), 0)
-    lo = jnp.zeros_like(hi) if window is None else jnp.clip(first + 1 - window, 0, hi)
+    if window is None:
+        lo = jnp.zeros_like(hi)
+    else:  # the first token's window start (its position clipped to the cache, as below)
+        lo = jnp.clip(jnp.minimum(first, capacity - 1) + 1 - window, 0, hi)
     # Keys every row of the item sees: up to its first token, from its last one's window.
     full_hi = jnp.where(count > 0, jnp.clip(first + 1, 0, hi), 0)
     full_lo = lo if window is None else jnp.clip(hi - window, lo, hi)

@@ -46,7 +46,7 @@ class PagedBlockSizes(KernelConfig):
         at least one block; one split on the interpreter and TPU (a TPU core walks its
         programs in order, so splits would add only the merge's work)."""
         rows, kv_heads, _, _, page_size, pages_per_row = problem.shape
-        gpu = device.backend in pl.TRITON_BACKENDS
+        gpu = device.traits.triton
         keys = 128 if gpu else 64
         per_block = max(1, min(pages_per_row, keys // max(page_size, 1), 16))
         blocks = pl.cdiv(pages_per_row, per_block)
@@ -58,7 +58,7 @@ class PagedBlockSizes(KernelConfig):
         """The heuristic's pages per step at a half and twice, its splits at a half and
         twice, at 4 and 8 warps (Triton GPUs; the heuristic elsewhere)."""
         base = cls.heuristic(problem, device)
-        if device.backend not in pl.TRITON_BACKENDS or device.interpreter:
+        if not device.traits.triton or device.interpreter:
             return (base,)
         pages_per_row = problem.shape[-1]
         out = []

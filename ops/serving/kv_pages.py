@@ -204,7 +204,7 @@ def _write(impl: str, combined: bool, ps: int, pages, news, slots):
         num_scalar_prefetch=1, grid=(slots.shape[0],), in_specs=[new_spec] * n + [out_spec] * n,
         out_specs=[out_spec] * n)
     params = (pl.triton.CompilerParams(num_warps=1, dimension_semantics=("parallel",))
-              if impl in pl.TRITON_BACKENDS else pl.CompilerParams(("parallel",)))
+              if traits.triton else pl.CompilerParams(("parallel",)))
     return tuple(pl.pallas_call(
         functools.partial(_write_kernel, n=n),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pages], grid_spec=grid_spec,

@@ -192,7 +192,7 @@ def _run(args, impl: str, bs):
         pages_per_row=pps, dtype=q.dtype, layout=kernels.COMBINED, scale=args["scale"],
         soft_cap=args["soft_cap"], k_scale=args["k_scale"], v_scale=args["v_scale"],
         indirect=True, sinks=args["sinks"] is not None,
-        heads_per_program=1 if impl in pl.TRITON_BACKENDS else K)
+        heads_per_program=1 if pl.backend_traits(impl).triton else K)
     qg = q.reshape(T, K, G, H)
     out = kernels.decode(cfg, qg, (kv,), (), args["tables"], seq, start, end,
                          sink_tile(args["sinks"], K))

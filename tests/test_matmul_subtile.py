@@ -159,9 +159,10 @@ def test_backward_steps_of_wide_tiles_fit_shared_memory():
 
 
 def test_grouped_matmul_stores_its_rows_in_pieces():
-    """ops.ragged_dot's grouped matmul on the core (triton in Triton's interpreter): each
-    visit stores its group's rows of every column piece (groups of 5, 0 and 45 rows; N =
-    90 in 64-wide tiles), forward and gradients."""
+    """ops.ragged_dot's grouped matmul on the core: each visit stores its group's rows of
+    every column piece (groups of 5, 0 and 45 rows; N = 90 in 64-wide tiles), forward and
+    gradients on triton (Triton's interpreter, the loop walk's masked stores), forward on
+    interpret (the grid walk)."""
     pytest.importorskip("triton")
     from ops.moe.config import RaggedDotConfig
     lhs = X
@@ -177,6 +178,9 @@ def test_grouped_matmul_stores_its_rows_in_pieces():
     for g, e in zip(jax.grad(loss(run), (0, 1))(lhs, rhs), jax.grad(loss(ref), (0, 1))(lhs, rhs)):
         assert_close(g, e, BACKWARD[jnp.float32])
     assert "tl.split" in pl.triton.source(run, lhs, rhs)[0]
+    # The interpreter's grid walk: visits of one tile store their rows over what is there.
+    got = ops.ragged_dot(lhs, rhs, sizes, implementation="interpret", block_sizes=config)
+    assert_close(got, ref(lhs, rhs), FORWARD[jnp.float32])
 
 
 @pytest.mark.parametrize("backend, platform, config", [

@@ -314,6 +314,25 @@ def _table(vis, full=None, rows=16, sides=(True, True)):
     return np.stack([np.asarray(field)[0] for field in ranges], axis=1)[:rows]
 
 
+def test_config_parts():
+    """The call's Config is hashable by value (the custom_vjp's nondiff argument), and its
+    backend part follows the backend's traits: the loop walk on the Triton backends, the
+    grid elsewhere, heads before the sequence on a TPU."""
+    from ops.attention.config import AttentionProblem, Backend, BlockSizes, Config, ScoreMath
+    from ops.attention.masking import MaskSpec
+
+    def make(scale=0.5):
+        return Config(Backend.of("triton"), AttentionProblem(MaskSpec(T=8, S=8), 1, 4, 2, 16),
+                      ScoreMath(scale), BlockSizes(16, 16, 16, 16, k_splits=1))
+
+    assert make() == make() and hash(make()) == hash(make()) and make() != make(0.25)
+    assert make().problem.group == 2 and make().problem.v_dim == 16
+    assert {n: (Backend.of(n).strategy, Backend.of(n).layout)
+            for n in ("interpret", "triton", "pallas_triton", "mosaic_tpu")} == {
+        "interpret": ("grid", "BTNH"), "triton": ("loop", "BTNH"),
+        "pallas_triton": ("loop", "BTNH"), "mosaic_tpu": ("grid", "BNTH")}
+
+
 def test_range_table_layout():
     """pack writes what RangeTable reads: the seed (0 without one), then every
     program row's BlockRange, the whole zero-padded to a power-of-two length."""

@@ -78,7 +78,9 @@ QUICK_SHAPES = {"cpu": ((1, 64, 8, 1, 32, PAGE_SIZE, "float32"),),
 # Prefill chunks: (S sequences, C new tokens each, L cached tokens each, N, K, H, page_size, dtype)
 PREFILL_ACCELERATOR_SHAPES = ((4, 512, 4096, 32, 4, 128, PAGE_SIZE, "bfloat16"),)
 PREFILL_CPU_SHAPES = ((2, 24, 96, 8, 2, 32, PAGE_SIZE, "float32"),)
-PREFILL_QUICK_SHAPES = {"cpu": PREFILL_CPU_SHAPES, "accelerator": PREFILL_ACCELERATOR_SHAPES}
+# A quick CPU run (CI's smoke test of the suite) leaves the prefill rows out: two more
+# interpreter runs of a second op there; tests/test_ragged_paged_attention.py covers them.
+PREFILL_QUICK_SHAPES = {"cpu": (), "accelerator": PREFILL_ACCELERATOR_SHAPES}
 
 
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:

@@ -270,6 +270,13 @@ def test_block_q_heuristic():
     assert ragged_block_q(PagedBlockSizes(1, 1), 64, 4, 4) == 32
 
 
+def test_block_q_is_ragged_only():
+    from tests.test_paged_attention import make_case as paged_case
+    with pytest.raises(ValueError, match="block_sizes.block_q is ragged_paged_attention's"):
+        ops.paged_attention(*paged_case(0)[:5],
+                            block_sizes=dict(pages_per_block=1, k_splits=1, block_q=2))
+
+
 def test_query_blocked_pallas_triton_lowering():
     bs = dict(pages_per_block=2, k_splits=3, block_q=8)  # with the merge
     text = lower_text(lambda *a: ops.ragged_paged_attention(*a, implementation="pallas_triton",

@@ -79,8 +79,9 @@ def check_block_sizes(block_sizes, op: str) -> PagedBlockSizes | None:
     k_splits)``.
 
     Raises:
-      ValueError: anything else, or a field that is not a positive int (or None for the
-        launch parameters and ``block_q``).
+      ValueError: anything else, a field that is not a positive int (or None for the
+        launch parameters and ``block_q``), or a ``block_q`` for another op than
+        ``ragged_paged_attention``.
     """
     fields = {f.name for f in dataclasses.fields(PagedBlockSizes)}
     if block_sizes is None or isinstance(block_sizes, PagedBlockSizes):
@@ -102,6 +103,10 @@ def check_block_sizes(block_sizes, op: str) -> PagedBlockSizes | None:
                 continue
             if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
                 raise ValueError(f"{op}: block_sizes.{f.name} must be a positive int, got {x!r}.")
+        if bs.block_q is not None and op != "ragged_paged_attention":
+            raise ValueError(f"{op}: block_sizes.block_q is ragged_paged_attention's (query "
+                             f"tokens per program); {op} has one query token per row. Got "
+                             f"{bs.block_q!r}.")
     return bs
 
 

@@ -223,6 +223,13 @@ class Tuning:
       quick: one small problem's dims per op family (``--quick``), or none.
       variant: the variant fields an example call of given dims makes (None: plain).
       order: the tuner visits ops by ascending order (compute-bound ops first).
+      training: like ``example``, a call that runs the kernels a training step
+        runs with the problem's config (the forward that also stores residuals
+        and the backward's products, e.g. ``jax.vjp`` of the op applied to a
+        cotangent), or None (the op has no backward that takes the config). The
+        compile filter (``ops/tuning/search.py``) compiles it beside ``example``,
+        so a candidate whose training kernels spill registers or overflow shared
+        memory is dropped.
     """
 
     example: Callable[[Problem, str], tuple[Callable, list]]
@@ -230,6 +237,7 @@ class Tuning:
     quick: tuple[tuple[int, ...], ...] = ()
     variant: Callable[[tuple[int, ...]], Mapping] | None = None
     order: int = 100
+    training: Callable[[Problem, str], tuple[Callable, list]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -150,10 +150,13 @@ def test_backward_steps_of_wide_tiles_fit_shared_memory():
         # 128 x 256 forward tiles: dx (128 x 64 tiles) steps N by 128, dw (64 x 256) M by 64.
         assert fm.backward_step(128, 64, 256, "triton") == 128
         assert fm.backward_step(64, 256, 128, "pallas_triton") == 64
-        # The default 128 x 128 x 64 tiles (bf16) and float32's 128 x 128 x 32 keep their steps.
+        # The default 128 x 128 x 64 tiles (bf16) keep their steps; float32's 128 x 128 x 32
+        # halves them (4-byte operands: 128 deep, dw spilled on sm_90).
         assert fm.backward_step(128, 64, 128, "triton") == 128
         assert fm.backward_step(64, 128, 128, "triton") == 128
         assert fm.backward_step(128, 32, 128, "triton") == 128
+        assert fm.backward_step(128, 32, 128, "triton", itemsize=4) == 64
+        assert fm.backward_step(32, 128, 128, "pallas_triton", itemsize=4) == 64
     assert fm.backward_step(512, 512, 512, "mosaic_tpu") == 512
     assert fm.backward_step(512, 512, 512, "interpret") == 512
 

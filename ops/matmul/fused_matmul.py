@@ -338,7 +338,7 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
     # stages stay the heuristic's (the tuner times the forward kernel).
     tiles = select_tiles(m, n, k, x.dtype, config.backend, config.block_sizes)
     (bm, bn, bk), walk = tiles.blocks, tiles.walk
-    backend = config.backend
+    backend, itemsize = config.backend, jnp.dtype(x.dtype).itemsize
     if activation is not None or bias is not None:
         dz, dbias = _dz_call(g, z, activation=activation, want_dbias=bias is not None,
                              blocks=(bm, bn, bk), backend=backend)
@@ -346,11 +346,11 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
         dz, dbias = g, None
     # dx[M, K] = dz[M, N] @ w[K, N]^T: output tiles (bm, bk), contraction over N by bn.
     # Distinct kernel names, so the static gate budgets the two K loops apart.
-    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, backward_step(bm, bk, bn, backend)),
+    dx = _matmul_call(dz, w, ca=1, cb=1, blocks=(bm, bk, backward_step(bm, bk, bn, backend, itemsize)),
                       backend=backend, walk=walk, out_dtype=x.dtype,
                       epilogue_subtile=tiles.epilogue_subtile, name="fused_matmul_dx")
     # dw[K, N] = x[M, K]^T @ dz[M, N]: output tiles (bk, bn), contraction over M by bm.
-    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, backward_step(bk, bn, bm, backend)),
+    dw = _matmul_call(x, dz, ca=0, cb=0, blocks=(bk, bn, backward_step(bk, bn, bm, backend, itemsize)),
                       backend=backend, walk=walk, out_dtype=w.dtype,
                       epilogue_subtile=tiles.epilogue_subtile, name="fused_matmul_dw")
     return dx, dw, dbias
@@ -358,24 +358,28 @@ def _backward(x, w, z, bias, g, config: _Config, activation):
 
 _fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)
 
-# The most elements the two operand blocks of one backward K step may hold: the
-# default 128 x 128 x 64 tile's dx and dw steps ((128 + 64) x 128: 48 KiB per bf16
-# pipeline stage, 144 KiB at 3 stages).
-_BACKWARD_STEP_ELEMENTS = (128 + 64) * 128
+# The most bytes the two operand blocks of one backward K step may hold: the
+# default 16-bit 128 x 128 x 64 tile's dx and dw steps ((128 + 64) x 128 elements:
+# 48 KiB per pipeline stage, 144 KiB at 3 stages).
+_BACKWARD_STEP_BYTES = (128 + 64) * 128 * 2
 
 
-def backward_step(rows: int, cols: int, step: int, backend: str) -> int:
+def backward_step(rows: int, cols: int, step: int, backend: str, itemsize: int = 2) -> int:
     """The contraction step of a backward product with ``rows x cols`` output tiles,
-    whose step by role is ``step`` (a forward tile dim). On a GPU (the Triton
-    backends outside Triton's CPU interpreter) it is halved (down to 16) until
-    both operand blocks of one step hold at most :data:`_BACKWARD_STEP_ELEMENTS`:
-    the role's step of a 128 x 256 forward tile would take 288 KiB (dx) and 240 KiB
-    (dw) of shared memory at 3 stages, over sm_90's 227 KiB; every tile up to
-    128 x 128 keeps its step. Elsewhere (TPU VMEM tiles, the interpreters) the
-    role's step."""
+    whose step by role is ``step`` (a forward tile dim), for operands of
+    ``itemsize`` bytes. On a GPU (the Triton backends outside Triton's CPU
+    interpreter) it is halved (down to 16) until both operand blocks of one step
+    hold at most :data:`_BACKWARD_STEP_BYTES`: the role's step of a 128 x 256
+    bf16 forward tile would take 288 KiB (dx) and 240 KiB (dw) of shared memory at
+    3 stages, over sm_90's 227 KiB; every 16-bit tile up to 128 x 128 keeps its
+    step. Float32 operands take half the step of 16-bit ones: the default float32
+    tile (128 x 128 x 32) would give dx and dw a 128-deep step of 80 KiB per stage,
+    where dw (x read transposed) spilled 1080 bytes at 255 registers on sm_90; at
+    64 deep it takes 72 registers and half the shared memory (benchmarks.static).
+    Elsewhere (TPU VMEM tiles, the interpreters) the role's step."""
     if not pl.backend_traits(backend).triton or triton_backend.wants_interpreter_tiles(backend):
         return step
-    while step > 16 and (rows + cols) * step > _BACKWARD_STEP_ELEMENTS:
+    while step > 16 and (rows + cols) * step * itemsize > _BACKWARD_STEP_BYTES:
         step //= 2
     return step
 
@@ -413,12 +417,27 @@ def _example(problem: _op.Problem, implementation: str):
             [jax.ShapeDtypeStruct((m, k), problem.dtype), jax.ShapeDtypeStruct((k, n), problem.dtype)])
 
 
+def _training(problem: _op.Problem, implementation: str):
+    """The tuner's training step: the bias + gelu forward that also stores the
+    pre-activation, and its backward (dz, dx = dz @ w.T, dw = x.T @ dz), whose
+    tiles follow the config by role (:func:`backward_step`)."""
+    m, n, k = problem.shape
+
+    def step(x, w, bias, g):
+        out, pullback = jax.vjp(lambda x, w, bias: fused_matmul(
+            x, w, bias, activation="gelu", implementation=implementation), x, w, bias)
+        return out, pullback(g)
+
+    sds = functools.partial(jax.ShapeDtypeStruct, dtype=problem.dtype)
+    return step, [sds((m, k)), sds((k, n)), sds((n,)), sds((m, n))]
+
+
 # The tuner fills the cache for 4096^3 and 8192^3 products (the static gate's sizes)
 # first: compute-bound ops are where tuning moves most.
 OP = _op.register(_op.Op(
     name=_OP, dims=("m", "n", "k"), configs=dict.fromkeys(KERNEL_BACKENDS, MatmulConfig),
     reference=reference, check=_check,
     tuning=_op.Tuning(example=_example, shapes=((4096,) * 3, (8192,) * 3), quick=((512,) * 3,),
-                      order=10),
+                      order=10, training=_training),
     missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has no "
     "generic dot_general)"))

@@ -138,6 +138,14 @@ def matmul_cases(sizes=(4096, 8192), dtype=jnp.bfloat16) -> list[GateCase]:
         jax.grad(lambda x, w, b: _loss(ops.fused_matmul(x, w, b, activation="gelu", block_sizes=wide,
                                                         implementation="triton")), (0, 1, 2)),
         (_sds((s, s), dtype), _sds((s, s), dtype), _sds((s,), dtype))))
+    # Float32 training on the default tiles (128 x 128 x 32): the backward steps halved
+    # for 4-byte operands (ops.matmul.fused_matmul.backward_step).
+    s, f32 = sizes[0], jnp.float32
+    cases.append(GateCase(
+        f"fused_matmul/bias+gelu/{s}x{s}x{s}/float32/fwd+bwd",
+        jax.grad(lambda x, w, b: _loss(ops.fused_matmul(x, w, b, activation="gelu",
+                                                        implementation="triton")), (0, 1, 2)),
+        (_sds((s, s), f32), _sds((s, s), f32), _sds((s,), f32))))
     s = sizes[-1]
     cases.append(GateCase(
         f"fused_matmul/bias+gelu+128x256+subtile2+tma/{s}x{s}x{s}/{jnp.dtype(dtype).name}/fwd",
@@ -536,6 +544,18 @@ BUDGETS: dict[tuple[str, str], Budget] = {
         "K loop and registers: " + _FROZEN + "; w read transposed", loops=(156,), registers=146),
     ("fused_matmul/bias+gelu/4096x4096x4096/bfloat16/fwd+bwd", "fused_matmul_dw"): Budget(
         "K loop and registers: " + _FROZEN + "; x read transposed", loops=(145,), registers=96),
+    # Float32 training at the default 128 x 128 x 32 tile: no spill (the gate fails on any).
+    # dx (128 x 32 tiles) and dw (32 x 128) step 64 deep over N / M (16 KiB + 24 KiB of
+    # float32 per stage, 80 KiB at 3 stages); 128 deep, as the 16-bit tiles take, dw (x
+    # read transposed) spilled 1080 bytes at 255 registers (5669 SASS per 128-deep step,
+    # 216 of them local loads/stores: 4680 now) and dx took 226 registers. Float32 dots
+    # run on FFMA (2048 per 64-deep step), not wgmma.
+    ("fused_matmul/bias+gelu/4096x4096x4096/float32/fwd+bwd", "fused_matmul_dx"): Budget(
+        "K loop and registers: " + _FROZEN + " (226 registers at a 128-deep step)",
+        loops=(2339,), registers=128),
+    ("fused_matmul/bias+gelu/4096x4096x4096/float32/fwd+bwd", "fused_matmul_dw"): Budget(
+        "no spill (1080 bytes at 255 registers with a 128-deep step); K loop and registers: "
+        + _FROZEN, loops=(2340,), registers=72),
     # The 128 x 256 x 64 candidate with its epilogue in halves, in training (the forward
     # also stores the pre-activation): whole, that forward takes 255 registers and spills
     # 272 bytes; in halves 216, no spill. Its K loop does twice the 128 x 128 tile's work

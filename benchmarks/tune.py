@@ -4,7 +4,8 @@ For each problem of every op registered with a tuning spec (:mod:`ops._op`;
 :func:`ops.tuning.search.main_problems`, or ``--quick``'s small ones) the
 tuner lists the op's candidate configs (its config class's ``candidates``), drops those that do
 not fit the GPU (compiled for its ``sm_XY``: shared memory over the limit,
-register spills; :func:`ops.tuning.search.compile_filter`), times the rest on
+register spills, in the forward pass and, for an op that registers one, its
+training step's kernels too; :func:`ops.tuning.search.compile_filter`), times the rest on
 the device (forward pass, fresh random inputs, median of several samples,
 :func:`benchmarks.harness.time_fn`), and stores the fastest as a cache entry
 keyed by the device's kind. The heuristic's own config is timed as well and

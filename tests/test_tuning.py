@@ -296,13 +296,29 @@ def test_problem_and_candidates():
 
 def test_compile_filter_drops_spills_and_shared_memory_overflow():
     """Built to fail: a 64x64 tile whose K step is 256 deep in 8 stages needs 512 KiB of
-    shared memory; one warp holding an 8192-wide float32 softmax row spills."""
+    shared memory; one warp holding an 8192-wide float32 softmax row spills; a whole
+    128x256 tile fits the inference forward but spills in the training forward (which
+    also stores the pre-activation), so the filter must compile the training step too."""
     matmul = search.Problem("fused_matmul", (256, 256, 512), "bfloat16")
     fits = dict(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
     too_deep = dict(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=8)
-    kept, dropped = search.compile_filter(matmul, [fits, too_deep], target="sm_90")
-    assert kept.kept and kept.kernels[0]["spill_bytes"] == 0, kept
-    assert not dropped.kept and "shared memory" in dropped.reason, dropped
+    wide = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    kept, dropped, trains_badly = search.compile_filter(matmul, [fits, too_deep, wide],
+                                                        target="sm_90")
+    assert kept.kept and all(k["spill_bytes"] == 0 for k in kept.kernels), kept
+    assert {(k["call"], k["name"]) for k in kept.kernels} == {
+        ("forward", "fused_matmul"), ("training", "fused_matmul_bias_gelu"),
+        ("training", "fused_matmul_dz"), ("training", "fused_matmul_dx"),
+        ("training", "fused_matmul_dw")}
+    assert not dropped.kept and dropped.reason.startswith("forward: ") \
+        and "shared memory" in dropped.reason, dropped
+    assert [k["call"] for k in dropped.kernels] == ["forward"]  # no training compiles after
+    forward = [k for k in trains_badly.kernels if k["call"] == "forward"]
+    assert forward and forward[0]["spill_bytes"] == 0, trains_badly  # inference alone fits
+    assert not trains_badly.kept and trains_badly.reason.startswith(
+        "training: fused_matmul_bias_gelu: spills"), trains_badly
+    with pytest.raises(ValueError, match="call: expected one of"):
+        search.compile_config(matmul, fits, call="backward")
     softmax = search.Problem("softmax", (64, 8192), "float32")
     (spills,) = search.compile_filter(
         softmax, [dict(block_rows=1, chunk=8192, num_warps=1, num_stages=1)], target="sm_90")

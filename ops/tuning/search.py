@@ -7,7 +7,11 @@ candidate configs (``candidates(problem, device)``: a hand-picked space per
 op family, clamped to the problem's size). A :class:`Problem` is one op at
 one shape and dtype on one implementation; :func:`candidates` lists its
 configs, and :func:`compile_filter` keeps those that compile for the target
-GPU within its shared memory and without register spills. Both run on any
+GPU within its shared memory and without register spills: the kernels of the
+inference call (``example``) and, for an op that registers one
+(:attr:`ops._op.Tuning.training`), of its training step too (the forward that
+also stores residuals, the backward's products), since a config reaches all
+of them. Both run on any
 host: Triton compiles for ``sm_90`` without a GPU
 (:func:`pallas_core.triton.compile`). Timing the survivors needs the device
 and lives in ``benchmarks/tune.py``. Adding an op to the tuner is
@@ -99,6 +103,16 @@ class Problem:
         """``(fn, args)``: the op's forward pass and its argument shapes."""
         return self.registered.tuning.example(self.op_problem(), self.implementation)
 
+    def compiled_calls(self) -> list[tuple[str, Callable, list[jax.ShapeDtypeStruct]]]:
+        """``(label, fn, args)`` of every call the compile filter compiles: the
+        forward pass (``"forward"``, :meth:`function`), then the training step
+        (``"training"``) where the op registers one (:attr:`ops._op.Tuning.training`)."""
+        calls = [("forward", *self.function())]
+        training = self.registered.tuning.training
+        if training is not None:
+            calls.append(("training", *training(self.op_problem(), self.implementation)))
+        return calls
+
     def make_inputs(self, key) -> list[jax.Array]:
         """Fresh random inputs for :meth:`function` (integer labels in range)."""
         _, args = self.function()
@@ -134,8 +148,9 @@ class Verdict:
       config: the candidate.
       kept: whether it passed.
       reason: why it was dropped ("" when kept).
-      kernels: per kernel ``name``, ``registers``, ``spill_bytes``,
-        ``shared_memory_bytes`` (from :func:`pallas_core.triton.compile`).
+      kernels: per kernel compiled ``call`` (``"forward"`` or ``"training"``),
+        ``name``, ``registers``, ``spill_bytes``, ``shared_memory_bytes`` (from
+        :func:`pallas_core.triton.compile`), up to the first unfit call.
     """
 
     config: dict
@@ -157,31 +172,52 @@ def check_reports(reports: Sequence[Mapping], target: str) -> str:
     return ""
 
 
-def compile_config(problem: Problem, config, target: str = "sm_90") -> list[dict]:
-    """:func:`pallas_core.triton.compile` reports of ``problem`` run with ``config``."""
-    fn, args = problem.function()
+def compile_config(problem: Problem, config, target: str = "sm_90", *,
+                   call: str = "forward") -> list[dict]:
+    """:func:`pallas_core.triton.compile` reports of ``problem``'s call ``call`` (a label
+    of :meth:`Problem.compiled_calls`) run with ``config``.
+
+    Raises:
+      ValueError: ``call`` is not one of the problem's calls.
+    """
+    calls = {label: (fn, args) for label, fn, args in problem.compiled_calls()}
+    if call not in calls:
+        raise ValueError(f"call: expected one of {sorted(calls)} for {problem.op}, got {call!r}.")
+    fn, args = calls[call]
     with cache.device_kind(_CANDIDATE_KIND), cache.override([problem.entry(config, _CANDIDATE_KIND)]):
         return pl.triton.compile(fn, *args, target=target)
+
+
+def _verdict(problem: Problem, config, target: str) -> Verdict:
+    """Compiles ``problem``'s calls with ``config`` in order, stopping at the first
+    unfit one (a forward that already fails costs no backward compiles)."""
+    kernels = []
+    for label, _, _ in problem.compiled_calls():
+        try:
+            reports = compile_config(problem, config, target, call=label)
+        except Exception as e:  # noqa: BLE001 - a config Triton or the op refuses is dropped
+            reason = (f"{label}: does not compile: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}")
+            return Verdict(as_dict(config), False, reason[:300], tuple(kernels))
+        kernels += [{"call": label, **{k: r[k] for k in ("name", "registers", "spill_bytes",
+                                                       "shared_memory_bytes")}} for r in reports]
+        reason = check_reports(reports, target)
+        if reason:
+            return Verdict(as_dict(config), False, f"{label}: {reason}", tuple(kernels))
+    return Verdict(as_dict(config), True, "", tuple(kernels))
 
 
 def compile_filter(problem: Problem, configs: Sequence, *,
                    target: str = "sm_90", log: Callable[[str], None] | None = None) -> list[Verdict]:
     """Compiles every config for ``target``; a config is kept when every kernel
-    of the op's forward pass fits the target's shared memory and spills no
-    registers, and dropped (with the reason) when not, or when it does not
-    compile at all (Triton's error, first line)."""
+    of the op's forward pass and, where the op registers one, of its training
+    step (:meth:`Problem.compiled_calls`) fits the target's shared memory and
+    spills no registers, and dropped (the reason prefixed with the call,
+    ``"forward: "`` or ``"training: "``) when not, or when it does not compile at
+    all (Triton's error, first line)."""
     verdicts = []
     for config in configs:
-        try:
-            reports = compile_config(problem, config, target)
-        except Exception as e:  # noqa: BLE001 - a config Triton or the op refuses is dropped
-            reason = f"does not compile: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            verdicts.append(Verdict(as_dict(config), False, reason[:300]))
-        else:
-            kernels = tuple({k: r[k] for k in ("name", "registers", "spill_bytes",
-                                                "shared_memory_bytes")} for r in reports)
-            reason = check_reports(reports, target)
-            verdicts.append(Verdict(as_dict(config), not reason, reason, kernels))
+        verdicts.append(_verdict(problem, config, target))
         if log is not None:
             v = verdicts[-1]
             log(f"  {problem.name} {v.config}: {'kept' if v.kept else 'dropped, ' + v.reason}")

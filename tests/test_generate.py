@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 from benchmarks import decoder, generate  # noqa: E402 - after the skips
 from benchmarks.lm import load_corpus  # noqa: E402
 from ops.attention import decode  # noqa: E402
-from ops.serving import kernels  # noqa: E402
+from ops.serving import prefill_kernels  # noqa: E402
 
 LENGTHS = (4, 13, 9)
 NEW = 4
@@ -61,7 +61,9 @@ def test_dense_cache_on_triton_matches_transformers(tmp_path, monkeypatch):
 def test_paged_cache_on_interpret_matches_transformers(monkeypatch):
     import transformers  # noqa: F401 - the model below needs it
 
-    splits = _count_calls(monkeypatch, kernels, "decode")
+    # 16-token pages: every step (prefill and decode, one token per item) runs the
+    # query-blocked kernel over multi-page key tiles, split-KV kept.
+    splits = _count_calls(monkeypatch, prefill_kernels, "prefill")
     prompts = generate.text_prompts(load_corpus(100_000)[0], LENGTHS, seed=1)
     hf = decoder.hf_model("llama3", decoder.tiny_hf_config("llama3"), seed=1)
     ref_tokens, ref_logits = generate.hf_generate(hf, prompts, NEW)

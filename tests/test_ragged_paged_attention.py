@@ -14,7 +14,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import (
 
 import ops
 from ops.serving import PagedBlockSizes, kernels, prefill_kernels
-from ops.serving.block_sizes import ragged_block_q
+from ops.serving.block_sizes import multi_page_decode, ragged_block_q
 from tests.test_lowering import lower_text
 from tests.tolerances import FORWARD, assert_close
 
@@ -314,3 +314,43 @@ def test_bad_input_named(case):
     kwargs, error, match = _bad_inputs()[case]
     with pytest.raises(error, match=match):
         ops.ragged_paged_attention(**kwargs)
+
+
+# --------------------------------------------------------------------------
+# Decode over small pages: the query-blocked kernel, one token per item
+# --------------------------------------------------------------------------
+
+@functools.cache
+def decode_case():
+    """A decode batch (every q_len 1, no more tokens than slots) over 16-token pages: an
+    empty cache, a full one (4 pages), full pages (48), a one-token cache, partial pages;
+    GQA 4:1, an int8 cache with scales, a window, a soft cap; a padding token, a garbage
+    slot."""
+    args = make_case(9, q_lens=(1,) * 6, kv_lens=(0, 64, 48, 1, 17, 33), T=7, slots=8, N=8, K=2,
+                     total_pages=34, int8=True)
+    return args, dict(scale=0.4, sliding_window=40, soft_cap=3.0, k_scale=0.01, v_scale=0.02)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_decode_over_small_pages_takes_multi_page_tiles(impl, monkeypatch):
+    # The default route and explicit splits (three, merged with the sinks) both run the
+    # query-blocked kernel, never the per-page decode kernel.
+    def per_page(*a, **k):
+        raise AssertionError("the per-page decode kernel ran")
+    monkeypatch.setattr(kernels, "decode", per_page)
+    args, kw = decode_case()
+    out = ops.ragged_paged_attention(*args, implementation=impl, **kw)
+    assert_close(out, jax_reference(args, **kw), FORWARD[F32], f"{impl} default")
+    assert np.all(np.asarray(out[6:]) == 0)  # the padding token
+    kw = dict(kw, sinks=jnp.linspace(-1.0, 1.5, 8))
+    out = ops.ragged_paged_attention(*args, implementation=impl, block_sizes=(2, 3), **kw)
+    assert_close(out, ops.ragged_paged_attention(*args, implementation="xla", **kw),
+                 FORWARD[F32], f"{impl} splits")
+
+
+def test_decode_route():
+    assert multi_page_decode(None, 16, True)
+    assert multi_page_decode(PagedBlockSizes(2, 3), 32, True)  # splits kept
+    assert not multi_page_decode(None, 16, False)  # the grid walk (Mosaic TPU)
+    assert not multi_page_decode(None, 64, True)  # a page is a whole key tile
+    assert not multi_page_decode(PagedBlockSizes(2, 3, block_q=1), 16, True)  # asked for

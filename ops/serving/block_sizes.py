@@ -21,15 +21,17 @@ class PagedBlockSizes(KernelConfig):
       pages_per_block: pages each grid step (one trip of a Triton program's loop) reads.
       k_splits: how many programs split each row's page table (flash-decoding);
         1 writes the output directly, more add a merge kernel. Asked for without
-        ``block_q``, it selects the per-token path of ``ragged_paged_attention``;
+        ``block_q``, it selects a query block of 1 in ``ragged_paged_attention``;
         the query-blocked kernel splits each query block's key tiles too.
       num_warps, num_stages: Triton launch parameters (None: 4 warps, 2 stages).
       block_q: ``ragged_paged_attention`` only: query tokens of one sequence per
-        program. 1 serves every token as its own row of the split-KV decode
-        kernel; more run the query-blocked kernel
+        program. More than 1 runs the query-blocked kernel
         (:mod:`ops.serving.prefill_kernels`), which reads a sequence's pages once
-        per block of ``block_q`` tokens. None: :func:`ragged_block_q` chooses (1
-        when ``k_splits > 1``).
+        per block of ``block_q`` tokens; an explicit 1 serves every token as its
+        own row of the per-page split-KV decode kernel. None:
+        :func:`ragged_block_q` chooses (1 when ``k_splits > 1``), and a query
+        block of 1 runs on the query-blocked kernel's multi-page key tiles where
+        :func:`multi_page_decode` says so.
     """
 
     pages_per_block: int = tunable()
@@ -116,10 +118,10 @@ TARGET_QUERY_ROWS = 128
 
 def ragged_block_q(explicit: PagedBlockSizes | None, tokens: int, slots: int, group: int) -> int:
     """The query block of a ``ragged_paged_attention`` call with block sizes ``explicit``:
-    their ``block_q`` when set; else 1 (every token its own split-KV decode row) when
-    they ask for ``k_splits > 1`` (only that path splits) or the call has no more query
-    tokens than sequence slots (``tokens <= slots``: a decode or verification batch,
-    the only static fact about the batch's query lengths); else the power of two
+    their ``block_q`` when set; else 1 (every token its own item or row) when they ask
+    for ``k_splits > 1`` or the call has no more query tokens than sequence slots
+    (``tokens <= slots``: a decode or verification batch, the only static fact about
+    the batch's query lengths; which kernel then runs: :func:`multi_page_decode`); else the power of two
     nearest below ``TARGET_QUERY_ROWS / group`` (at least 1, at most the tokens rounded up
     to a power of two): a query tile of about 128 rows of ``block_q`` tokens x ``group``
     query heads, so each page is read once per 128 / group tokens."""
@@ -129,3 +131,25 @@ def ragged_block_q(explicit: PagedBlockSizes | None, tokens: int, slots: int, gr
         return 1
     per = max(1, TARGET_QUERY_ROWS // max(group, 1))
     return max(1, min(1 << (per.bit_length() - 1), pl.next_power_of_2(tokens)))
+
+
+# Pages of fewer tokens than this: decode (block_q 1) runs on key tiles of several pages.
+MULTI_PAGE_BELOW = 64
+
+
+def multi_page_decode(explicit: PagedBlockSizes | None, page_size: int, loop_walk: bool) -> bool:
+    """Whether a ``ragged_paged_attention`` call with a query block of 1 runs the
+    query-blocked kernel (key tiles gathered from several pages, one online-softmax
+    update per tile) rather than the per-page split-KV decode kernel
+    (:mod:`ops.serving.kernels`, one update per page): on the loop walk (the
+    interpreter and both Triton lowerings) for pages under :data:`MULTI_PAGE_BELOW`
+    tokens, unless ``explicit`` sets ``block_q`` (an explicit 1 asks for the per-page
+    kernel). Both keep split-KV. At sm_90, bf16, H 128, GQA 8:1, 16-token pages, a
+    decode batch of 8 x 8k: 15.4 SASS instructions per thread per key in the per-page
+    kernel's loop against the query-blocked kernel's figure in its module docstring.
+    The per-page kernel stays on Mosaic TPU (its grid walk places pages by BlockSpecs;
+    no gathers) and for big pages, where a page is already a whole key tile."""
+    if explicit is not None and explicit.block_q is not None:
+        return False
+    return loop_walk and page_size < MULTI_PAGE_BELOW
+

@@ -7,7 +7,7 @@ token by token: a prefill chunk of ``q_len`` tokens reads its sequence's cache
 ``block_q`` consecutive query tokens of one sequence. A program owns one item
 and one key/value head; its query tile is the block's tokens times the ``G``
 query heads of that key/value head, ``[block_q * G, H]`` (token-major rows, padded
-to a power of two on the Triton backends), so every key/value tile it loads
+to a power of two of at least 64 on the Triton backends, wgmma's rows), so every key/value tile it loads
 serves ``block_q * G`` query rows. The items come from a table built outside
 the kernel from ``cu_q_lens``, ``kv_lens`` and ``num_seqs``
 (:func:`work_items`): at most ``min(T // block_q + min(S, T), T)`` of them (a
@@ -52,7 +52,10 @@ Cost (sm_90, bf16, H 128, GQA 8:1, 16 tokens x 8 heads = 128 query rows, 8
 warps, 16-token pages; SASS instructions per thread per key of a loop
 iteration): one page per key tile, 12.8 for whole tiles and 15.8 masked; four
 pages (64 keys), 5.7 and 8.3; eight pages (128 keys, the default), 4.5 and
-7.0, with 223 registers and no spills (4 warps spill at 128 rows). Cache bytes
+7.0, with 223 registers and no spills (4 warps spill at 128 rows). Decode (one
+token per item, 8 heads padded to 64 rows, 4 warps, eight pages per tile): 4.7
+whole and 8.5 masked with 221 registers, against 15.4 in the per-page decode
+kernel (:func:`ops.serving.block_sizes.multi_page_decode`). Cache bytes
 read per call: every item reads the pages of ``[lo, hi)`` once, i.e. about
 ``kv_len / block_q`` page reads per query token instead of ``kv_len``.
 Queries are gathered into item tiles and the outputs scattered back by XLA
@@ -87,8 +90,8 @@ class PrefillConfig:
     Attributes:
       items: work items (the grid's first axis); block_q: query tokens per item.
       kv_heads, group, head_dim: the query ``[T, kv_heads * group, head_dim]``.
-      rows: the query tile's rows (``block_q * group``, padded to a power of two
-        on the Triton backends).
+      rows: the query tile's rows (``block_q * group``, padded to a power of two of
+        at least 64 on the Triton backends: :func:`ops.serving.kernels.group_rows`).
       page_size, total_pages, pages_per_row, pages_per_block: the cache, the
         table's width and the pages of one key tile.
       window: the sliding window (None: none).
@@ -162,10 +165,8 @@ class PrefillConfig:
         min_dot = max(traits.min_dot, 16 if traits.triton else 1)
         per_block = max(bs.pages_per_block, pl.cdiv(min_dot, page_size))
         per_block = min(per_block, pl.next_power_of_2(pages_per_row))
-        rows = block_q * group
-        if traits.triton:
-            rows = max(pl.next_power_of_2(rows), min_dot)
-        walk = GRID if impl in GRID_BACKENDS and traits.sequential_grid else LOOP
+        rows = kernels.group_rows(impl, block_q * group)  # >= 64 on Triton: wgmma's rows
+        walk = walk_of(impl)
         items = min(tokens // block_q + min(slots, tokens), tokens)
         splits = (bs.k_splits if explicit_splits else
                   prefill_splits(impl, items * kv_heads, pl.cdiv(pages_per_row, per_block)))
@@ -189,6 +190,13 @@ class PrefillConfig:
             scale=self.scale, soft_cap=self.soft_cap, dtype=self.dtype, k_scale=self.k_scale,
             v_scale=self.v_scale, indirect=True, heads_per_program=self.heads_per_program,
             num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def walk_of(impl: str) -> str:
+    """The kernel's walk on ``impl``: ``"grid"`` on Mosaic TPU (no vector gathers), else
+    ``"loop"``."""
+    traits = pl.backend_traits(impl)
+    return GRID if impl in GRID_BACKENDS and traits.sequential_grid else LOOP
 
 
 def prefill_splits(impl: str, programs: int, tiles: int) -> int:

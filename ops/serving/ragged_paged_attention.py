@@ -13,7 +13,8 @@ import pallas_core as pl
 from ops._checks import check_float_dtype
 from ops._op import Op, register
 from ops.serving import checks, kernels, prefill_kernels, sharding
-from ops.serving.block_sizes import DIMS, PagedBlockSizes, check_block_sizes, ragged_block_q
+from ops.serving.block_sizes import (DIMS, PagedBlockSizes, check_block_sizes, multi_page_decode,
+                                     ragged_block_q)
 from ops.serving.paged_attention import sink_tile
 from ops.serving.reference import gather_pages, rows_attention
 
@@ -36,22 +37,26 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     speculative verification mix in one call.
 
     Two kernels, chosen per call from static facts (``block_sizes.block_q``,
-    else :func:`ops.serving.block_sizes.ragged_block_q`):
+    else :func:`ops.serving.block_sizes.ragged_block_q`, then
+    :func:`ops.serving.block_sizes.multi_page_decode`):
 
-    * ``block_q == 1`` (the default when ``T <= S``, decode and verification
-      batches, or when ``block_sizes`` asks for ``k_splits > 1``): every query
-      token is a row of the split-KV paged decode kernel
-      (:mod:`ops.serving.kernels`), so a decode token reads its cache once, split
-      over programs when the batch is small, but a prefill chunk of ``q_len``
-      tokens reads its cache ``q_len`` times;
-    * ``block_q > 1`` (the default when ``T > S``: about ``128 / G`` tokens): the
-      query-blocked kernel (:mod:`ops.serving.prefill_kernels`): a program per
+    * the query-blocked kernel (:mod:`ops.serving.prefill_kernels`): a program per
       (sequence, block of ``block_q`` of its tokens) and key/value head, the
       block's tokens times the GQA group as one query tile, which reads the
       pages its causal range touches once, in key tiles of ``pages_per_block``
       pages (one online-softmax update per tile, also for 16-token pages);
-      ``k_splits`` programs share an item's key tiles (given with ``block_q``;
-      by default as many as fill a GPU).
+      ``k_splits`` programs share an item's key tiles (from ``block_sizes``, else
+      as many as fill a GPU). It runs every call with ``block_q > 1`` (the
+      default when ``T > S``: about ``128 / G`` tokens), and with ``block_q == 1``
+      (the default when ``T <= S``, decode and verification batches, or when
+      ``block_sizes`` asks for ``k_splits > 1`` without a ``block_q``) on the loop
+      walk (interpreter, Triton) over pages of fewer than 64 tokens;
+    * else, with ``block_q == 1`` (on Mosaic TPU, for big pages, or asked for
+      with an explicit ``block_q=1``), the split-KV paged decode kernel
+      (:mod:`ops.serving.kernels`): every query token is a row whose key tiles
+      are single pages, so a decode token reads its cache once, split over
+      programs when the batch is small, but a prefill chunk of ``q_len`` tokens
+      reads its cache ``q_len`` times.
 
     Shapes: ``T`` query tokens (a padded budget), ``N`` query heads, ``K``
     key/value heads, ``H`` head dim, ``S`` sequence slots.
@@ -177,7 +182,7 @@ def _run(args, impl: str, bs):
         return out.astype(q.dtype)
     G = N // K
     block_q = ragged_block_q(bs, T, S, G)
-    if block_q > 1:
+    if block_q > 1 or multi_page_decode(bs, ps, _multi_page_ok(impl, ps, H)):
         problem = OP.problem((T, K, G, H, ps, pps), q.dtype)
         pcfg = prefill_kernels.PrefillConfig.build(
             _OP, impl, OP.select(problem, impl, bs), tokens=T, slots=S, block_q=block_q,
@@ -197,6 +202,15 @@ def _run(args, impl: str, bs):
     out = kernels.decode(cfg, qg, (kv,), (), args["tables"], seq, start, end,
                          sink_tile(args["sinks"], K))
     return out.reshape(T, N, H)
+
+
+def _multi_page_ok(impl: str, page_size: int, head_dim: int) -> bool:
+    """Whether the query-blocked kernel takes its loop walk on ``impl`` for these pages (JAX's
+    Triton lowering: power-of-two page sizes and head dims only)."""
+    if prefill_kernels.walk_of(impl) != prefill_kernels.LOOP:
+        return False
+    pow2 = not (page_size & (page_size - 1) or head_dim & (head_dim - 1))
+    return pow2 or not pl.backend_traits(impl).power_of_two_blocks
 
 
 def _reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):

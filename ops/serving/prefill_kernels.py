@@ -7,8 +7,8 @@ token by token: a prefill chunk of ``q_len`` tokens reads its sequence's cache
 ``block_q`` consecutive query tokens of one sequence. A program owns one item
 and one key/value head; its query tile is the block's tokens times the ``G``
 query heads of that key/value head, ``[block_q * G, H]`` (token-major rows, padded
-to a power of two of at least 64 on the Triton backends, wgmma's rows), so every key/value tile it loads
-serves ``block_q * G`` query rows. The items come from a table built outside
+to a power of two of at least 64 on the Triton backends, wgmma's rows), so every
+key/value tile it loads serves ``block_q * G`` query rows. The items come from a table built outside
 the kernel from ``cu_q_lens``, ``kv_lens`` and ``num_seqs``
 (:func:`work_items`): at most ``min(T // block_q + min(S, T), T)`` of them (a
 static bound: each sequence adds at most one partial block, and every item holds

@@ -8,7 +8,12 @@ jitted:
   in x's dtype (transformers' ``apply_rotary_pos_emb`` in ``jnp``), the
   pass-through features concatenated back;
 * gated linear unit: two matmuls and the gate, ``act(x @ w[:, 0]) * (x @ w[:, 1])``
-  in the inputs' dtype.
+  in the inputs' dtype. Each case comes in both weight forms of
+  ``ops.gated_linear_unit``, side by side at the same shapes: stacked ``[K, 2,
+  N]`` (variant ``swiglu``, ...) and the pair ``(gate, up)`` of ``[K, N]``
+  arrays (variant ``swiglu/pair``, ...), the form ``layers.GatedMLP`` passes,
+  so the path models take is measured; its baseline is the same XLA math on
+  the two arrays.
 
 Accuracy is measured against the same math in float64
 (:func:`benchmarks.harness.reference_output`). Passes: ``fwd``, ``bwd`` (the
@@ -78,6 +83,8 @@ GLU_CPU = (((128, 96, 160), "float32"), ((100, 72, 90), "bfloat16"))
 GLU_CPU_VARIANT = {"float32": "swiglu", "bfloat16": "geglu_tanh"}
 GLU_QUICK = {"cpu": (((64, 32, 48), "float32"),),
              "accelerator": (((1024, 1024, 2816), "bfloat16"),)}
+# The weight forms: stacked [K, 2, N] (Tokamax's layout) and the pair (gate, up) of [K, N].
+GLU_FORMS = ("stacked", "pair")
 
 
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
@@ -85,7 +92,8 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     GLU activation per shape).
 
     ``quick`` keeps one tiny shape per op and its fwd+bwd pass (which runs every
-    kernel), for smoke tests.
+    kernel), for smoke tests; the GLU in both weight forms (their backward kernels
+    differ).
     """
     ours = harness.kernel_implementations(platform)
     rope_shapes = harness.pick_shapes(platform, quick, cpu=ROPE_CPU, accelerator=ROPE_ACCELERATOR,
@@ -100,8 +108,8 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
         return (GLU_CPU_VARIANT[dtype],) if platform == "cpu" else tuple(GLU_VARIANTS)
 
     return ([rope_case(shape, dtype, p, ours) for shape, dtype in rope_shapes for p in passes]
-            + [glu_case(shape, dtype, v, p, ours) for shape, dtype in glu_shapes
-               for v in variants(dtype) for p in passes])
+            + [glu_case(shape, dtype, v, p, ours, form) for shape, dtype in glu_shapes
+               for v in variants(dtype) for p in passes for form in GLU_FORMS])
 
 
 # --------------------------------------------------------------------------
@@ -190,10 +198,22 @@ def _rope_reference(x, positions, *, inv_freq):
 # Gated linear unit cases
 # --------------------------------------------------------------------------
 
-def glu_case(shape, dtype: str, variant: str, pass_name: str, implementations) -> harness.Case:
-    """One case: ``shape = (M, K, N)``, activation of ``variant``."""
+def glu_case(shape, dtype: str, variant: str, pass_name: str, implementations,
+             form: str = "stacked") -> harness.Case:
+    """One case: ``shape = (M, K, N)``, activation of ``variant``, weights in ``form``
+    (one of :data:`GLU_FORMS`; the pair's variant is suffixed ``/pair``).
+
+    The pair's inputs are flat, ``(x, gate, up[, ...])``, each projection its own
+    argument (and gradient), as a model holds them.
+
+    Raises:
+      ValueError: an unknown ``form``.
+    """
+    if form not in GLU_FORMS:
+        raise ValueError(f"form: expected one of {GLU_FORMS}, got {form!r}.")
     m, k, n = shape
     activation = GLU_VARIANTS[variant]
+    paired = form == "pair"
     if pass_name == "bwd":
         fns = {harness.BASELINE: functools.partial(_xla_glu_bwd, activation=activation)}
         for impl in implementations:
@@ -204,47 +224,68 @@ def glu_case(shape, dtype: str, variant: str, pass_name: str, implementations) -
         for impl in implementations:
             fns[impl] = functools.partial(_our_glu, activation=activation, implementation=impl)
         ref = functools.partial(_glu_reference, activation=activation)
-        if pass_name == "fwd+bwd":
-            fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
-            ref = harness.forward_and_backward(ref)
+    if paired:
+        fns = {name: _paired(fn, pass_name) for name, fn in fns.items()}
+        ref = _paired(ref, pass_name)
+    if pass_name == "fwd+bwd":
+        fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
+        ref = harness.forward_and_backward(ref)
     flops = {"fwd": 4.0, "bwd": 8.0, "fwd+bwd": 12.0}[pass_name] * m * k * n
     return harness.Case(
-        op=GLU, variant=variant, shape=(m, k, n), dtype=dtype, pass_name=pass_name, flops=flops,
-        make_inputs=functools.partial(_glu_inputs, shape=shape, dtype=dtype, pass_name=pass_name),
+        op=GLU, variant=variant + ("/pair" if paired else ""), shape=(m, k, n), dtype=dtype,
+        pass_name=pass_name, flops=flops,
+        make_inputs=functools.partial(_glu_inputs, shape=shape, dtype=dtype, pass_name=pass_name,
+                                      paired=paired),
         implementations=fns, reference=ref, ceiling="matmul")
 
 
-def _glu_inputs(key, *, shape, dtype, pass_name):
+def _paired(fn, pass_name: str):
+    """``fn`` of stacked-form arguments (the weights and, for "bwd", the
+    pre-activations as one argument each) called with the pair form's flat
+    arguments: ``(x, gate, up[, cotangent])``, or ``(x, gate, up, z_gate, z_up,
+    cotangent)`` for "bwd"."""
+    if pass_name == "bwd":
+        return lambda x, gate, up, z_gate, z_up, g: fn(x, (gate, up), (z_gate, z_up), g)
+    return lambda x, gate, up: fn(x, (gate, up))
+
+
+def _glu_inputs(key, *, shape, dtype, pass_name, paired=False):
     """``(x, weights[, cotangent])``, or for "bwd" ``(x, weights, preactivations,
-    cotangent)`` with the pre-activations the forward keeps."""
+    cotangent)`` with the pre-activations the forward keeps; ``paired``: the weights
+    (and pre-activations) as two ``[K, N]`` (``[M, N]``) arrays each, flat."""
     m, k, n = shape
     kx, kw, kc = jax.random.split(key, 3)
     x = harness.random_normal(kx, (m, k), dtype)
     w = harness.random_normal(kw, (k, 2, n), dtype, scale=k ** -0.5)
+    weights = (w[:, 0], w[:, 1]) if paired else (w,)
     if pass_name == "fwd":
-        return x, w
+        return (x, *weights)
     g = harness.random_normal(kc, (m, n), dtype)
     if pass_name == "fwd+bwd":
-        return x, w, g
-    z = jnp.stack(glu_preactivations(x, w), axis=-2).astype(dtype)
-    return x, w, z, g
+        return (x, *weights, g)
+    gate, up = (z.astype(dtype) for z in glu_preactivations(x, w))
+    return (x, *weights, *((gate, up) if paired else (jnp.stack((gate, up), axis=-2),)), g)
 
 
 def _xla_glu(x, w, *, activation):
     """What a user writes: two matmuls and the gate, in the inputs' dtype."""
     act = resolve_activation(activation, "bench")
-    return act(jnp.dot(x, w[:, 0])) * jnp.dot(x, w[:, 1])
+    gate, up = w if isinstance(w, tuple) else (w[:, 0], w[:, 1])
+    return act(jnp.dot(x, gate)) * jnp.dot(x, up)
 
 
 def _xla_glu_bwd(x, w, z, g, *, activation):
-    """XLA autodiff's backward of :func:`_xla_glu` from its residuals (the two products)."""
+    """XLA autodiff's backward of :func:`_xla_glu` from its residuals (the two products),
+    its weight gradient in the form of ``w``."""
     act = resolve_activation(activation, "bench")
-    gate, up = z[:, 0], z[:, 1]
+    paired = isinstance(w, tuple)
+    gate_w, up_w = w if paired else (w[:, 0], w[:, 1])
+    gate, up = z if paired else (z[:, 0], z[:, 1])
     _, pullback = jax.vjp(lambda a, b: act(a) * b, gate, up)
     dgate, dup = pullback(g)
-    dx = jnp.dot(dgate, w[:, 0].T) + jnp.dot(dup, w[:, 1].T)
-    dw = jnp.stack([jnp.dot(x.T, dgate), jnp.dot(x.T, dup)], axis=1)
-    return dx, dw
+    dx = jnp.dot(dgate, gate_w.T) + jnp.dot(dup, up_w.T)
+    dw = (jnp.dot(x.T, dgate), jnp.dot(x.T, dup))
+    return dx, (dw if paired else jnp.stack(dw, axis=1))
 
 
 def _our_glu(x, w, *, activation, implementation):
@@ -254,12 +295,14 @@ def _our_glu(x, w, *, activation, implementation):
 def _glu_reference(x, w, *, activation):
     """The exact answer: inputs upcast, full-precision products."""
     act = resolve_activation(activation, "bench")
-    xw, ww = harness.upcast(x), harness.upcast(w)
-    gate = jnp.dot(xw, ww[:, 0], precision=lax.Precision.HIGHEST)
-    up = jnp.dot(xw, ww[:, 1], precision=lax.Precision.HIGHEST)
+    xw = harness.upcast(x)
+    gate_w, up_w = (harness.upcast(p) for p in (w if isinstance(w, tuple) else (w[:, 0], w[:, 1])))
+    gate = jnp.dot(xw, gate_w, precision=lax.Precision.HIGHEST)
+    up = jnp.dot(xw, up_w, precision=lax.Precision.HIGHEST)
     return act(gate) * up
 
 
 def _glu_bwd_reference(x, w, z, g, *, activation):
-    return glu_backward_reference(harness.upcast(x), harness.upcast(w), harness.upcast(z),
-                                  harness.upcast(g), resolve_activation(activation, "bench"))
+    return glu_backward_reference(harness.upcast(x), jax.tree.map(harness.upcast, w),
+                                  jax.tree.map(harness.upcast, z), harness.upcast(g),
+                                  resolve_activation(activation, "bench"))

@@ -61,6 +61,8 @@ def test_quick_run_on_a_cpu_checks_accuracy_and_compiles_for_sm90(tmp_path):
     assert {row["pass"] for row in rows} == {"fwd", "fwd+bwd"}
     ops_run = {row["op"] for row in rows}
     assert ops_run <= OPS and {"fused_matmul", "layer_norm", "dot_product_attention"} <= ops_run
+    # The GLU in both weight forms: stacked, and the (gate, up) pair models pass.
+    assert {"swiglu", "swiglu/pair"} <= {r["variant"] for r in rows if r["op"] == "gated_linear_unit"}
 
     # The static section: an sm_90 compile at the GPU benchmark's size, bounded on an H100.
     assert static["target"] == "sm_90" and static["gpu"]["hbm_gbps"] == 3350.0

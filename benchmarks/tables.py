@@ -37,7 +37,7 @@ SHAPE_LEGEND = {
     "dot_product_attention": "B x T x S x N x K x H (B=batch T=queries S=keys "
                              "N=query heads K=key/value heads H=head dim)",
     "apply_rotary_embedding": "B x T x N x H (B=batch T=tokens N=heads H=head dim)",
-    "gated_linear_unit": "M x K x N (x is M x K, weights K x 2 x N)",
+    "gated_linear_unit": "M x K x N (x is M x K, weights K x 2 x N; /pair: two K x N)",
     "paged_attention": "B x S x N x K x H x P (B=sequences S=cached tokens N=query heads "
                        "K=key/value heads H=head dim P=page size; one new token per sequence: "
                        "tokens/s = B / time)",

@@ -276,6 +276,10 @@ def attention_decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128,
                       _sds((1, seq, 4, h), dtype), _sds((16,), jnp.float32)))]
 
 
+# decode_cases' ragged decode case at its default sizes (budgeted below).
+RAGGED_DECODE = "ragged_paged_attention/decode+gqa8/8x8192x32x4x128/bfloat16/fwd"
+
+
 def decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128, page_size=16,
                  dtype=jnp.bfloat16) -> list[GateCase]:
     """Paged decode attention (split-KV and its merge): one query token per sequence over
@@ -299,6 +303,14 @@ def decode_cases(batch=8, context=8192, heads=32, kv_heads=4, h=128, page_size=1
         f"paged_attention/decode/{batch}x{context}x{heads}x{kv_heads}x{h}/{jnp.dtype(dtype).name}/fwd",
         fn, (_sds((batch, heads, h), dtype), cache, cache, _sds((batch, pages), jnp.int32),
              _sds((batch,), jnp.int32))),
+        # Decode over the same cache: one token per item of the query-blocked kernel,
+        # eight 16-token pages per key tile, split-KV and its merge.
+        GateCase(
+        f"ragged_paged_attention/decode+gqa{heads // kv_heads}/{batch}x{context}x{heads}x"
+        f"{kv_heads}x{h}/{jnp.dtype(dtype).name}/fwd", prefill,
+        (_sds((batch, heads, h), dtype), _sds((batch * pages, page_size, 2 * kv_heads, h), dtype),
+         _sds((batch,), jnp.int32), _sds((batch, pages), jnp.int32), _sds((batch + 1,), jnp.int32),
+         _sds((1,), jnp.int32))),
         GateCase(
         f"ragged_paged_attention/prefill+gqa{heads // kv_heads}/{seqs}x{chunk}x{cached}x{heads}x"
         f"{kv_heads}x{h}/{jnp.dtype(dtype).name}/fwd",
@@ -578,6 +590,12 @@ BUDGETS: dict[tuple[str, str], Budget] = {
         "registers: 172 in halves against 255 whole; K loop 80 per 128x256x64 step: " + _FROZEN
         + "; then the TMA waits' retries and branches back", loops=(80, 2, 4495, 2, 4397, 2, 2185),
         registers=172, tma=True),
+    # Decode over 16-token pages: the per-page split-KV kernel (paged_attention's) takes
+    # 1970 instructions per 128 keys (eight one-page updates, 15.4 per key); the
+    # query-blocked kernel's 128-key tiles 603 whole and 1083 on the masked last tile.
+    (RAGGED_DECODE, "ragged_prefill_attention"): Budget(
+        "a quarter of the per-page decode kernel's 15.4 per key (1970 per 128 keys) on whole "
+        "tiles: " + _FROZEN, loops=(603, 1083), registers=219),
     # 03-style matmul at our 128 x 128 x 64 tile with a libdevice tanh gelu: 2848 SASS
     # instructions; the bias+gelu kernel may take 1.25x that (the epilogue's tanh is
     # ours: pallas_core.triton.jit_helpers, within 2 ulps). The K loop: today's figure.

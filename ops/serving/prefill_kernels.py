@@ -430,9 +430,11 @@ def grid_kernel(tables, seq_ref, lo_ref, hi_ref, q_ref, pos_ref, sink_ref, *refs
 
 
 def _merge(cfg: PrefillConfig, o_part, lse_part, sink, dtype):
-    """The splits' partials ``[S, items, K, rows, H]`` combined by the decode kernels'
-    merge (:func:`ops.serving.kernels.merge_kernel`, which adds the sinks)."""
-    S, M, K, R, H = o_part.shape
+    """The splits' partials ``[S, items, K, block_q * group, H]`` combined by the decode
+    kernels' merge (:func:`ops.serving.kernels.merge_kernel`, which adds the sinks), in
+    tiles of the query tile's rows (overhanging the partials' rows on Triton)."""
+    S, M, K, _, H = o_part.shape
+    R = cfg.rows
     # JAX's Triton lowering wants power-of-two blocks: the splits' block overhangs.
     Sb = pl.next_power_of_2(S) if pl.backend_traits(cfg.backend).power_of_two_blocks else S
     in_specs = [pl.BlockSpec((Sb, None, None, R, H), lambda i, h: (0, i, h, 0, 0)),
@@ -480,9 +482,10 @@ def prefill(cfg: PrefillConfig, q, kv_pages, tables, cu_q_lens, kv_lens, num_seq
                                   None if sink is None or cfg.merged else sink_spec, whole]
         rows = kv_pages.reshape((-1,) + kv_pages.shape[2:])  # [P * page_size, 2K, H]
         S = cfg.k_splits
-        if cfg.merged:
-            out_shape = [jax.ShapeDtypeStruct((S, M, K, R, H), jnp.float32),
-                         jax.ShapeDtypeStruct((S, M, K, R, 1), jnp.float32)]
+        if cfg.merged:  # the partials keep the rows of tokens only (not the padding)
+            V = cfg.block_q * cfg.group
+            out_shape = [jax.ShapeDtypeStruct((S, M, K, V, H), jnp.float32),
+                         jax.ShapeDtypeStruct((S, M, K, V, 1), jnp.float32)]
             out_specs = [pl.BlockSpec((None, None, None, R, H), lambda i, h, s: (s, i, h, 0, 0)),
                          pl.BlockSpec((None, None, None, R, 1), lambda i, h, s: (s, i, h, 0, 0))]
         else:

@@ -79,6 +79,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import jax
 import numpy as np
 
 import pallas_core as pl
@@ -237,7 +238,25 @@ class Tuning:
     quick: tuple[tuple[int, ...], ...] = ()
     variant: Callable[[tuple[int, ...]], Mapping] | None = None
     order: int = 100
-    training: Callable[[Problem, str], tuple[Callable, list]] | None = None
+    training: Callable[[Problem, str], tuple[Callable, list] | None] | None = None
+
+
+def vjp_training(example: Callable[[Problem, str], tuple[Callable, list]]
+                 ) -> Callable[[Problem, str], tuple[Callable, list]]:
+    """A :attr:`Tuning.training` made from an ``example``: the example's call and its
+    backward, ``(*args, cotangent) -> (out, grads)`` (``jax.vjp`` over every argument,
+    applied to a cotangent shaped like the output); for ops whose example call already
+    keeps the residuals a training step keeps."""
+    def training(problem: Problem, implementation: str):
+        fn, args = example(problem, implementation)
+
+        def step(*operands):
+            *primals, cotangent = operands
+            out, pullback = jax.vjp(fn, *primals)
+            return out, pullback(cotangent)
+        return step, [*args, jax.eval_shape(fn, *args)]
+
+    return training
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

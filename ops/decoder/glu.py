@@ -44,7 +44,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._op import Device, Op, Problem, Tuning, Variant, fit, register
+from ops._op import Device, Op, Problem, Tuning, Variant, fit, register, vjp_training
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.activations import resolve_activation
 from ops.decoder.reference import gated_linear_unit_reference, glu_backward_reference
@@ -722,6 +722,6 @@ OP = register(Op(
     configs={b: GluConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
     reference=gated_linear_unit_reference, variant=GluVariant,
     tuning=Tuning(example=_example, shapes=((8192, 14336, 4096), (8192, 8192, 2048)),
-                  quick=((256, 512, 256),), order=10),
+                  quick=((256, 512, 256),), order=10, training=vjp_training(_example)),
     missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has no "
                    "generic dot_general)"))

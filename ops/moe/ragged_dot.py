@@ -34,7 +34,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._op import Op, Problem, Tuning, register
+from ops._op import Op, Problem, Tuning, register, vjp_training
 from ops._partitioning import block_index, psum, reduced_axes, run
 from ops.matmul import tiled
 from ops.matmul.config import check_block_sizes
@@ -339,6 +339,6 @@ OP = register(Op(
     reference=ragged_dot_reference,
     tuning=Tuning(example=_example, shapes=((32768, 4096, 14336, 8), (32768, 14336, 4096, 8),
                                             (131072, 2048, 1024, 64)),
-                  quick=((512, 256, 512, 4),)),
+                  quick=((512, 256, 512, 4),), training=vjp_training(_example)),
     missing_reason=" (mosaic_gpu: no kernel for it yet)"))
 

@@ -106,11 +106,13 @@ class Problem:
     def compiled_calls(self) -> list[tuple[str, Callable, list[jax.ShapeDtypeStruct]]]:
         """``(label, fn, args)`` of every call the compile filter compiles: the
         forward pass (``"forward"``, :meth:`function`), then the training step
-        (``"training"``) where the op registers one (:attr:`ops._op.Tuning.training`)."""
+        (``"training"``) where the op registers one (:attr:`ops._op.Tuning.training`)
+        and it has one for this problem (not None)."""
         calls = [("forward", *self.function())]
         training = self.registered.tuning.training
-        if training is not None:
-            calls.append(("training", *training(self.op_problem(), self.implementation)))
+        call = None if training is None else training(self.op_problem(), self.implementation)
+        if call is not None:
+            calls.append(("training", *call))
         return calls
 
     def make_inputs(self, key) -> list[jax.Array]:

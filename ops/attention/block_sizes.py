@@ -292,6 +292,19 @@ def _example(fn: Callable) -> Callable:
     return example
 
 
+def _training(fn: Callable) -> Callable:
+    """The tuner's training step of ``fn`` for a self-attention problem (``T == S``):
+    :func:`_example`'s call and its backward (dQ, dK/dV); None for the decode step,
+    which is not trained."""
+    step = _op.vjp_training(_example(fn))
+
+    def training(problem: _op.Problem, implementation: str):
+        t, s, _ = problem.shape
+        return step(problem, implementation) if t == s else None
+
+    return training
+
+
 def register_op(fn: Callable, check: Callable | None = None) -> _op.Op:
     """Registers attention (``fn``: :func:`ops.dot_product_attention`, ``check``: its
     argument checks) with the op layer.
@@ -308,4 +321,4 @@ def register_op(fn: Callable, check: Callable | None = None) -> _op.Op:
                           shapes=tuple((t, t, h) for t in (2048, 4096) for h in (64, 128))
                           + (_DECODE_TUNING,),
                           quick=((512, 512, 64),), variant=_tuning_variant,
-                          order=20)))
+                          order=20, training=_training(fn))))

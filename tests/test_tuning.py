@@ -326,6 +326,20 @@ def test_compile_filter_drops_spills_and_shared_memory_overflow():
     assert np.all([k["registers"] > 0 for k in spills.kernels])
 
 
+def test_compiled_calls_include_the_training_step_of_ops_that_train():
+    calls = {p.op: [label for label, _, _ in p.compiled_calls()] for p in search.quick_problems()}
+    for op in ("fused_matmul", "gated_linear_unit", "ragged_dot", "dot_product_attention"):
+        assert calls[op] == ["forward", "training"], (op, calls[op])
+    assert calls["layer_norm"] == ["forward"]
+    (decode,) = [p for p in search.main_problems()
+                 if p.op == "dot_product_attention" and p.shape[0] == 1]
+    assert [label for label, _, _ in decode.compiled_calls()] == ["forward"]  # not trained
+    step, args = search.Problem("gated_linear_unit", (64, 32, 16)).compiled_calls()[1][1:]
+    out, grads = jax.eval_shape(step, *args)
+    assert out.shape == (64, 32) and [g.shape for g in jax.tree.leaves(grads)] == [
+        a.shape for a in args[:-1]]
+
+
 def test_tune_cli_on_cpu_filters_without_timing_or_writing(tmp_path):
     from benchmarks import tune
     out, report = tmp_path / "cache.json", tmp_path / "report.json"

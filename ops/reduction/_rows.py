@@ -288,11 +288,14 @@ def register_row_op(name: str, reference: Callable, example: Callable, *,
                     check: Callable | None = None) -> _op.Op:
     """Registers a row-wise op (:func:`ops._op.register`): problem dims ``(rows,
     features)``, ``config`` on every kernel backend, the tuner's ``shapes`` and
-    ``quick`` problems, ``example(problem, implementation)`` the tuner's call."""
+    ``quick`` problems, ``example(problem, implementation)`` the tuner's call (its
+    ``jax.vjp`` the training step the compile filter also compiles: the backward
+    kernels take the same layout)."""
     return _op.register(_op.Op(
         name=name, dims=("rows", "features"), configs=dict.fromkeys(KERNEL_BACKENDS, config),
         reference=reference, check=check,
-        tuning=_op.Tuning(example=example, shapes=tuple(shapes), quick=tuple(quick), order=order)))
+        tuning=_op.Tuning(example=example, shapes=tuple(shapes), quick=tuple(quick), order=order,
+                          training=_op.vjp_training(example))))
 
 
 def interpreter_block_rows(rows: int, chunk: int) -> int:

@@ -327,10 +327,11 @@ def test_compile_filter_drops_spills_and_shared_memory_overflow():
 
 
 def test_compiled_calls_include_the_training_step_of_ops_that_train():
+    """Every tuned op's training step, but not attention's decode step (never trained)."""
     calls = {p.op: [label for label, _, _ in p.compiled_calls()] for p in search.quick_problems()}
-    for op in ("fused_matmul", "gated_linear_unit", "ragged_dot", "dot_product_attention"):
+    for op in ("fused_matmul", "gated_linear_unit", "ragged_dot", "dot_product_attention",
+               "layer_norm"):
         assert calls[op] == ["forward", "training"], (op, calls[op])
-    assert calls["layer_norm"] == ["forward"]
     (decode,) = [p for p in search.main_problems()
                  if p.op == "dot_product_attention" and p.shape[0] == 1]
     assert [label for label, _, _ in decode.compiled_calls()] == ["forward"]  # not trained

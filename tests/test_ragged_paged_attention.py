@@ -349,8 +349,10 @@ def test_decode_over_small_pages_takes_multi_page_tiles(impl, monkeypatch):
 
 
 def test_decode_route():
-    assert multi_page_decode(None, 16, True)
-    assert multi_page_decode(PagedBlockSizes(2, 3), 32, True)  # splits kept
-    assert not multi_page_decode(None, 16, False)  # the grid walk (Mosaic TPU)
-    assert not multi_page_decode(None, 64, True)  # a page is a whole key tile
-    assert not multi_page_decode(PagedBlockSizes(2, 3, block_q=1), 16, True)  # asked for
+    tile = 2 * 128 * 128 * 2  # 128 keys of head dim 128 in bfloat16, keys and values
+    assert multi_page_decode(None, True, tile)
+    assert multi_page_decode(PagedBlockSizes(2, 3), True, tile)  # splits kept
+    assert not multi_page_decode(None, False, tile)  # the grid walk (Mosaic TPU)
+    assert not multi_page_decode(None, True, 2 * tile)  # 256-key tiles, head dim 256
+    assert not multi_page_decode(None, True, tile, float32_gpu=True)
+    assert not multi_page_decode(PagedBlockSizes(2, 3, block_q=1), True, tile)  # asked for

@@ -131,6 +131,11 @@ class PrefillConfig:
         return self.pages_per_block * self.page_size
 
     @property
+    def tile_bytes(self) -> int:
+        """Bytes of one key tile and its value tile in the query's dtype (dequantized)."""
+        return 2 * self.block_keys * self.head_dim * np.dtype(self.dtype).itemsize
+
+    @property
     def blocks(self) -> int:
         return pl.cdiv(self.pages_per_row, self.pages_per_block)
 

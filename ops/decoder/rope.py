@@ -47,7 +47,7 @@ import numpy as np
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype
-from ops._op import Device, KernelConfig, Op, Problem, Tuning, Variant, register, tunable
+from ops._op import Device, KernelConfig, Op, Problem, Tuning, Variant, register, tunable, vjp_training
 from ops._partitioning import reshape, run
 from ops.decoder.reference import rotary_embedding_reference
 
@@ -367,5 +367,5 @@ OP = register(Op(
     configs={b: RopeConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
     reference=rotary_embedding_reference, variant=RopeVariant,
     tuning=Tuning(example=_example, shapes=((16384, 32, 128, 128), (16384, 8, 128, 128)),
-                  quick=((256, 4, 64, 64),)),
+                  quick=((256, 4, 64, 64),), training=vjp_training(_example)),
     missing_reason=" (mosaic_gpu: no kernel for it yet)"))

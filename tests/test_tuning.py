@@ -330,7 +330,7 @@ def test_compiled_calls_include_the_training_step_of_ops_that_train():
     """Every tuned op's training step, but not attention's decode step (never trained)."""
     calls = {p.op: [label for label, _, _ in p.compiled_calls()] for p in search.quick_problems()}
     for op in ("fused_matmul", "gated_linear_unit", "ragged_dot", "dot_product_attention",
-               "layer_norm"):
+               "layer_norm", "apply_rotary_embedding"):
         assert calls[op] == ["forward", "training"], (op, calls[op])
     (decode,) = [p for p in search.main_problems()
                  if p.op == "dot_product_attention" and p.shape[0] == 1]

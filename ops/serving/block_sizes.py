@@ -121,9 +121,9 @@ def ragged_block_q(explicit: PagedBlockSizes | None, tokens: int, slots: int, gr
     their ``block_q`` when set; else 1 (every token its own item or row) when they ask
     for ``k_splits > 1`` or the call has no more query tokens than sequence slots
     (``tokens <= slots``: a decode or verification batch, the only static fact about
-    the batch's query lengths; which kernel then runs: :func:`multi_page_decode`); else the power of two
-    nearest below ``TARGET_QUERY_ROWS / group`` (at least 1, at most the tokens rounded up
-    to a power of two): a query tile of about 128 rows of ``block_q`` tokens x ``group``
+    the batch's query lengths; which kernel then runs: :func:`multi_page_decode`); else
+    the power of two nearest below ``TARGET_QUERY_ROWS / group`` (at least 1, at most the
+    tokens rounded up to a power of two): a query tile of about 128 rows of ``block_q`` tokens x ``group``
     query heads, so each page is read once per 128 / group tokens."""
     if explicit is not None and explicit.block_q is not None:
         return explicit.block_q

@@ -1,6 +1,8 @@
 """cross_entropy and linear_cross_entropy: the op battery (tests/op_battery.py)
 against optax / the naive ``x @ w`` + cross-entropy, then edge cases, peak
 memory and lowering for TPU and GPU."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +10,8 @@ import optax
 import pytest
 
 from ops.reduction.cross_entropy import cross_entropy, reference as ce_reference
-from ops.reduction.linear_cross_entropy import (_Config, _linear_cross_entropy,
-                                                linear_cross_entropy,
+from ops.reduction.linear_cross_entropy import (LinearCrossEntropyConfig, _Config,
+                                                _linear_cross_entropy, linear_cross_entropy,
                                                 reference as lce_reference)
 from tests.op_battery import BadInput, Case, OpBattery, OpSpec
 from tests.tolerances import BACKWARD, FORWARD, assert_close
@@ -176,6 +178,45 @@ def test_linear_loop_strategy_on_interpret():
         return out.reshape(labels.shape).astype(x.dtype)  # float32 rows, as the op rounds them
 
     check_linear(fn, x, w, labels, jnp.float32, cot)
+
+
+@pytest.mark.parametrize("impl, parts", [("interpret", 2), ("triton", 4)])
+def test_linear_dz_epilogue_in_pieces(impl, parts):
+    """``LinearCrossEntropyConfig.epilogue_subtile``: the backward's dz kernel runs its
+    epilogue on column pieces of each 128-column tile (the one-hot from the piece's column
+    offset; labels fall in every piece): loss and gradients equal the whole-tile run's
+    bit for bit and the naive reference within tolerance (interpret: the grid walk;
+    triton: the loop walk in Triton's CPU interpreter)."""
+    x, w, _ = make_linear(12, (2, 9), 40, 300, jnp.float32)
+    labels = jnp.arange(0, 288, 16, dtype=jnp.int32).reshape(2, 9)  # every 16th column
+    cot = jnp.asarray(np.random.default_rng(13).standard_normal(labels.shape), jnp.float32)
+    whole = LinearCrossEntropyConfig(16, 128, 32)
+    pieces = dataclasses.replace(whole, epilogue_subtile=parts)
+    run = lambda config: lambda x, w, l: linear_cross_entropy(x, w, l, implementation=impl,
+                                                              block_sizes=config)
+    got, want, naive_ = (value_and_grads(lambda x, w: fn(x, w, labels), (0, 1))(cot, x, w)
+                         for fn in (run(pieces), run(whole), naive))
+    for g, e, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(naive_)):
+        assert_close(g, r, BACKWARD[jnp.float32])
+        np.testing.assert_array_equal(g, e)
+
+
+def test_linear_dz_pieces_reach_the_triton_source_and_off_leaves_it_alone():
+    pytest.importorskip("triton")
+    from pallas_core import triton as pl_triton
+    sds = [jax.ShapeDtypeStruct((18, 40), jnp.bfloat16), jax.ShapeDtypeStruct((40, 300), jnp.bfloat16),
+           jax.ShapeDtypeStruct((18,), jnp.int32)]
+
+    def dz_source(parts):
+        config = LinearCrossEntropyConfig(16, 128, 32, epilogue_subtile=parts)
+        loss = lambda x, w, l: jnp.sum(linear_cross_entropy(x, w, l, implementation="triton",
+                                                            block_sizes=config).astype(jnp.float32))
+        sources = pl_triton.source(jax.grad(loss, (0, 1)), *sds)
+        return [s for s in sources if "linear_cross_entropy_dz" in s]
+
+    whole = dz_source(None)
+    assert len(whole) == 1 and "tl.split" not in whole[0]
+    assert dz_source(1) == whole and dz_source(2)[0].count("tl.split") == 1
 
 
 def _lce_inputs(rng, dtype, lead, d, v):

@@ -119,7 +119,9 @@ def linear_cross_entropy(x, w, labels, *, ignore_index: int | None = None,
         "triton" (ours), "pallas_triton", "mosaic_tpu"; or a sequence of these
         tried in order (:mod:`ops._implementation`).
       block_sizes: optional ``(block_rows, block_vocab, block_d)`` tile of the
-        logits kernels; None picks by shape, dtype and backend.
+        logits kernels, or a :class:`LinearCrossEntropyConfig` (which also sets
+        the dz kernel's ``epilogue_subtile``); None picks by shape, dtype and
+        backend.
       vocab_chunk: vocabulary columns per backward step (rounded down to a
         multiple of block_vocab, at least one tile); None picks it so one
         ``[N, chunk]`` buffer stays near 64M elements. A tuning / test hook.
@@ -185,11 +187,15 @@ def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk,
 def _check_block_sizes(block_sizes):
     if block_sizes is None:
         return None
+    if isinstance(block_sizes, LinearCrossEntropyConfig):
+        block_sizes.check(_OP)
+        return block_sizes
     sizes = tuple(block_sizes)
     if len(sizes) != 3 or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool)
                                   and b > 0 for b in sizes):
         raise ValueError(f"{_OP}: block_sizes must be three positive ints "
-                         f"(block_rows, block_vocab, block_d), got {block_sizes!r}.")
+                         f"(block_rows, block_vocab, block_d) or a LinearCrossEntropyConfig, "
+                         f"got {block_sizes!r}.")
     return tuple(int(b) for b in sizes)
 
 
@@ -216,7 +222,7 @@ def _reference(x, w, labels, options: lm_loss.LossOptions):
 @dataclasses.dataclass(frozen=True)
 class _Config:
     backend: str
-    block_sizes: tuple[int, int, int] | None = None
+    block_sizes: "tuple[int, int, int] | LinearCrossEntropyConfig | None" = None
     vocab_chunk: int | None = None
     strategy: str | None = None  # None: by backend; tests force "loop" on the interpreter
     soft_cap: float | None = None  # logits -> cap * tanh(logits / cap) in the kernels
@@ -243,6 +249,7 @@ class _Dims:
     block_d: int
     tiles_per_split: int
     strategy: str
+    epilogue_subtile: int | None = None
 
     @property
     def num_row_blocks(self) -> int:
@@ -418,6 +425,8 @@ def _dz_epilogue(z, refs: tiled.TileRefs, *, dims: _Dims, soft_cap=None, smoothi
     labels_ref, m_ref, log_s_ref, g_ref, *g_lse_ref = refs.extras
     dz_ref = refs.outs[0]
     col = pl.program_id(1) * dims.block_v + lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    if refs.col_offset:  # a piece of the tile (epilogue_subtile)
+        col = col + refs.col_offset
     onehot = (col == labels_ref[...]).astype(jnp.float32)
     if smoothing:  # the target (1 - a) onehot + a / V
         onehot = (1.0 - smoothing) * onehot + smoothing / num_classes
@@ -457,7 +466,8 @@ def _dz_call(x2, w_chunk, local_labels, m, log_s, g2, config: _Config, g_lse2=No
                                    smoothing=config.smoothing, num_classes=config.num_classes),
         extras=[(a, tiled.ROWS) for a in (local_labels, m, log_s, g2)
                 + ((g_lse2,) if g_lse2 is not None else ())], walk=dims.strategy,
-        k_edge="mask", compiler_params=params, name="linear_cross_entropy_dz")[0]
+        k_edge="mask", compiler_params=params, epilogue_subtile=dims.epilogue_subtile,
+        name="linear_cross_entropy_dz")[0]
 
 
 def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config, g_lse2=None):
@@ -650,16 +660,21 @@ def _tiles_per_split(num_v_tiles: int, backend: str) -> int:
 def _dims(x2, w, config: _Config) -> _Dims:
     rows, d = x2.shape
     vocab = w.shape[1]
-    explicit = None if config.block_sizes is None else LinearCrossEntropyConfig(
-        *config.block_sizes, walk=tiled.strategy(config.backend))
+    explicit = config.block_sizes
+    if isinstance(explicit, tuple):
+        explicit = LinearCrossEntropyConfig(*explicit)
+    if explicit is not None:  # the walk is the backend's, never the caller's
+        explicit = dataclasses.replace(explicit, walk=tiled.strategy(config.backend))
     tiles = OP.select(OP.problem((rows, d, vocab), x2.dtype), config.backend, explicit)
     bm, bv, bd = tiles.blocks
+    subtile = tiles.epilogue_subtile
     strategy = config.strategy or tiles.walk
     num_v_tiles = pl.cdiv(vocab, bv)
     # The grid path walks the whole vocabulary in one program per row block: one split.
     tiles = _tiles_per_split(num_v_tiles, config.backend) if strategy == "loop" else num_v_tiles
     return _Dims(rows=rows, d=d, vocab=vocab, block_rows=bm, block_v=bv, block_d=bd,
-                 tiles_per_split=tiles, strategy=strategy)
+                 tiles_per_split=tiles, strategy=strategy,
+                 epilogue_subtile=subtile)
 
 
 # One backward step's [N, chunk] dz buffer stays near this many elements
@@ -694,7 +709,13 @@ class LinearCrossEntropyConfig(_op.KernelConfig):
     """The logits tiles (:mod:`ops._op`; ``block_sizes=(block_rows, block_vocab,
     block_d)`` becomes one): rows, vocabulary columns and hidden-dim step of a
     ``[rows, d] @ [d, vocab]`` tile, and ``walk``, how the vocabulary is walked
-    (:func:`ops.matmul.tiled.strategy` of the backend; not tuned). The heuristic is
+    (:func:`ops.matmul.tiled.strategy` of the backend; not tuned, and a caller's
+    is replaced by it). ``epilogue_subtile`` (None, 1, 2 or 4 dividing
+    ``block_vocab``): the backward's dz kernel runs its softmax-gradient epilogue
+    on that many column pieces of the tile in turn, each stored before the next
+    (:func:`ops.matmul.tiled.subtiled`: fewer live registers at wide tiles);
+    None or 1: the whole tile. The forward kernel's online logsumexp always
+    takes whole tiles. Results do not depend on it. The heuristic is
     :func:`default_block_sizes` on every backend (no interpreter tiles); no tuning
     problems are registered."""
 
@@ -702,6 +723,20 @@ class LinearCrossEntropyConfig(_op.KernelConfig):
     block_vocab: int = _op.tunable()
     block_d: int = _op.tunable()
     walk: str = tiled.GRID
+    epilogue_subtile: int | None = _op.tunable(None)
+
+    def check(self, op: str) -> None:
+        """Raises ValueError naming ``block_sizes`` when a tile is not a positive int or
+        ``epilogue_subtile`` not None or one of 1, 2, 4 dividing ``block_vocab``."""
+        for name in ("block_rows", "block_vocab", "block_d"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{op}: block_sizes.{name} must be a positive int, got {value!r}.")
+        parts = self.epilogue_subtile
+        if parts is not None and (parts not in tiled.SUBTILES or self.block_vocab % parts):
+            raise ValueError(f"{op}: block_sizes.epilogue_subtile must be None or one of "
+                             f"{tiled.SUBTILES} dividing block_vocab = {self.block_vocab}, "
+                             f"got {parts!r}.")
 
     @property
     def blocks(self) -> tuple[int, int, int]:

@@ -5,7 +5,8 @@ For each problem of every op registered with a tuning spec (:mod:`ops._op`;
 tuner lists the op's candidate configs (its config class's ``candidates``), drops those that do
 not fit the GPU (compiled for its ``sm_XY``: shared memory over the limit,
 register spills, in the forward pass and, for an op that registers one, its
-training step's kernels too; :func:`ops.tuning.search.compile_filter`), times the rest on
+training step's kernels too unless ``--inference-only``;
+:func:`ops.tuning.search.compile_filter`), times the rest on
 the device (forward pass, fresh random inputs, median of several samples,
 :func:`benchmarks.harness.time_fn`), and stores the fastest as a cache entry
 keyed by the device's kind. The heuristic's own config is timed as well and
@@ -63,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10, help="Timed samples per candidate.")
     parser.add_argument("--max-candidates", type=int, default=None, metavar="N",
                         help="Try only the first N candidates of each problem.")
+    parser.add_argument("--inference-only", action="store_true",
+                        help="Compile only each candidate's forward pass, not the training step "
+                        "(the forward that keeps residuals and the backward): faster, for a cache "
+                        "that serves inference only.")
     parser.add_argument("--merge", type=Path, default=None, metavar="FILE",
                         help="Merge FILE's entries into --out and exit.")
     return parser.parse_args(argv)
@@ -91,14 +96,15 @@ def time_config(problem: search.Problem, config, device_kind: str, inputs, *, it
 
 
 def tune_problem(problem: search.Problem, *, target: str, device_kind: str | None, iters: int,
-                 max_candidates: int | None = None, log=print) -> dict:
-    """Filters (and, with a device kind, times) ``problem``'s candidates.
+                 max_candidates: int | None = None, training: bool = True, log=print) -> dict:
+    """Filters (and, with a device kind, times) ``problem``'s candidates (``training``:
+    the compile filter compiles the op's training step too).
 
     Returns ``{"problem", "verdicts", "timings", "entry"}``; ``entry`` is the
     winner's cache entry, or None when nothing was timed or nothing fitted.
     """
     configs = search.candidates(problem)[:max_candidates]
-    verdicts = search.compile_filter(problem, configs, target=target, log=log)
+    verdicts = search.compile_filter(problem, configs, target=target, log=log, training=training)
     kept = [v.config for v in verdicts if v.kept]
     result = {"problem": problem.name, "target": target,
               "verdicts": [dict(config=v.config, kept=v.kept, reason=v.reason,
@@ -159,7 +165,8 @@ def main(argv=None) -> int:
             print(f"Budget of {args.budget_s:g} s spent; skipping {problem.name} and the rest.")
             break
         results.append(tune_problem(problem, target=target, device_kind=device_kind,
-                                    iters=args.iters, max_candidates=args.max_candidates))
+                                    iters=args.iters, max_candidates=args.max_candidates,
+                                    training=not args.inference_only))
     entries = [r["entry"] for r in results if r["entry"] is not None]
     if entries:
         total = tuning.write(args.out, entries)

@@ -350,7 +350,12 @@ def test_tune_cli_on_cpu_filters_without_timing_or_writing(tmp_path):
     (result,) = json.loads(report.read_text())["results"]
     assert result["target"] == "sm_90" and result["timings"] == [] and result["entry"] is None
     (verdict,) = result["verdicts"]
-    assert verdict["kept"] and verdict["kernels"][0]["name"] == "layer_norm_fwd"
+    assert verdict["kept"] and [(k["call"], k["name"]) for k in verdict["kernels"]] == [
+        ("forward", "layer_norm_fwd"), ("training", "layer_norm_fwd"), ("training", "layer_norm_bwd")]
+    assert tune.main(["--quick", "--ops", "layer_norm", "--max-candidates", "1", "--out", str(out),
+                      "--report", str(report), "--inference-only"]) == 0
+    (result,) = json.loads(report.read_text())["results"]
+    assert [k["call"] for k in result["verdicts"][0]["kernels"]] == ["forward"]
     assert tune.main(["--ops", "conv"]) == 2
 
 

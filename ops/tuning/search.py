@@ -190,11 +190,12 @@ def compile_config(problem: Problem, config, target: str = "sm_90", *,
         return pl.triton.compile(fn, *args, target=target)
 
 
-def _verdict(problem: Problem, config, target: str) -> Verdict:
-    """Compiles ``problem``'s calls with ``config`` in order, stopping at the first
-    unfit one (a forward that already fails costs no backward compiles)."""
+def _verdict(problem: Problem, config, target: str, training: bool) -> Verdict:
+    """Compiles ``problem``'s calls with ``config`` in order (the forward alone unless
+    ``training``), stopping at the first unfit one (a forward that already fails costs
+    no backward compiles)."""
     kernels = []
-    for label, _, _ in problem.compiled_calls():
+    for label, _, _ in problem.compiled_calls()[:None if training else 1]:
         try:
             reports = compile_config(problem, config, target, call=label)
         except Exception as e:  # noqa: BLE001 - a config Triton or the op refuses is dropped
@@ -209,17 +210,18 @@ def _verdict(problem: Problem, config, target: str) -> Verdict:
     return Verdict(as_dict(config), True, "", tuple(kernels))
 
 
-def compile_filter(problem: Problem, configs: Sequence, *,
-                   target: str = "sm_90", log: Callable[[str], None] | None = None) -> list[Verdict]:
+def compile_filter(problem: Problem, configs: Sequence, *, target: str = "sm_90",
+                   log: Callable[[str], None] | None = None, training: bool = True) -> list[Verdict]:
     """Compiles every config for ``target``; a config is kept when every kernel
     of the op's forward pass and, where the op registers one, of its training
     step (:meth:`Problem.compiled_calls`) fits the target's shared memory and
     spills no registers, and dropped (the reason prefixed with the call,
     ``"forward: "`` or ``"training: "``) when not, or when it does not compile at
-    all (Triton's error, first line)."""
+    all (Triton's error, first line). ``training=False`` compiles the forward pass
+    alone (faster; for a cache that serves inference only)."""
     verdicts = []
     for config in configs:
-        verdicts.append(_verdict(problem, config, target))
+        verdicts.append(_verdict(problem, config, target, training))
         if log is not None:
             v = verdicts[-1]
             log(f"  {problem.name} {v.config}: {'kept' if v.kept else 'dropped, ' + v.reason}")

@@ -29,7 +29,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     across programs, merged by a second kernel), pages looked up through scalar
     prefetch, and all query heads of a GQA group sharing each page tile
     (:mod:`ops.serving.kernels`). As in JAX's, the logits are not scaled unless
-    ``scale`` is given.
+    ``scale`` is given. Each page is one online-softmax update: the multi-page key
+    tiles ``ragged_paged_attention`` decodes with on small pages
+    (:func:`ops.serving.block_sizes.multi_page_decode`) come from a kernel that reads
+    only its combined ``[P, page_size, 2K, H]`` cache, not these separate pages and
+    per-token scale pages.
 
     Shapes: ``B`` sequences, ``N`` query heads, ``K`` key/value heads
     (``N % K == 0``), ``H`` head dim, ``P`` pages of ``page_size`` tokens.

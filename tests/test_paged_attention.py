@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 import ops
-from ops.serving import PagedBlockSizes, kernels
+from ops.serving import PagedBlockSizes, block_sizes, kernels
 from tests.test_lowering import lower_text
 from tests.tolerances import FORWARD, assert_close
 
@@ -98,10 +98,21 @@ def test_matches_jax_reference_gqa_lengths_splits(impl):
     assert np.all(np.asarray(out[0]) == 0)
 
 
+@pytest.fixture
+def per_page_kernel(monkeypatch):
+    """The per-page decode kernel (Mosaic TPU's, and where multi-page tiles do not fit) on
+    the interpreters: no key tile of several pages is small enough."""
+    monkeypatch.setattr(block_sizes, "MULTI_PAGE_TILE_BYTES", 0)
+
+
 @pytest.mark.parametrize("impl", KERNELS)
-def test_int8_pages_soft_cap_one_split(impl):
+@pytest.mark.parametrize("per_page", [False, True])
+def test_int8_pages_soft_cap_one_split(impl, per_page, monkeypatch):
     # int8 pages with per-token scales dequantized in the kernel, a soft cap, MQA (K = 1),
-    # one split (no merge), one page per step.
+    # one split (no merge), one page per step (raised to 16 keys per tile on triton when
+    # the tiles take several pages); on both kernels.
+    if per_page:
+        monkeypatch.setattr(block_sizes, "MULTI_PAGE_TILE_BYTES", 0)
     q, kp, vp, tables, lengths, ks, vs = make_case(1, N=4, K=1, int8=True)
     out = ops.paged_attention(q, kp, vp, tables, lengths, ks, vs, logits_soft_cap=2.0,
                               implementation=impl, block_sizes=(1, 1))
@@ -180,8 +191,9 @@ def test_mosaic_tpu_lowering():
 
 
 @pytest.fixture
-def loop_walk_on_interpret(monkeypatch):
-    """The in-kernel loop walk (pallas_triton's, which cannot run on a CPU) on the interpreter."""
+def loop_walk_on_interpret(monkeypatch, per_page_kernel):
+    """The per-page kernel's in-kernel loop walk (pallas_triton's, which cannot run on a
+    CPU) on the interpreter."""
     monkeypatch.setattr(kernels, "walk", lambda backend: "loop")
 
 
@@ -221,9 +233,11 @@ def test_no_kernel_backends_fall_through():
         ops.paged_attention(q, kp, vp, tables, lengths, implementation="mosaic_gpu")
     out = ops.paged_attention(q, kp, vp, tables, lengths, implementation=("mosaic_gpu", "xla"))
     assert_close(out, jax_reference(q, kp, vp, tables, lengths), FORWARD[F32])
+    # 8-token pages (below tl.dot's 16 rows as a tile of their own) run on key tiles of
+    # several pages.
     small = make_case(7, B=1, page_size=8, total_pages=40, pages_per_seq=8)
-    with pytest.raises(NotImplementedError, match="page_size >= 16"):
-        ops.paged_attention(*small[:5], implementation="triton")
+    assert_close(ops.paged_attention(*small[:5], implementation="triton"),
+                 jax_reference(*small[:5]), FORWARD[F32])
 
 
 def _bad_inputs():
@@ -260,3 +274,22 @@ def test_bad_input_named(case):
     kwargs, error, match = _bad_inputs()[case]
     with pytest.raises(error, match=match):
         ops.paged_attention(**kwargs)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_decode_over_small_pages_takes_multi_page_tiles(impl, monkeypatch):
+    # 16-token pages, GQA 4:1, int8 pages with per-token scales, a window, a soft cap,
+    # sinks, lengths 0 and full: key tiles of several pages (the query-blocked kernel of
+    # ragged_paged_attention), three splits merged with the sinks; never the per-page kernel.
+    def per_page(*a, **k):
+        raise AssertionError("the per-page decode kernel ran")
+    monkeypatch.setattr(kernels, "decode", per_page)
+    q, kp, vp, tables, _, ks, vs = make_case(3, N=8, K=2, int8=True)
+    lengths = jnp.asarray([0, 64, 48, 21], jnp.int32)
+    kw = dict(scale=0.3, logits_soft_cap=3.0, local_window_size=(24, 0),
+              sinks=jnp.linspace(-1.0, 1.5, 8))
+    out = ops.paged_attention(q, kp, vp, tables, lengths, ks, vs, implementation=impl,
+                              block_sizes=(2, 3), **kw)
+    want = ops.paged_attention(q, kp, vp, tables, lengths, ks, vs, implementation="xla", **kw)
+    assert_close(out, want, FORWARD[F32], impl)
+

@@ -139,23 +139,24 @@ MULTI_PAGE_TILE_BYTES = 64 * 1024
 
 def multi_page_decode(explicit: PagedBlockSizes | None, loop_walk: bool, tile_bytes: int,
                       float32_gpu: bool = False) -> bool:
-    """Whether a ``ragged_paged_attention`` call with a query block of 1 runs the
-    query-blocked kernel (:mod:`ops.serving.prefill_kernels`: key tiles gathered from
+    """Whether a decode call (``paged_attention``, or ``ragged_paged_attention`` with a
+    query block of 1) runs the query-blocked kernel (:mod:`ops.serving.prefill_kernels`: key tiles gathered from
     several pages, one online-softmax update per tile) rather than the per-page split-KV
     decode kernel (:mod:`ops.serving.kernels`: one update per page): on the loop walk
     (the interpreter and both Triton lowerings) when its key and value tiles take at
     most :data:`MULTI_PAGE_TILE_BYTES` (``tile_bytes``) and the products are not of
     float32 tiles on a GPU (``float32_gpu``: no tensor cores, both kernels spill, the
     per-page one less: 13084 against 23795 instructions per 128 keys at head dim 64),
-    unless ``explicit`` sets ``block_q`` (an explicit 1 asks for the per-page kernel).
-    Both keep split-KV.
+    unless ``explicit`` sets ``block_q`` (an explicit 1 asks the ragged op for the
+    per-page kernel). Both keep split-KV.
 
     At sm_90, H 128, GQA 8:1 (query tiles of 64 rows), bf16, decode batches of 1, 8
     and 64 x 8k tokens, SASS instructions per thread per 128 keys of the loop: with
     16-token pages 1970 in the per-page kernel (eight one-page updates, 15.4 per key)
     against 603 in the query-blocked kernel (4.7 per key; 1083 on the one masked tile at
     the range's end); 32-token pages 1421 against 604; 64, 1163 against 604; 128-token
-    pages 1067 against 603. The per-page kernel stays where the tiles would not fit:
+    pages 1067 against 603; ``paged_attention``'s separate key and value pages, 16 tokens,
+    1947 against 539. The per-page kernel stays where the tiles would not fit:
     pages of 256 tokens (a 256-key tile: 273 KiB of shared memory, over sm_90's 227),
     head dim 256 (289 KiB and spills) and float32 queries at head dim 128 (256 KiB);
     and on Mosaic TPU, whose grid walk places pages by BlockSpecs (no gathers)."""

@@ -1,5 +1,6 @@
 """The query-blocked kernel of ``ops.ragged_paged_attention``: chunked prefill that reads
-each page once per query block.
+each page once per query block, and decode (one token per item) over multi-page key tiles
+for both paged ops (:func:`decode_config`).
 
 The split-KV decode kernel (:mod:`ops.serving.kernels`) serves a ragged batch
 token by token: a prefill chunk of ``q_len`` tokens reads its sequence's cache
@@ -76,7 +77,7 @@ from ops._op import Device
 from ops.attention.tile_math import (LOG2E, ScoreMath, Tile, div, forward_finish, forward_update,
                                      rem)
 from ops.serving import kernels
-from ops.serving.block_sizes import MAX_SPLITS, TARGET_PROGRAMS
+from ops.serving.block_sizes import MAX_SPLITS, TARGET_PROGRAMS, multi_page_decode
 
 GRID, LOOP = "grid", "loop"
 # Backends whose lowering has no vector gathers from a Ref: they take the grid walk.
@@ -100,6 +101,10 @@ class PrefillConfig:
         grid walk: a TPU block of the combined cache holds every head of a page).
       k_splits: programs sharing each item's key tiles (loop walk only), their
         partial outputs merged by the decode kernels' merge (which then adds the sinks).
+      layout: the cache's (:data:`ops.serving.kernels.COMBINED`, or
+        :data:`ops.serving.kernels.HEADS_FIRST` separate key and value pages ``[K, P,
+        page_size, H]``, loop walk only); per_token_scales: int8 pages with per-token
+        scale pages ``[K, P, page_size]`` (HEADS_FIRST).
     """
 
     backend: str
@@ -125,6 +130,8 @@ class PrefillConfig:
     k_splits: int = 1
     num_warps: int | None = None
     num_stages: int | None = None
+    layout: str = kernels.COMBINED
+    per_token_scales: bool = False
 
     @property
     def block_keys(self) -> int:
@@ -195,6 +202,30 @@ class PrefillConfig:
             scale=self.scale, soft_cap=self.soft_cap, dtype=self.dtype, k_scale=self.k_scale,
             v_scale=self.v_scale, indirect=True, heads_per_program=self.heads_per_program,
             num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def decode_config(op, impl: str, explicit, *, rows: int, kv_heads: int, group: int,
+                  head_dim: int, page_size: int, pages_per_row: int, dtype,
+                  **fields) -> PrefillConfig | None:
+    """The config of a decode call (one query token per row, ``rows`` rows and sequence
+    slots) of ``op`` (an :class:`ops._op.Op`) on this kernel's multi-page key tiles, or
+    None where the per-page decode kernel (:mod:`ops.serving.kernels`) serves it: off the
+    loop walk, for non-power-of-two pages or head dims on JAX's Triton lowering, and
+    where :func:`ops.serving.block_sizes.multi_page_decode` says so. ``fields``: the
+    rest of :meth:`PrefillConfig.build`'s."""
+    pow2 = not (page_size & (page_size - 1) or head_dim & (head_dim - 1))
+    if walk_of(impl) != LOOP or not (pow2 or not pl.backend_traits(impl).power_of_two_blocks):
+        return None
+    problem = op.problem((rows, kv_heads, group, head_dim, page_size, pages_per_row), dtype)
+    cfg = PrefillConfig.build(
+        op.name, impl, op.select(problem, impl, explicit), tokens=rows, slots=rows, block_q=1,
+        kv_heads=kv_heads, group=group, head_dim=head_dim, page_size=page_size,
+        pages_per_row=pages_per_row, dtype=dtype, explicit_splits=explicit is not None,
+        **fields)
+    device = Device.current(impl)
+    float32_gpu = (np.dtype(dtype).itemsize > 2 and device.traits.hardware == "gpu"
+                   and not device.interpreter)
+    return cfg if multi_page_decode(explicit, True, cfg.tile_bytes, float32_gpu) else None
 
 
 def walk_of(impl: str) -> str:
@@ -314,10 +345,14 @@ def _init_carry(cfg: PrefillConfig, sink):
     return m, l, jnp.zeros((cfg.rows, cfg.head_dim), jnp.float32)
 
 
-def _dequantize(cfg: PrefillConfig, k, v, dtype):
+def _dequantize(cfg: PrefillConfig, k, v, dtype, scales=None):
+    """Keys and values in ``dtype``: times the static scales, or the per-token ``scales``
+    (two ``[block_keys]`` vectors), when given."""
     out = []
-    for x, c in ((k, cfg.k_scale), (v, cfg.v_scale)):
-        if c is not None:
+    for n, (x, c) in enumerate(((k, cfg.k_scale), (v, cfg.v_scale))):
+        if scales is not None:
+            x = x.astype(jnp.float32) * scales[n].astype(jnp.float32)[:, None]
+        elif c is not None:
             x = x.astype(jnp.float32) * c
         out.append(x.astype(dtype))
     return out
@@ -346,19 +381,26 @@ def _update(cfg: PrefillConfig, carry, q, q_pos, k, v, first, hi, masked: bool =
     return forward_update(score, None, carry, tile, v, None, cfg.rows, bk, masked=False)
 
 
-def _gathered_tile(cfg: PrefillConfig, kv_ref, tables_ref, seq, j, h):
+def _gathered_tile(cfg: PrefillConfig, page_refs, tables_ref, seq, j, h):
     """Key tile ``j`` of sequence ``seq`` for key/value head ``h``: its rows gathered from
-    the cache seen as ``[pages * page_size, 2K, H]``, each page looked up in the table."""
+    the cache seen as ``[pages * page_size, 2K, H]`` (or the key and value pages as ``[K,
+    pages * page_size, H]``, their scales ``[K, pages * page_size]``), each page looked up
+    in the table. Returns keys, values and the per-token scales (None without)."""
     ps, bk = cfg.page_size, cfg.block_keys
     r = lax.broadcasted_iota(jnp.int32, (bk,), 0)
     column = jnp.minimum(j * cfg.pages_per_block + div(r, ps), cfg.pages_per_row - 1)
     page = jnp.clip(tables_ref[seq, column], 0, cfg.total_pages - 1)
     at = page * ps + rem(r, ps)
-    return kv_ref[at, 2 * h, :], kv_ref[at, 2 * h + 1, :]
+    if cfg.layout == kernels.COMBINED:
+        (kv_ref,) = page_refs
+        return kv_ref[at, 2 * h, :], kv_ref[at, 2 * h + 1, :], None
+    k, v = page_refs[0][h, at, :], page_refs[1][h, at, :]
+    scales = (page_refs[2][h, at], page_refs[3][h, at]) if cfg.per_token_scales else None
+    return k, v, scales
 
 
 def loop_kernel(seq_ref, lo_ref, hi_ref, full_lo_ref, full_hi_ref, tables_ref, q_ref, pos_ref,
-                sink_ref, kv_ref, o_ref, lse_ref=None, *, cfg: PrefillConfig):
+                sink_ref, *refs, cfg: PrefillConfig):
     """The ``"loop"`` walk: one program per (item, key/value head, split) over its share
     of the key tiles that meet ``[lo, hi)``: the tiles every row sees whole without a
     mask, the edge tiles (window start, causal diagonal, end of the cache) before and
@@ -368,12 +410,14 @@ def loop_kernel(seq_ref, lo_ref, hi_ref, full_lo_ref, full_hi_ref, tables_ref, q
     seq, lo, hi = seq_ref[i], lo_ref[i], hi_ref[i]
     q, q_pos = q_ref[...], pos_ref[...]
     sink = None if sink_ref is None else sink_ref[...]
+    n = 1 if cfg.layout == kernels.COMBINED else 4 if cfg.per_token_scales else 2
+    page_refs, (o_ref, *lse_ref) = refs[:n], refs[n:]
     bk = cfg.block_keys
 
     def steps(masked):
         def step(j, carry):
-            k, v = _gathered_tile(cfg, kv_ref, tables_ref, seq, j, h)
-            k, v = _dequantize(cfg, k, v, q.dtype)
+            k, v, scales = _gathered_tile(cfg, page_refs, tables_ref, seq, j, h)
+            k, v = _dequantize(cfg, k, v, q.dtype, scales)
             return _update(cfg, carry, q, q_pos, k, v, j * bk, hi, masked)
         return step
 
@@ -392,8 +436,8 @@ def loop_kernel(seq_ref, lo_ref, hi_ref, full_lo_ref, full_hi_ref, tables_ref, q
     carry = lax.fori_loop(full_last, last, steps(True), carry)
     out, lse = forward_finish(*carry)
     o_ref[...] = out.astype(o_ref.dtype)
-    if lse_ref is not None:
-        lse_ref[...] = lse.reshape(lse_ref.shape)
+    if lse_ref:
+        lse_ref[0][...] = lse.reshape(lse_ref[0].shape)
 
 
 def grid_kernel(tables, seq_ref, lo_ref, hi_ref, q_ref, pos_ref, sink_ref, *refs,
@@ -462,12 +506,15 @@ def _params(cfg: PrefillConfig, semantics):
     return pl.CompilerParams(dimension_semantics=semantics)
 
 
-def prefill(cfg: PrefillConfig, q, kv_pages, tables, cu_q_lens, kv_lens, num_seqs, sinks):
+def prefill(cfg: PrefillConfig, q, pages, tables, cu_q_lens, kv_lens, num_seqs, sinks):
     """Query-blocked ragged paged attention: ``q`` ``[T, N, H]`` -> ``[T, N, H]`` in q's
     dtype (rows of no sequence 0).
 
     Args:
-      kv_pages: ``[P, page_size, 2K, H]`` (keys at even, values at odd combined heads).
+      pages: ``(kv_pages,)``, ``[P, page_size, 2K, H]`` (keys at even, values at odd
+        combined heads); or with :data:`ops.serving.kernels.HEADS_FIRST` ``(k_pages,
+        v_pages)`` ``[K, P, page_size, H]``, then their scale pages ``[K, P, page_size]``
+        with ``per_token_scales``.
       tables: int32 ``[S, pages_per_row]``; cu_q_lens, kv_lens, num_seqs: as the op's.
       sinks: float ``[N]`` or None.
     """
@@ -484,8 +531,11 @@ def prefill(cfg: PrefillConfig, q, kv_pages, tables, cu_q_lens, kv_lens, num_seq
         tile = pl.BlockSpec((None, None, R, H), lambda i, h, s: (i, h, 0, 0))
         sink_spec = pl.BlockSpec((None, R, 1), lambda i, h, *_: (h, 0, 0))
         in_specs = [whole] * 6 + [tile, pl.BlockSpec((None, R, 1), lambda i, h, s: (i, 0, 0)),
-                                  None if sink is None or cfg.merged else sink_spec, whole]
-        rows = kv_pages.reshape((-1,) + kv_pages.shape[2:])  # [P * page_size, 2K, H]
+                                  None if sink is None or cfg.merged else sink_spec]
+        if cfg.layout == kernels.COMBINED:  # [P * page_size, 2K, H]
+            rows = [pages[0].reshape((-1,) + pages[0].shape[2:])]
+        else:  # [K, P * page_size, H] and [K, P * page_size]
+            rows = [x.reshape(x.shape[:1] + (-1,) + x.shape[3:]) for x in pages]
         S = cfg.k_splits
         if cfg.merged:  # the partials keep the rows of tokens only (not the padding)
             V = cfg.block_q * cfg.group
@@ -497,11 +547,11 @@ def prefill(cfg: PrefillConfig, q, kv_pages, tables, cu_q_lens, kv_lens, num_seq
             out_specs = tile
         out = pl.pallas_call(
             functools.partial(loop_kernel, cfg=cfg), out_shape=out_shape, grid=(M, K, S),
-            in_specs=in_specs, out_specs=out_specs,
+            in_specs=in_specs + [whole] * len(rows), out_specs=out_specs,
             compiler_params=_params(cfg, ("parallel",) * 3), backend=cfg.backend,
             name="ragged_prefill_attention",
         )(seq, lo, hi, full_lo, full_hi, tables, q_tiles, q_pos, None if cfg.merged else sink,
-          rows)
+          *rows)
         if cfg.merged:
             out = _merge(cfg, *out, sink, q.dtype)
     else:
@@ -520,5 +570,5 @@ def prefill(cfg: PrefillConfig, q, kv_pages, tables, cu_q_lens, kv_lens, num_seq
             functools.partial(grid_kernel, cfg=cfg), out_shape=out_shape, grid_spec=grid_spec,
             compiler_params=_params(cfg, ("parallel", "parallel", "parallel", "arbitrary")),
             backend=cfg.backend, name="ragged_prefill_attention",
-        )(tables, seq, lo, hi, q_tiles, q_pos, sink, *([kv_pages] * cfg.pages_per_block))
+        )(tables, seq, lo, hi, q_tiles, q_pos, sink, *([pages[0]] * cfg.pages_per_block))
     return _scatter_out(cfg, out, token, T)

@@ -11,10 +11,9 @@ import numpy as np
 
 import pallas_core as pl
 from ops._checks import check_float_dtype
-from ops._op import Device, Op, register
+from ops._op import Op, register
 from ops.serving import checks, kernels, prefill_kernels, sharding
-from ops.serving.block_sizes import (DIMS, PagedBlockSizes, check_block_sizes, multi_page_decode,
-                                     ragged_block_q)
+from ops.serving.block_sizes import DIMS, PagedBlockSizes, check_block_sizes, ragged_block_q
 from ops.serving.paged_attention import sink_tile
 from ops.serving.reference import gather_pages, rows_attention
 
@@ -182,18 +181,19 @@ def _run(args, impl: str, bs):
         return out.astype(q.dtype)
     G = N // K
     block_q = ragged_block_q(bs, T, S, G)
-    pcfg = None
-    if block_q > 1 or _multi_page_ok(impl, ps, H):
+    fields = dict(kv_heads=K, group=G, head_dim=H, page_size=ps, total_pages=P,
+                  pages_per_row=pps, dtype=q.dtype, scale=args["scale"],
+                  soft_cap=args["soft_cap"], window=args["window"], k_scale=args["k_scale"],
+                  v_scale=args["v_scale"], sinks=args["sinks"] is not None)
+    if block_q > 1:
         problem = OP.problem((T, K, G, H, ps, pps), q.dtype)
         pcfg = prefill_kernels.PrefillConfig.build(
             _OP, impl, OP.select(problem, impl, bs), tokens=T, slots=S, block_q=block_q,
-            kv_heads=K, group=G, head_dim=H, page_size=ps, total_pages=P, pages_per_row=pps,
-            dtype=q.dtype, explicit_splits=bs is not None, scale=args["scale"],
-            soft_cap=args["soft_cap"], window=args["window"], k_scale=args["k_scale"],
-            v_scale=args["v_scale"], sinks=args["sinks"] is not None)
-    if block_q > 1 or (pcfg is not None and multi_page_decode(
-            bs, pcfg.walk == prefill_kernels.LOOP, pcfg.tile_bytes, _float32_gpu(impl, q.dtype))):
-        return prefill_kernels.prefill(pcfg, q, kv, args["tables"], args["cu"], args["kv_lens"],
+            explicit_splits=bs is not None, **fields)
+    else:  # decode: the multi-page key tiles where they serve
+        pcfg = prefill_kernels.decode_config(OP, impl, bs, rows=T, **fields)
+    if pcfg is not None:
+        return prefill_kernels.prefill(pcfg, q, (kv,), args["tables"], args["cu"], args["kv_lens"],
                                        args["num_seqs"], args["sinks"])
     cfg = kernels.DecodeConfig.build(
         OP, impl, bs, rows=T, kv_heads=K, group=G, head_dim=H, page_size=ps, total_pages=P,
@@ -205,23 +205,6 @@ def _run(args, impl: str, bs):
     out = kernels.decode(cfg, qg, (kv,), (), args["tables"], seq, start, end,
                          sink_tile(args["sinks"], K))
     return out.reshape(T, N, H)
-
-
-def _multi_page_ok(impl: str, page_size: int, head_dim: int) -> bool:
-    """Whether a decode call may take the query-blocked kernel on ``impl``: its loop walk
-    (:func:`multi_page_decode` decides then), with power-of-two page sizes and head dims
-    on JAX's Triton lowering."""
-    if prefill_kernels.walk_of(impl) != prefill_kernels.LOOP:
-        return False
-    pow2 = not (page_size & (page_size - 1) or head_dim & (head_dim - 1))
-    return pow2 or not pl.backend_traits(impl).power_of_two_blocks
-
-
-def _float32_gpu(impl: str, dtype) -> bool:
-    """float32 tiles on a GPU (not Triton's CPU interpreter)."""
-    device = Device.current(impl)
-    return (jnp.dtype(dtype).itemsize > 2 and device.traits.hardware == "gpu"
-            and not device.interpreter)
 
 
 def _reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):

@@ -204,7 +204,7 @@ def test_query_blocked_matches_jax_reference(impl, case):
 def test_query_blocked_grid_walk_with_sinks(monkeypatch):
     # Mosaic TPU's walk (pages by index maps, three concatenated into one tile) on the
     # interpreter, sinks starting each row's softmax.
-    monkeypatch.setattr(prefill_kernels, "GRID_BACKENDS", ("interpret",))
+    monkeypatch.setattr(prefill_kernels, "walk_of", lambda impl: prefill_kernels.GRID)
     args, kw, _ = prefill_cases()["small_pages"]
     kw = dict(kw, sinks=jnp.linspace(-1.0, 1.0, 6))
     bs = dict(pages_per_block=3, k_splits=1, block_q=4)

@@ -80,8 +80,6 @@ from ops.serving import kernels
 from ops.serving.block_sizes import MAX_SPLITS, TARGET_PROGRAMS, multi_page_decode
 
 GRID, LOOP = "grid", "loop"
-# Backends whose lowering has no vector gathers from a Ref: they take the grid walk.
-GRID_BACKENDS = ("mosaic_tpu",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +229,10 @@ def decode_config(op, impl: str, explicit, *, rows: int, kv_heads: int, group: i
 def walk_of(impl: str) -> str:
     """The kernel's walk on ``impl``: ``"grid"`` on Mosaic TPU (no vector gathers), else
     ``"loop"``."""
+    # Mosaic's TPU lowering has no vector gather from a Ref, which the loop walk's
+    # row-gathered key tiles need; its grid axes run in order, so pages come as blocks.
     traits = pl.backend_traits(impl)
-    return GRID if impl in GRID_BACKENDS and traits.sequential_grid else LOOP
+    return GRID if traits.hardware == "tpu" and traits.sequential_grid else LOOP
 
 
 def prefill_splits(impl: str, programs: int, tiles: int) -> int:

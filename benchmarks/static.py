@@ -594,12 +594,12 @@ BUDGETS: dict[tuple[str, str], Budget] = {
     # Decode over 16-token pages: the per-page split-KV kernel (paged_attention's) takes
     # 1970 instructions per 128 keys (eight one-page updates, 15.4 per key); the
     # query-blocked kernel's 128-key tiles 603 whole and 1083 on the masked last tile.
-    (RAGGED_DECODE, "ragged_prefill_attention"): Budget(
+    (RAGGED_DECODE, "query_blocked_paged_attention"): Budget(
         "a quarter of the per-page decode kernel's 15.4 per key (1970 per 128 keys) on whole "
         "tiles: " + _FROZEN, loops=(603, 1083), registers=219),
     # paged_attention's separate key and value pages on the same tiles: 1947 per 128 keys
     # per page, 539 / 1018 on 128-key tiles.
-    ("paged_attention/decode/8x8192x32x4x128/bfloat16/fwd", "ragged_prefill_attention"): Budget(
+    ("paged_attention/decode/8x8192x32x4x128/bfloat16/fwd", "query_blocked_paged_attention"): Budget(
         "under a third of the per-page decode kernel's 15.2 per key (1947 per 128 keys) on "
         "whole tiles: " + _FROZEN, loops=(539, 1018), registers=221),
     # 03-style matmul at our 128 x 128 x 64 tile with a libdevice tanh gelu: 2848 SASS

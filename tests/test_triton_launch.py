@@ -514,15 +514,15 @@ def test_shipped_fused_matmul_training_step(cuda):
 
 
 def test_paged_attention_launch(cuda):
-    """Split-KV paged decode and its merge: the page table and ranges (scalar prefetch)
-    are pointer parameters like any array."""
+    """Split-KV paged decode on multi-page key tiles (the query-blocked kernel, 16-token
+    pages) and its merge: the page table and ranges are pointer parameters like any array."""
     sds = jax.ShapeDtypeStruct
     cache = sds((2, 32, 16, 64), jnp.bfloat16)
     f = lambda *a: ops.paged_attention(*a, implementation="triton", block_sizes=(2, 2))
     text, records = lower_for_cuda(f, sds((2, 8, 64), jnp.bfloat16), cache, cache,
                                    sds((2, 8), jnp.int32), sds((2,), jnp.int32))
     check_launches(cuda, text, records)
-    assert {r["name"] for r in records} == {"paged_decode_attention", "paged_decode_merge"}
+    assert {r["name"] for r in records} == {"query_blocked_paged_attention", "query_blocked_paged_merge"}
 
 
 def test_update_kv_pages_launch_aliases_the_cache(cuda):

@@ -494,7 +494,7 @@ def _merge(cfg: PrefillConfig, o_part, lse_part, sink, dtype):
         out_shape=jax.ShapeDtypeStruct((M, K, R, H), dtype), grid=(M, K), in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, R, H), lambda i, h: (i, h, 0, 0)),
         compiler_params=_params(cfg, ("parallel", "parallel")), backend=cfg.backend,
-        name="ragged_prefill_merge",
+        name="query_blocked_paged_merge",
     )(o_part, lse_part, sink)
 
 
@@ -549,7 +549,7 @@ def prefill(cfg: PrefillConfig, q, pages, tables, cu_q_lens, kv_lens, num_seqs, 
             functools.partial(loop_kernel, cfg=cfg), out_shape=out_shape, grid=(M, K, S),
             in_specs=in_specs + [whole] * len(rows), out_specs=out_specs,
             compiler_params=_params(cfg, ("parallel",) * 3), backend=cfg.backend,
-            name="ragged_prefill_attention",
+            name="query_blocked_paged_attention",
         )(seq, lo, hi, full_lo, full_hi, tables, q_tiles, q_pos, None if cfg.merged else sink,
           *rows)
         if cfg.merged:
@@ -569,6 +569,6 @@ def prefill(cfg: PrefillConfig, q, pages, tables, cu_q_lens, kv_lens, num_seqs, 
         out = pl.pallas_call(
             functools.partial(grid_kernel, cfg=cfg), out_shape=out_shape, grid_spec=grid_spec,
             compiler_params=_params(cfg, ("parallel", "parallel", "parallel", "arbitrary")),
-            backend=cfg.backend, name="ragged_prefill_attention",
+            backend=cfg.backend, name="query_blocked_paged_attention",
         )(tables, seq, lo, hi, q_tiles, q_pos, sink, *([pages[0]] * cfg.pages_per_block))
     return _scatter_out(cfg, out, token, T)

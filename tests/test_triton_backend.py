@@ -658,6 +658,9 @@ def test_tanh_within_two_ulps_over_the_float32_range():
     for out, keep in ((got, np.abs(edges) != np.float32(1e-45)), (formula, np.ones(edges.shape, bool))):
         np.testing.assert_array_equal(np.signbit(out), np.signbit(want))
         np.testing.assert_allclose(out[keep], want[keep], rtol=2 * 2.0**-23, atol=0)
+    # Triton's interpreter flushes subnormal operands: the smallest subnormals come back
+    # as zeros (of x's sign, checked above), not as anything else.
+    np.testing.assert_array_equal(got[np.abs(edges) == np.float32(1e-45)], 0.0)
 
 
 def _sigmoid64(x):

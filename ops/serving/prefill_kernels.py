@@ -212,7 +212,7 @@ def decode_config(op, impl: str, explicit, *, rows: int, kv_heads: int, group: i
     where :func:`ops.serving.block_sizes.multi_page_decode` says so. ``fields``: the
     rest of :meth:`PrefillConfig.build`'s."""
     pow2 = not (page_size & (page_size - 1) or head_dim & (head_dim - 1))
-    if walk_of(impl) != LOOP or not (pow2 or not pl.backend_traits(impl).power_of_two_blocks):
+    if walk_of(impl) != LOOP or (not pow2 and pl.backend_traits(impl).power_of_two_blocks):
         return None
     problem = op.problem((rows, kv_heads, group, head_dim, page_size, pages_per_row), dtype)
     cfg = PrefillConfig.build(

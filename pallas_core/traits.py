@@ -52,7 +52,10 @@ class BackendTraits:
         ``pallas_call`` checks it (:func:`pallas_core.validation.check_pow2`).
       min_dot: the smallest M, N and K of a ``pl.dot`` on a block: 16 on our
         Triton lowering (``tl.dot``'s minimum; it refuses smaller products),
-        1 where the lowering takes any product.
+        1 where the lowering takes any product (JAX's Triton lowering emits
+        ``tt.dot`` directly, and Triton pads a small product onto ``mma.sync``:
+        a 64 x 64 x 8 bf16 dot compiles for sm_90, without ``wgmma``). A legal
+        bound, not a fast one: tensor-core tiles want 16 or more everywhere.
       tile: ``(sublanes, lanes)``: each of a block's last two dims is a
         multiple of this or the whole array dim (Mosaic TPU's (8, 128) vector
         register tiling; ``pallas_call`` checks it,

@@ -170,8 +170,9 @@ class PrefillConfig:
                 if n & (n - 1):
                     raise NotImplementedError(f"{op}: implementation={impl!r} needs a "
                                               f"power-of-two {name}; got {n}.")
-        # Both Triton lowerings need 16 rows per tl.dot operand (JAX's too, though its
-        # traits leave the check to its lowering).
+        # Key tiles of 16 rows or more on both Triton lowerings: ours refuses a dot
+        # operand dim under 16 (min_dot), and JAX's, which takes any, would run a smaller
+        # one on mma.sync instead of wgmma (Triton pads small products; sm_90 compiles).
         min_dot = max(traits.min_dot, 16 if traits.triton else 1)
         per_block = max(bs.pages_per_block, pl.cdiv(min_dot, page_size))
         per_block = min(per_block, pl.next_power_of_2(pages_per_row))

@@ -23,10 +23,6 @@ from pallas_core.params import ARBITRARY, InterpretParams, ResolvedParams, resol
 from pallas_core.specs import (BlockMapping, BlockSpec, GridSpec, dynamic_axes, grid_axis_names,
                                is_no_block_spec, normalize_grid, resolve_block_mapping)
 
-# Backends that take grid dims computed under jit (traced int32 scalars).
-DYNAMIC_GRID_BACKENDS = ("interpret", "mosaic_tpu")
-
-
 @dataclasses.dataclass(frozen=True)
 class ResolvedCall:
     """Everything a backend needs, already validated."""
@@ -34,7 +30,7 @@ class ResolvedCall:
     kernel: Callable
     name: str
     # Static dims are ints; a dim computed under jit is a traced int32 scalar
-    # (specs.dynamic_axes lists them; only DYNAMIC_GRID_BACKENDS get such grids).
+    # (specs.dynamic_axes lists them; only backends whose traits say dynamic_grid get such grids).
     grid: tuple
     in_mappings: tuple[BlockMapping, ...]
     out_mappings: tuple[BlockMapping, ...]
@@ -299,10 +295,11 @@ def build_call(kernel: Callable, out_shape: Any, *, grid=(), in_specs=None, out_
     interpret_params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
     chosen = backends.choose(backend, interpret)
     dynamic = dynamic_axes(grid)
-    if dynamic and chosen not in DYNAMIC_GRID_BACKENDS:
+    if dynamic and not backends.backend_traits(chosen).dynamic_grid:
+        takers = [n for n in backends.BACKENDS if backends.backend_traits(n).dynamic_grid]
         raise NotImplementedError(
             f"grid: dim {dynamic[0]} is computed under jit (a traced int32 scalar); the "
-            f"{chosen!r} backend needs every grid dim static (the {', '.join(DYNAMIC_GRID_BACKENDS)} "
+            f"{chosen!r} backend needs every grid dim static (the {', '.join(takers)} "
             "backends take traced dims). Pass an upper bound and skip the extra programs "
             "with pl.when.")
     if isinstance(out_shape, list):

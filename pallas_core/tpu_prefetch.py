@@ -50,7 +50,6 @@ from pallas_core.context import prefetched_scalar_refs
 from pallas_core.memory import TPU_SMEM
 from pallas_core.specs import BlockSpec, _check_arity, is_no_block_spec, normalize_grid
 
-SUPPORTED_BACKENDS = ("interpret", "triton", "mosaic_tpu")
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchScalarGridSpec:
@@ -159,9 +158,10 @@ def prefetching_call(build_call, kernel, out_shape, grid_spec: PrefetchScalarGri
         raise ValueError("pallas_call: give either grid_spec or grid/in_specs/"
                          "out_specs/scratch_shapes, not both.")
     chosen = backends.choose(backend, interpret)
-    if chosen not in SUPPORTED_BACKENDS:
+    if not backends.backend_traits(chosen).scalar_prefetch:
+        takers = tuple(n for n in backends.BACKENDS if backends.backend_traits(n).scalar_prefetch)
         raise NotImplementedError(
-            f"PrefetchScalarGridSpec: scalar prefetch is implemented on {SUPPORTED_BACKENDS}, "
+            f"PrefetchScalarGridSpec: scalar prefetch is implemented on {takers}, "
             f"not on the {chosen!r} backend.")
     n = grid_spec.num_scalar_prefetch
     grid_rank = len(normalize_grid(grid_spec.grid))

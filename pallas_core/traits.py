@@ -75,6 +75,11 @@ class BackendTraits:
         programs concurrently) or ``"grid"`` (grid steps, the accumulator in
         scratch: the grid runs in order). A preference, not a constraint,
         except where ``sequential_grid`` is False (then ``"loop"``).
+      dynamic_grid: the lowering takes grid dims computed under jit (traced
+        int32 scalars): the interpreter walks them in a ``while_loop``, Mosaic
+        TPU reads them at run time. The GPU lowerings fix the launch grid when
+        they compile, so there a kernel takes an upper bound and skips the
+        extra programs with ``pl.when`` (``pallas_call`` refuses a traced dim).
       scalar_prefetch: the lowering takes
         :class:`pallas_core.tpu.PrefetchScalarGridSpec` (index maps reading
         scalar operands); JAX's Triton and Mosaic GPU lowerings do not, so
@@ -96,6 +101,7 @@ class BackendTraits:
     tile: tuple[int, int] = (1, 1)
     sequential_grid: bool = True
     walk: str = GRID
+    dynamic_grid: bool = False
     scalar_prefetch: bool = True
     scalar_memory: Any = None
     through_jax: bool = False

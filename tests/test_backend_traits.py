@@ -99,6 +99,44 @@ def test_declared_grid_order_is_the_lowerings(backend):
             jax.eval_shape(call, x)
 
 
+
+@pytest.mark.parametrize("backend", ["interpret", "triton", "pallas_triton", "mosaic_gpu", "mosaic_tpu"])
+def test_declared_dynamic_grid_and_scalar_prefetch_are_what_pallas_call_takes(backend):
+    """dynamic_grid: a grid dim computed under jit traces (or is refused naming the backends
+    that take one); scalar_prefetch: a PrefetchScalarGridSpec traces (or is refused likewise)."""
+    traits = pl.backend_traits(backend)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    count = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def traced_grid(x, count):
+        return pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                              grid=(jnp.minimum(count, 8),),
+                              in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+                              out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+                              backend=backend, interpret=False)(x)
+
+    def prefetched(x, count):
+        spec = pl.tpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, c: (c[0] % 8, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, c: (0, 0)))
+        return pl.pallas_call(lambda c_ref, x_ref, o_ref: copy(x_ref, o_ref), grid_spec=spec,
+                              out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                              backend=backend, interpret=False)(count.reshape(1), x)
+
+    for fn, declared, refusal in ((traced_grid, traits.dynamic_grid, r"computed under jit.*interpret, mosaic_tpu"),
+                                  (prefetched, traits.scalar_prefetch,
+                                   r"scalar prefetch is implemented on \('interpret', 'triton', 'mosaic_tpu'\)")):
+        if declared:
+            assert jax.eval_shape(fn, x, count).shape == (8, 128)
+        else:
+            with pytest.raises(NotImplementedError, match=refusal):
+                jax.eval_shape(fn, x, count)
+
+
 def test_declared_min_dot_is_the_triton_lowerings():
     """triton's min_dot (16): our lowering refuses a smaller product, takes 16."""
     def dot_call(n):

@@ -241,4 +241,4 @@ def run(call, args):
 # The kernel runs as JAX operations on any device, its grid walked in order;
 # every block shape is taken (edge blocks are padded and cropped).
 registry.register_backend("interpret", run, batch_grid=True, traits=BackendTraits(
-    "interpret", hardware="any", interpreted=True))
+    "interpret", hardware="any", interpreted=True, dynamic_grid=True))

@@ -188,7 +188,7 @@ def run(call, args, backend):
 _TRAITS = (
     # Mosaic TPU: (8, 128) vector-register tiles, the grid in order on a core,
     # scalar prefetch into SMEM (vector memory is not read as scalars).
-    BackendTraits("mosaic_tpu", hardware="tpu", tile=(8, 128), scalar_memory=TPU_SMEM,
+    BackendTraits("mosaic_tpu", hardware="tpu", tile=(8, 128), scalar_memory=TPU_SMEM, dynamic_grid=True,
                   through_jax=True),
     # Mosaic GPU: no op has kernels for it; its lowering reports its own block
     # limits. Sequential axes are pipelined in order; no scalar prefetch.

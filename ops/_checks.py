@@ -62,7 +62,7 @@ _ELEMENTWISE_PRIMITIVES = frozenset("""
     copy_p convert_element_type bessel_i0e bessel_i1e
     add sub mul div rem pow max min nextafter atan2 and or xor eq ne lt le gt ge shift_left
     shift_right_logical shift_right_arithmetic igamma igammac polygamma zeta complex add_any
-    select_n clamp
+    select_n clamp bitcast_convert_type
 """.split())
 # Calls whose bodies are checked in turn.
 _CALL_PRIMITIVES = frozenset("""

@@ -852,6 +852,8 @@ class KernelWriter(ElementwiseWriter):
             if np.dtype(x.dtype) == np.float64:  # PTX has no approximate float64 tanh
                 return [self._math("tanh", eqn, x)]
             return [self._math("approx_tanh", eqn, x)]
+        if name.startswith(markers.MATH):
+            return [self._math(name[len(markers.MATH):], eqn, *args)]
         if name == markers.DEBUG_BARRIER:
             self.emit("tl.debug_barrier()")
             return []

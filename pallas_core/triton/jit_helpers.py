@@ -20,6 +20,9 @@ error of ``u`` as long as ``log`` is accurate (it is libdevice's on the GPU).
 """
 from __future__ import annotations
 
+import math
+import struct
+
 # NaN-propagating maximum / minimum, as lax.max / lax.min and XLA's reductions.
 # For integers Triton ignores ``propagate_nan``, so one combiner serves every dtype.
 _MAX = "tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)"
@@ -192,6 +195,87 @@ one = (b == 0) | (a == 1.0) | ((a == -1.0) & (tl.abs(b) == inf))
 return tl.where(one, 1.0, r)"""),
 }
 
+def _f32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest), as a Python float."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+# gelu's tanh form, jax.nn.gelu(x) = 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3),
+# as the equal x sigmoid(u), u = 2y = K1 x + K3 x^3, which does not cancel below x = -1 as
+# 1 + tanh(y) does: within 1.4 ulps of float64 for every float32 x with a normal result,
+# whatever the rounding of rcp.approx (tests/test_triton_backend.py). One path serves both
+# signs: with v = -|x|, G = v e / (1 + e), e = exp(u(v)) <= 1, is gelu(v), and for x >= 0
+# gelu(x) = x + G (gelu(x) - gelu(-x) = x), G no larger than half of x. Steps:
+# * u as a sum of two floats: w = v^2 and its rounding error (one FMA); K1 + K3 w as ph + pl,
+#   ph's rounding error from one FMA (K1's high part K1h is a multiple of 2**-20, so K1h - ph
+#   is exact for ph < 16) and the constants' float32 residuals K1l, K3l in pl; uh = v ph,
+#   ul = (v ph - uh) + v pl. |u| reaches 89.6: its float32 rounding alone would cost up to
+#   89.6 * 2**-24 of relative accuracy in e, which is the result's for x << 0.
+# * e = 2**k (h + l): k = round(uh log2(e)) (the 1.5 * 2**23 shift rounds it), f = fh + fl
+#   = u - k ln2 (fh exact, as in the exp and sigmoid helpers), h = 1 + fh, l = fl + f^2 C(f),
+#   C of degree 4 (a least-squares fit reweighted towards minimax: 2**-28.2 absolute).
+# * G = v (h + l) / (1 + e) 2**k. v h is split exactly (one FMA); d = 1 + e and its rounding
+#   error (Fast2Sum, e <= 1) with e = 2**max(k, -126) (h + l) from exponent bits (below
+#   2**-126, e only needs to be tiny); q ~ 1/d by rcp.approx (1 ulp, d in [1, 2]) and the
+#   quotient corrected by its residual 1 - q d (one FMA), as in the sigmoid helper (Muller
+#   et al., "Handbook of Floating-Point Arithmetic", 2nd ed., 2018, sections 4.3-4.4). The
+#   quotient, v (h + l) / (1 + e), is a normal float wherever G is (down to k = -129 at the
+#   last normal result, x = -10.1006, where 2**k is not one), and 2**k is added to its
+#   exponent bits last, exactly, so no intermediate is subnormal where the result is normal
+#   (Triton's interpreter runs under XLA's flush of subnormals). |x| is clamped at 10.104,
+#   where k = -129 still: beyond it, G is that point's subnormal -1e-38 (an exponent field
+#   that reaches 0, not below). Every product that must be exact is an FMA, so the GPU's
+#   contraction of a * b + c changes nothing.
+# Edges: NaN stays NaN (x + G), +inf gives inf, -inf gives -1e-38 (the limit 0 within a
+# subnormal; jax.nn.gelu(-inf) is NaN), signed zeros keep their sign (the residual of v h is
+# negated twice, so v = -0 carries -0 through). Cost on sm_90: 42 SASS instructions per
+# element, 15 more than 0.5 x (1 + t) on the tanh helper.
+_K1 = 2.0 * math.sqrt(2.0 / math.pi)  # float64, as the reference formula's constants
+_K3 = _K1 * 0.044715
+_K1H = round(_K1 * 2**20) / 2**20  # exact in float32 (21 significant bits)
+_K1L = _f32(_K1 - _K1H)
+_K3H = _f32(_K3)
+_K3L = _f32(_K3 - _K3H)
+_EXP_C4 = (0.5, 0.166665181517601, 0.041666436940431595, 0.008368954062461853,
+           0.0013937497278675437)  # (exp(f) - 1 - f) / f^2, lowest degree first
+MATH["gelu_tanh"] = ("x", f"""\
+v = tl.maximum(tl.abs(x) * -1.0, -10.104)
+w = v * v
+wl = tl.fma(v, v, w * -1.0)
+ph = tl.fma(w, {_K3H!r}, {_K1H!r})
+pl = tl.fma(w, {_K3H!r}, {_K1H!r} - ph)
+pl = tl.fma(wl, {_K3H!r}, pl + tl.fma(w, {_K3L!r}, {_K1L!r}))
+uh = v * ph
+ul = tl.fma(v, pl, tl.fma(v, ph, uh * -1.0))
+s = tl.fma(uh, 1.4426950408889634, 12582912.0)
+k = s - 12582912.0
+fh = tl.fma(k, -0.693145751953125, uh)
+fl = tl.fma(k, -1.428606765330187e-06, ul)
+f = fh + fl
+p = tl.fma({_EXP_C4[4]!r}, f, {_EXP_C4[3]!r})
+p = tl.fma(p, f, {_EXP_C4[2]!r})
+p = tl.fma(p, f, {_EXP_C4[1]!r})
+p = tl.fma(p, f, {_EXP_C4[0]!r})
+h = 1.0 + fh
+l = tl.fma(f * f, p, fl)
+gh = v * h
+gl = tl.fma(v, l, tl.fma(v * -1.0, h, gh) * -1.0)
+kbits = s.to(tl.int32, bitcast=True) << 23
+scale = tl.maximum(s, 12582786.0).to(tl.int32, bitcast=True) << 23
+scale = (scale + (127 << 23)).to(tl.float32, bitcast=True)
+e = h + l
+d = tl.fma(e, scale, 1.0)
+err = tl.fma(e, scale, 1.0 - d)
+if {INTERPRETED}:
+    q = 1.0 / d
+else:  # d in [1, 2]: no range fix-ups; the residual below corrects rcp.approx's ulp
+    q = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                  is_pure=True, pack=1)
+c = tl.fma(q * -1.0, err, tl.fma(q * -1.0, d, 1.0))
+g = tl.fma(gh, q, tl.fma(gh, c, gl) * q)
+g = (g.to(tl.int32, bitcast=True) + kbits).to(tl.float32, bitcast=True)
+return tl.where(x < 0, g, x + g)""")
+
 # pallas_core.triton.approx_tanh: PTX's tanh.approx.f32 (about 2**-11 relative error)
 # on a GPU; the interpreter cannot run PTX and computes the accurate tanh.
 MATH["approx_tanh"] = ("x", f"""\
@@ -203,7 +287,7 @@ return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=t
 # Helpers that call other helpers.
 _NEEDS = {"approx_tanh": ("tanh",)}
 # Helpers with PTX in them: their module defines INTERPRETED.
-PTX = frozenset({"approx_tanh", "sigmoid", "tanh"})
+PTX = frozenset({"approx_tanh", "gelu_tanh", "sigmoid", "tanh"})
 
 
 def with_dependencies(names) -> list[str]:

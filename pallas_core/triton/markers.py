@@ -23,7 +23,11 @@ run the plain operation), so no other backend ever sees them:
 * ``pallas_core_debug_print__<hex of the prefix>`` ``(*values)``: nothing;
   ``tl.device_print(prefix, *values)``;
 * ``pallas_core_roll__<axis>[__<stride>_<stride_axis>]`` ``(x, shift)``:
-  ``pltpu.roll``; ``tl.gather`` along ``axis`` at the rolled positions.
+  ``pltpu.roll``; ``tl.gather`` along ``axis`` at the rolled positions;
+* ``pallas_core_math__<helper>`` ``(*xs)``: a portable formula of a function
+  no JAX primitive names (gelu's tanh form); the writer calls the jit helper
+  ``_<helper>`` of :mod:`pallas_core.triton.jit_helpers` instead, as it does
+  for ``lax.logistic`` (``_sigmoid``).
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ APPROX_TANH = PREFIX + "approx_tanh"
 DEBUG_BARRIER = PREFIX + "debug_barrier"
 DEBUG_PRINT = PREFIX + "debug_print__"
 ROLL = PREFIX + "roll__"
+MATH = PREFIX + "math__"
 
 
 def _named(fn, name, **jit_kw):
@@ -202,12 +207,24 @@ def parse_roll(name: str) -> tuple[int, int | None, int | None]:
     return int(parts[0]), int(stride), int(stride_axis)
 
 
+@functools.lru_cache(maxsize=None)
+def _math_fn(helper: str, formula):
+    return _named(lambda *xs: formula(*xs), MATH + helper)
+
+
+def math_helper(helper: str, formula, *xs):
+    """``formula(*xs)`` under our Triton lowering, which computes it with the jit helper
+    ``_<helper>`` (a key of :data:`pallas_core.triton.jit_helpers.MATH`, taking and
+    returning float32) instead; ``xs`` must be float32 arrays of one shape."""
+    return _math_fn(helper, formula)(*xs)
+
+
 def is_marker(name: str) -> bool:
-    return name.startswith((LOAD, STORE, HINT, APPROX_TANH, DEBUG_BARRIER, DEBUG_PRINT, ROLL))
+    return name.startswith((LOAD, STORE, HINT, APPROX_TANH, DEBUG_BARRIER, DEBUG_PRINT, ROLL, MATH))
 
 
-__all__ = ["approx_tanh", "debug_barrier", "debug_print", "hint", "is_marker", "load", "parse_hint",
-           "parse_hints", "parse_roll", "print_prefix", "roll", "store"]
+__all__ = ["approx_tanh", "debug_barrier", "debug_print", "hint", "is_marker", "load", "math_helper",
+           "parse_hint", "parse_hints", "parse_roll", "print_prefix", "roll", "store"]
 
 
 # The primitives whose Triton meaning these markers carry (pallas_core.registry).

@@ -14,8 +14,7 @@ exp            Cody-Waite reduction, then exp2 (1)     1.0 (2.9)    5.0
 sigmoid        carried exp, corrected sum/quotient     0.65         2.2
 silu           x * sigmoid(x)                          1.5          2.6
 erf            polynomial, 1 - exp2(polynomial)        1.3          4.9
-gelu_exact     x Phi(x), x >= 0                        1.7          1.5
-gelu_exact     x < 0: see :func:`gelu_exact`           1.7 .. 42    1.8 .. 75
+gelu_exact     relu(x) - 2^-m c e^(-r/2) a M(a) (2)    3.7 (2.3)    1.9 .. 40
 gelu           jax.nn.gelu: 0.5 x (1 + tanh(y))        1.9 at x>=0  2.5
 softplus       jax.nn.softplus: log1p(exp(-|x|)) + ..  4.2          2.8
 =============  ======================================  ===========  =======
@@ -29,6 +28,11 @@ transformations after Muller et al., "Handbook of Floating-Point Arithmetic", 2n
 ed. (2018), sections 4.3-4.4, so the GPU's approximate division (div.full.f32, 2
 ulps) drops out: 0.77 ulps with the quotient 2 ulps off either way.
 
+(2) :func:`gelu_exact` is pure jnp (every backend lowers it): 3.7 ulps in Triton's
+interpreter, which rounds every product, 2.3 where products and sums contract into
+fused multiply-adds (a GPU, XLA on a CPU); XLA's erfc form (jax.nn.gelu) reaches 40
+ulps at [-5.7, -4] and gives 0 below -8.
+
 Not within 2 ulps, and why:
 
 * ``gelu`` (jax.nn.gelu's tanh form) for x < -1: ``1 + tanh(y)`` cancels (ours
@@ -36,11 +40,10 @@ Not within 2 ulps, and why:
   equal ``x * sigmoid(2 y)`` avoids the cancellation, but the float32 rounding of
   ``y ~ 0.8 x (1 + 0.045 x^2)`` alone costs |2y| * 2**-23 relative (13 ulps at
   x = -3): 2 ulps need y as a double-float.
-* ``gelu_exact`` for x < -0.45 (:func:`gelu_exact`), where the exponent -x^2/2
-  must be carried beyond float32, and the remaining factor ``x Phi(x) e^{x^2/2}``,
-  which varies over [0.16, 0.4] on [-13.2, -0.45] with a ``1/x^2`` asymptote
-  (rational of degree 5/5, or polynomials in ``1/x^2`` on three pieces), evaluated
-  to 2**-25 relative: float32 Horner alone leaves 2**-22 there.
+* ``gelu_exact``: 2.3 ulps at worst (3.7 unfused), see :func:`gelu_exact`: the sum
+  ``a Q + P`` of its rational and two quotients are still rounded at full size; carried
+  as pairs of floats they would cost about 8 more instructions per element, past the
+  bias+gelu_exact kernel's budget (benchmarks/static.py).
 * ``softplus``: composed of the exp and log1p helpers (other kernels use them too).
 """
 from __future__ import annotations
@@ -53,7 +56,6 @@ import jax.numpy as jnp
 from ops._checks import check_elementwise
 
 _TWO_OVER_SQRT_PI = 1.1283791670955126
-_INV_SQRT_2PI = 0.3989422804014327
 # Polynomial coefficients, lowest degree first: least-squares fits (reweighted
 # towards minimax) of float64 references, each coefficient rounded to float32 in
 # turn with the rest refitted, in the usual two-range structure (Hart et al., "Computer
@@ -66,17 +68,25 @@ _ERF_SMALL = (0.12837915122509003, -0.3761250972747803, 0.11282000690698624,
 _LOG_ERFC = (0.00042461566044948995, -1.6304353475570679, -0.9117761254310608,
              -0.15858890116214752, 0.0379943810403347, -0.006824439391493797,
              0.0008522412390448153, -6.543526251334697e-05, 2.3120348942029523e-06)
-# Phi(x) = 1/2 + x * G(x^2) for -0.45 < x < 1.25 (relative fit of Phi - 1/2).
-_PHI_SMALL = (0.3989422917366028, -0.06649082899093628, 0.009976522997021675,
-              -0.001194541691802442, 0.0001233417569892481, -1.3357615898712538e-05,
-              1.3124691804478061e-06)
-# Phi(-a) = exp2(H(a)) for 0.45 <= a <= 5.7 (absolute fit of log2 Phi(-a)); below
-# x = -5.7, Phi(x) < 6e-9 is taken as 0.
-_LOG_PHI_TAIL = (-0.9999366998672485, -1.1515239477157593, -0.45808082818984985,
-                 -0.054117750376462936, 0.008433880284428596, -0.0008363584638573229,
-                 2.4319551812368445e-05, 5.513349606189877e-06, -7.297581419152266e-07,
-                 2.9123075506731766e-08)
-_PHI_TAIL_END = 5.7
+# gelu_exact = relu(x) - a Phi(-a), a = |x| (its constants: see _gelu_exact_parts).
+# c e^{-r/2} = c_hi + (r W(r) + c_lo), c = 1/sqrt(2 pi) as c_hi + c_lo, for -0.7 <= r <= 0.8
+# (W of degree 5; 2**-27.9 of c e^{-r/2}).
+_INV_SQRT_2PI_HI, _INV_SQRT_2PI_LO = 0.3989422917366028, -1.1335170135851058e-08
+_GAUSS_W = (-0.1994711458683014, 0.04986776039004326, -0.008311179466545582,
+            0.0010390832321718335, -0.0001044080636347644, 8.416389391641133e-06)
+# 1 / M(a) - a = P(a) / Q(a) for 0 <= a <= 13.2 (M: Mills' ratio), P and Q of degree 4,
+# fitted so that a M(a) = a Q / (a Q + P) is within 2**-26 (relative); P(0) / Q(0)
+# is sqrt(2 / pi) within 2**-47 (a float32 pair), so a M(a) is exact to first order at 0.
+_MILLS_P = (0.8579053282737732, 0.3888854682445526, 0.09708938747644424,
+            0.010101502761244774, 1.2208201951580122e-06)
+_MILLS_Q = (1.0752248764038086, 0.9770841598510742, 0.41978806257247925,
+            0.09609895944595337, 0.010154650546610355)
+# |x| is clamped here: x Phi(x) < 2**-126 (subnormal) beyond, and 2**-m stays a normal float.
+_GELU_A_MAX = 13.2
+_HALF_LOG2E = 0.7213475108146667  # log2(e) / 2
+_SHIFT = 12582912.0  # 1.5 * 2**23
+# 2 ln 2 = hi + lo, hi with 17 significant bits: m * hi is exact for m < 128.
+_TWO_LN2_HI, _TWO_LN2_LO = 1.38629150390625, 2.857213530660374e-06
 
 
 def _horner(coefs, x):
@@ -118,14 +128,50 @@ def _erf_jvp(primals, tangents):
     return erf(x), (slope * dx.astype(jnp.float32)).astype(x.dtype)
 
 
-def _normal_cdf(x):
-    """Phi(x) of float32 ``x``, evaluated in x itself (no rounded ``x / sqrt(2)``, whose
-    relative error would grow to ``x^2 * 2**-24`` of the tail's)."""
-    a = jnp.abs(x)
-    small = 0.5 + x * _horner(_PHI_SMALL, x * x)
-    tail = jnp.exp2(_horner(_LOG_PHI_TAIL, jnp.minimum(a, _PHI_TAIL_END)))  # Phi(-|x|)
-    lower = jnp.where(x < -_PHI_TAIL_END, 0.0, tail)
-    return jnp.where(x <= -0.45, lower, jnp.where(x >= 1.25, 1.0 - tail, small))
+def _bits(v):
+    return jax.lax.bitcast_convert_type(v, jnp.int32)
+
+
+def _float(v):
+    return jax.lax.bitcast_convert_type(v, jnp.float32)
+
+
+def _gelu_exact_parts(x):
+    """``(a, d, phi, inv, q)`` for float32 ``x``: ``a = min(|x|, 13.2)``, ``d = a Phi(-a)``,
+    ``phi`` the normal density at a and ``q * inv`` Mills' ratio M(a) = Phi(-a) / phi(a)
+    (about 2**-21 relative; the derivative's).
+
+    d = 2**-m c e^{-r/2} y, c = 1/sqrt(2 pi), with the exponent carried beyond float32: ah,
+    the 12 leading bits of a (a bit mask), makes ah^2 exact and a^2 = ah^2 + (a - ah)(a + ah);
+    m = round(ah^2 log2(e) / 2) and r = a^2 - 2 m ln 2 with ah^2 - m (2 ln 2)_hi exact (Cody &
+    Waite), |r| < 0.8; 2**-m from exponent bits (the integer m in the low mantissa bits of
+    m + 1.5 * 2**23; a rounding by adding and subtracting that constant would be folded
+    away by XLA's simplifier). c e^{-r/2} = c_hi + (r W(r) + c_lo) and y = a M(a) = a Q /
+    (a Q + P), the quotient from ``rsqrt(den)^2`` (one MUFU on a GPU, no division's range
+    fix-ups) plus its residual times the same reciprocal. The products are ordered so that
+    contraction into fused multiply-adds only helps: where it fuses (LLVM on a GPU, XLA on a
+    CPU), the residuals ``aq - den y0`` and ``a q - aq`` are exact and d is rounded once, in
+    its last FMA; unfused, the residuals carry a rounded product (3.7 ulps instead of 2.3).
+    """
+    a = jnp.minimum(jnp.abs(x), _GELU_A_MAX)
+    ah = _float(_bits(a) & jnp.int32(-4096))
+    qh = ah * ah
+    m = jnp.floor(qh * _HALF_LOG2E + 0.5)
+    r = (a - ah) * (a + ah) + ((qh - m * _TWO_LN2_HI) - m * _TWO_LN2_LO)
+    # 2**-m from exponent bits: m + 1.5 * 2**23 holds m in its low mantissa bits.
+    scale = _float(jnp.int32(0x3F800000) - (_bits(m + _SHIFT) << 23))
+    cw = r * _horner(_GAUSS_W, r) + _INV_SQRT_2PI_LO  # c e^{-r/2} - c_hi
+    q = _horner(_MILLS_Q, a)
+    p = _horner(_MILLS_P, a)
+    aq = a * q
+    den = a * q + p
+    rs = jax.lax.rsqrt(den)
+    inv = rs * rs
+    y0 = aq * inv
+    y_lo = ((aq - den * y0) + (a * q - aq)) * inv
+    d = (y0 * _INV_SQRT_2PI_HI + (y0 * cw + y_lo * (_INV_SQRT_2PI_HI + cw))) * scale
+    phi = (_INV_SQRT_2PI_HI + cw) * scale
+    return a, d, phi, inv, q
 
 
 @jax.custom_jvp
@@ -133,28 +179,43 @@ def gelu_exact(x):
     """GELU in its exact form, ``x * Phi(x)`` (Hendrycks & Gimpel, 2016): ``jax.nn.gelu(x,
     approximate=False)``, which computes it as ``x * erfc(-x / sqrt(2)) / 2``.
 
-    Phi from exp2, arithmetic and selects, so that every kernel backend lowers it
-    (one exp2, no division): ``1/2 + x G(x^2)`` for -0.45 < x < 1.25, ``exp2(H(|x|))``
-    below (the lower tail without cancellation), ``1 - exp2(H(x))`` above, 0 below
-    x = -5.7 (absolute error < 4e-8 there). Against float64 over sampled float32
-    values, with a correctly rounded exp2 (and with exp2 2 ulps off either way):
-    within 1.8 ulps for x >= 0; for x < 0 the error grows with ``|log Phi(x)|`` (the
-    float32 rounding of H): 3.3 (5.2) ulps at x >= -0.5, 10 (12) at x >= -2, 46 (49)
-    near -5.6, where XLA's erfc form (jax.nn.gelu on a CPU) measures 1.9, 12 and 41.
-    In Triton's interpreter, ours / XLA's: 1.7 / 1.8 ulps on [-0.45, 0), 4.9 / 3.8 on
-    [-1, -0.45), 9.7 / 12 on [-2, -1), 21 / 19 on [-4, -2), 42 / 39 on [-5.7, -4);
-    below -5.7 ours is 0 (XLA's: 75 ulps to -8, then 0), though results stay normal
-    floats down to x = -13.15. Two ulps there need the exponent carried in two parts
-    (x split exactly, Cody-Waite reduction, 2**-k from exponent bits) and the factor
-    ``x Phi(x) e^{x^2/2}`` to 2**-25 relative (module docstring): about 18 more
-    instructions per element than this form, past the bias+gelu_exact kernel's budget
-    (1.25x the same kernel with libdevice's erff; benchmarks/static.py).
-    Computed in float32, returned in x's dtype. Derivative: ``Phi(x) + x phi(x)`` with
-    ``phi(x) = exp(-x^2 / 2) / sqrt(2 pi)``.
+    Computed as ``relu(x) - a Phi(-a)``, a = |x| (since x Phi(x) - (-x) Phi(-x) = x), so that
+    both signs share one evaluation and neither cancels: ``a Phi(-a) = c e^{-a^2/2} a M(a)``,
+    c = 1/sqrt(2 pi), with the exponent carried beyond float32 (a split exactly by a bit
+    mask, Cody-Waite reduction, 2**-m from exponent bits, ``e^{-r/2}`` a polynomial: no exp2),
+    and ``a M(a) = a Q(a) / (a Q(a) + P(a))``: Mills' ratio M in the form of its continued
+    fraction, ``1 / M(a) = a + P / Q`` (P, Q of degree 4, fitted on [0, 13.2]; the erfc
+    rationals of W. J. Cody, "Rational Chebyshev approximations for the error function",
+    Math. Comp. 23 (1969), are of the same kind), the quotient ``rsqrt(den)^2`` corrected
+    by its residual. Arithmetic, a bit mask, integer adds and shifts, floor, one rsqrt and
+    a max: every kernel backend lowers it. |x| is clamped at 13.2, where x Phi(x) < 2**-126.
+
+    Accuracy against float64 ``x * ndtr(x)`` over float32 values with normal results
+    (others within 2**-126 absolute; tests/test_triton_backend.py), in ulps at [-13.2,
+    -5.7], [-5.7, -4], [-4, -2], [-2, -1], [-1, -0.45], [-0.45, 0], [0, 1.25], above:
+    where products and sums contract into fused multiply-adds (LLVM on a GPU, modelled in
+    float32 numpy with rsqrt 2**-22.9 off either way): 1.9, 1.7, 2.1, 1.9, 1.9, 2.3, 2.1,
+    0.6; through XLA on a CPU, which contracts too: 2.3 (5 for |x| < 1e-31, where it
+    flushes the subnormal residuals); unfused (Triton's interpreter, whose numpy rounds
+    every product, so the residual corrections carry a rounded product): 2.8, 2.7, 3.2, 3.5,
+    2.7, 3.7, 3.6, 0.7. XLA's erfc form (jax.nn.gelu
+    on a CPU): 1.9 at x >= -1, 12 at [-2, -1], 40 at [-5.7, -4], 0 below -8. Two ulps
+    everywhere would need the remaining full-size roundings (the sum ``aQ + P``, the
+    quotient's, ``c_hi y0``'s) carried as pairs of floats too: about 8 more instructions per
+    element. On sm_90 the bias+gelu_exact matmul (128 x 128 tile, 64 elements per thread)
+    takes 3208 SASS instructions, within 1.25x the same kernel with libdevice's ``erff``
+    (2616; libdevice's ``erfcf``, jax.nn.gelu's form: 3968); benchmarks/static.py.
+
+    Computed in float32, returned in x's dtype. NaN stays NaN, +-0 give +0 (jax.nn.gelu keeps
+    -0: the relu's max(x, -0.0) would keep it on XLA, but Triton reads the literal -0.0 as
+    0 - 0.0), +inf gives inf and -inf 0 (jax.nn.gelu: NaN). Derivative: ``Phi(x) + x phi(x)``,
+    phi(x) = e^{-x^2/2} / sqrt(2 pi) and Phi(-a) = phi(a) M(a) from the same carried exponent
+    (accurate into the tails), 0 at -inf and 1 at +inf.
     """
     x = jnp.asarray(x)
     xf = x.astype(jnp.float32)
-    return (xf * _normal_cdf(xf)).astype(x.dtype)
+    _, d, _, _, _ = _gelu_exact_parts(xf)
+    return (jnp.maximum(xf, 0.0) - d).astype(x.dtype)
 
 
 @gelu_exact.defjvp
@@ -162,9 +223,12 @@ def _gelu_exact_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
     x, dx = jnp.asarray(x), jnp.asarray(dx)
     xf = x.astype(jnp.float32)
-    cdf = _normal_cdf(xf)
-    slope = cdf + xf * (_INV_SQRT_2PI * jnp.exp(-0.5 * xf * xf))
-    return (xf * cdf).astype(x.dtype), (slope * dx.astype(jnp.float32)).astype(x.dtype)
+    a, d, phi, inv, q = _gelu_exact_parts(xf)
+    lower = phi * (q * inv)  # Phi(-a)
+    out = jnp.maximum(xf, 0.0) - d
+    # Phi(x) + x phi(x), with the clamped a (x phi(x) -> 0 at +-inf, no inf * 0).
+    slope = jnp.where(xf < 0, lower - a * phi, (1.0 - lower) + a * phi)
+    return out.astype(x.dtype), (slope * dx.astype(jnp.float32)).astype(x.dtype)
 
 
 ACTIVATIONS: dict[str, Callable] = {

@@ -543,12 +543,14 @@ BUDGETS: dict[tuple[str, str], Budget] = {
         "waits' retries and branches back", loops=(tutorial, *waits), registers=regs + 16, tma=True)
        for h, tutorial, regs, ours, waits in ((64, 515, 186, "507, 189", (2, 1450, 2, 1103)),
                                               (128, 340, 140, "328, 138", (2, 1190, 2, 845)))},
-    # The exact gelu's epilogue (ops.activations: Phi from exp2 and polynomials, within
-    # 1.8 ulps for x >= 0) against the same kernel with libdevice's erff in
-    # 0.5 x (1 + erf(x / sqrt 2)): 2616 SASS instructions at this tile (ours: 2176).
+    # The exact gelu's epilogue (ops.activations.gelu_exact: relu(x) - a Phi(-a), the exponent
+    # carried beyond float32 and Mills' ratio as a corrected rational; 2.3 ulps over the whole
+    # float32 range where products contract into FMAs) within 1.25x the same kernel with
+    # libdevice's erff in 0.5 x (1 + erf(x / sqrt 2)): 2616 SASS instructions at this tile,
+    # so 3270 (ours: 3208; with libdevice's erfcf, jax.nn.gelu's x erfc(-x / sqrt 2) / 2: 3968).
     ("fused_matmul/bias+gelu_exact/8192x8192x8192/bfloat16/fwd", "fused_matmul_bias_gelu_exact"): Budget(
-        "no more than the same kernel with libdevice's erff (2616 instructions); K loop: "
-        + _FROZEN, loops=(83,), instructions=2616),
+        "1.25x the same kernel with libdevice's erff (2616 instructions): 3270; K loop: "
+        + _FROZEN, loops=(83,), instructions=3270),
     # The backward's two matmuls, named apart so each K loop has its budget. dx = dz @ w^T
     # reads w transposed (156 instructions per step, 146 registers); dw = x^T @ dz reads x
     # transposed (145, 96 registers); the forward's loop, both operands in place, takes 83.

@@ -41,9 +41,10 @@ Not within 2 ulps, and why:
   ``y ~ 0.8 x (1 + 0.045 x^2)`` alone costs |2y| * 2**-23 relative (13 ulps at
   x = -3): 2 ulps need y as a double-float.
 * ``gelu_exact``: 2.3 ulps at worst (3.7 unfused), see :func:`gelu_exact`: the sum
-  ``a Q + P`` of its rational and two quotients are still rounded at full size; carried
-  as pairs of floats they would cost about 8 more instructions per element, past the
-  bias+gelu_exact kernel's budget (benchmarks/static.py).
+  ``den = a Q + P`` of its rational is rounded at full size (with den exact: 1.9);
+  carrying its error (Fast2Sum on the larger of a Q and P, one more residual term) costs
+  about 6 more instructions per element, about 3590 for the bias+gelu_exact kernel,
+  past its budget of 3270 (benchmarks/static.py).
 * ``softplus``: composed of the exp and log1p helpers (other kernels use them too).
 """
 from __future__ import annotations
@@ -199,11 +200,12 @@ def gelu_exact(x):
     flushes the subnormal residuals); unfused (Triton's interpreter, whose numpy rounds
     every product, so the residual corrections carry a rounded product): 2.8, 2.7, 3.2, 3.5,
     2.7, 3.7, 3.6, 0.7. XLA's erfc form (jax.nn.gelu
-    on a CPU): 1.9 at x >= -1, 12 at [-2, -1], 40 at [-5.7, -4], 0 below -8. Two ulps
-    everywhere would need the remaining full-size roundings (the sum ``aQ + P``, the
-    quotient's, ``c_hi y0``'s) carried as pairs of floats too: about 8 more instructions per
-    element. On sm_90 the bias+gelu_exact matmul (128 x 128 tile, 64 elements per thread)
-    takes 3208 SASS instructions, within 1.25x the same kernel with libdevice's ``erff``
+    on a CPU): 1.9 at x >= -1, 12 at [-2, -1], 40 at [-5.7, -4], 0 below -8. The largest
+    error left is the rounding of ``den = aQ + P`` (den exact: 1.9 ulps in the same model);
+    its error carried (Fast2Sum on the larger of aQ and P, one more residual term) would
+    cost about 6 instructions per element, past the kernel's budget. On sm_90 the
+    bias+gelu_exact matmul (128 x 128 tile, 64 elements per thread) takes 3208 SASS
+    instructions, within 1.25x the same kernel with libdevice's ``erff``
     (2616; libdevice's ``erfcf``, jax.nn.gelu's form: 3968); benchmarks/static.py.
 
     Computed in float32, returned in x's dtype. NaN stays NaN, +-0 give +0 (jax.nn.gelu keeps

@@ -15,8 +15,8 @@ sigmoid        carried exp, corrected sum/quotient     0.65         2.2
 silu           x * sigmoid(x)                          1.5          2.6
 erf            polynomial, 1 - exp2(polynomial)        1.3          4.9
 gelu_exact     relu(x) - 2^-m c e^(-r/2) a M(a) (2)    3.7 (2.3)    1.9 .. 40
-gelu           jax.nn.gelu: 0.5 x (1 + tanh(y))        1.9 at x>=0  2.5
-softplus       jax.nn.softplus: log1p(exp(-|x|)) + ..  4.2          2.8
+gelu           x sigmoid(2y), 2y as two floats (3)     1.34         2.7 .. (4)
+softplus       relu(x) + 2 atanh(e / (2 + e)) (3)      1.03         2.8
 =============  ======================================  ===========  =======
 
 (1) 1.0 with a correctly rounded exp2; Triton's interpreter's float32 exp2 is up
@@ -33,28 +33,34 @@ interpreter, which rounds every product, 2.3 where products and sums contract in
 fused multiply-adds (a GPU, XLA on a CPU); XLA's erfc form (jax.nn.gelu) reaches 40
 ulps at [-5.7, -4] and gives 0 below -8.
 
+(3) :func:`gelu` (jax.nn.gelu's tanh form) and :func:`softplus` are the jit helpers
+``gelu_tanh`` and ``softplus`` on our Triton lowering (through
+:func:`pallas_core.triton.markers.math_helper`), with no exp2 and one rcp.approx; within
+1.34 and 1.09 ulps with the GPU's rcp.approx 1 ulp off either way. Elsewhere they are
+portable formulas: ``x * sigmoid(2y)`` in float32 (2.1 ulps for x >= 0 on XLA's CPU,
+about 2 |2y| more below 0: 27 at [-5, -3]) and jax.nn.softplus's own.
+
+(4) jax.nn.gelu on XLA's CPU: 2.7 ulps for x >= 0, 5.6 at [-1, 0), 41 at [-2, -1),
+1050 at [-3, -2) and no correct digit below -3 (``1 + tanh(y)`` cancels).
+
 Not within 2 ulps, and why:
 
-* ``gelu`` (jax.nn.gelu's tanh form) for x < -1: ``1 + tanh(y)`` cancels (ours
-  15 ulps at [-2, -1], 200 at [-3, -2], no correct digit below -3; XLA alike). The
-  equal ``x * sigmoid(2 y)`` avoids the cancellation, but the float32 rounding of
-  ``y ~ 0.8 x (1 + 0.045 x^2)`` alone costs |2y| * 2**-23 relative (13 ulps at
-  x = -3): 2 ulps need y as a double-float.
 * ``gelu_exact``: 2.3 ulps at worst (3.7 unfused), see :func:`gelu_exact`: the sum
   ``den = a Q + P`` of its rational is rounded at full size (with den exact: 1.9);
   carrying its error (Fast2Sum on the larger of a Q and P, one more residual term) costs
   about 6 more instructions per element, about 3590 for the bias+gelu_exact kernel,
   past its budget of 3270 (benchmarks/static.py).
-* ``softplus``: composed of the exp and log1p helpers (other kernels use them too).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from ops._checks import check_elementwise
+from pallas_core import context
 
 _TWO_OVER_SQRT_PI = 1.1283791670955126
 # Polynomial coefficients, lowest degree first: least-squares fits (reweighted
@@ -233,16 +239,172 @@ def _gelu_exact_jvp(primals, tangents):
     return out.astype(x.dtype), (slope * dx.astype(jnp.float32)).astype(x.dtype)
 
 
+# gelu's tanh form: 2 sqrt(2/pi) (x + 0.044715 x^3) = x (K1 + K3 x^2).
+_GELU_K1 = 2.0 * math.sqrt(2.0 / math.pi)
+_GELU_K3 = _GELU_K1 * 0.044715
+# Past these |x| the derivative's second term, x y'(x) (1 - tanh(y)^2) / 2, is below 1e-38:
+# x is clamped there so that it never meets 0 * inf.
+_GELU_SLOPE_CLAMP = 11.0
+
+
+def _floating(x, name: str):
+    """``x`` as an array of a floating dtype (integers and bools promoted as jax.nn does).
+
+    Raises:
+      TypeError: a complex ``x``.
+    """
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(f"{name}: x must be a real array, got {x.dtype}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(jnp.result_type(x, 1.0))
+    return x
+
+
+def _gelu_formula(x):
+    """``x sigmoid(u)``, ``u = 2 sqrt(2/pi) (x + 0.044715 x^3)``, in x's floating dtype: the
+    tanh form without the cancellation of ``1 + tanh(u / 2)`` below x = -1. Below x = -40
+    sigmoid(u) is 0 even in float64, and x is clamped there so that -inf gives -0, the limit,
+    not NaN."""
+    return jnp.maximum(x, -40.0) * jax.nn.sigmoid(x * (_GELU_K1 + _GELU_K3 * (x * x)))
+
+
+def gelu(x, approximate: bool = True):
+    """GELU (Hendrycks & Gimpel, "Gaussian Error Linear Units", 2016, section 2):
+    ``jax.nn.gelu`` with its arguments, defaults and meaning.
+
+    ``approximate=True`` (the default) is the paper's tanh approximation,
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``; ``approximate=False`` is the exact
+    ``x Phi(x)`` (:func:`gelu_exact`). The tanh form is computed as the equal
+    ``x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``, which does not cancel for x < -1 as
+    ``1 + tanh`` does (jax.nn.gelu there: 15 ulps at [-2, -1], no correct digit below -3).
+
+    Accuracy in float32, against float64 of the formula with its constants in float64
+    (tests/test_triton_backend.py): on our Triton lowering, :mod:`pallas_core.triton.jit_helpers`'
+    ``gelu_tanh`` (the argument carried as a sum of two floats, ``exp`` from a polynomial,
+    the quotient corrected; 42 SASS instructions per element on sm_90, one ``rcp.approx``),
+    within 1.4 ulps for every x with a normal result (results below 2**-126 within 2**-126),
+    in Triton's interpreter and at the GPU's worst ``rcp.approx``. Elsewhere (interpret,
+    pallas_triton, mosaic_tpu, XLA outside kernels) the same quotient is ``x * sigmoid(u)``
+    in float32 with u rounded: 2.1 ulps for x >= 0 on XLA's CPU, about ``2 |u|`` more below
+    0 (27 at [-5, -3]), against jax.nn.gelu's 41 at [-2, -1) and no correct digit below -3.
+
+    Args:
+      x: an array; 16-bit floats are computed in float32 (jax.nn.gelu computes in x's
+        dtype), float64 in float64, integers promoted to a float as jax.nn.gelu does.
+      approximate: the tanh form (True) or the exact erf form (False).
+
+    Returns:
+      gelu(x) in x's (floating) dtype and shape. NaN stays NaN, +inf gives inf, signed zeros
+      keep their sign; -inf gives -0 (the limit) on the portable path and about -1e-38 (the
+      limit within a subnormal) on our Triton lowering, where jax.nn.gelu gives NaN.
+      The derivative (a custom JVP) is jax.grad(jax.nn.gelu)'s formula (the tanh form's),
+      finite everywhere (1 at +inf, 0 at -inf; jax.nn.gelu's is NaN at +-inf).
+
+    Raises:
+      TypeError: a complex x.
+    """
+    if not approximate:
+        return gelu_exact(x)
+    return _gelu_tanh(_floating(x, "gelu"))
+
+
+@jax.custom_jvp
+def _gelu_tanh(x):
+    if x.dtype == jnp.float64:
+        return _gelu_formula(x)
+    xf = x.astype(jnp.float32)
+    if context.backend() == "triton":
+        from pallas_core.triton import markers
+        y = markers.math_helper("gelu_tanh", _gelu_formula, xf)
+    else:
+        y = _gelu_formula(xf)
+    return y.astype(x.dtype)
+
+
+@_gelu_tanh.defjvp
+def _gelu_tanh_jvp(primals, tangents):
+    """jax.grad(jax.nn.gelu)'s formula, ``(1 + t) / 2 + x y'(x) (1 - t)(1 + t) / 2`` with
+    ``t = tanh(y)``, ``y = sqrt(2/pi) (x + 0.044715 x^3)`` (a tanh is half a sigmoid's cost
+    on our Triton lowering), x clamped in the second term so that it is 0, not NaN, where
+    ``1 - t^2`` is 0. The tangent is scaled first, as JAX's autodiff of the formula does:
+    in fused_matmul's gradient kernel on the 128 x 256 tile the other order spills."""
+    (x,), (dx,) = primals, tangents
+    x, dx = jnp.asarray(x), jnp.asarray(dx)
+    z = x if x.dtype == jnp.float64 else x.astype(jnp.float32)
+    t = jnp.tanh(z * (0.5 * _GELU_K1 + 0.5 * _GELU_K3 * (z * z)))
+    c = jnp.clip(z, -_GELU_SLOPE_CLAMP, _GELU_SLOPE_CLAMP)
+    half = 0.5 * dx.astype(z.dtype)
+    dy = c * (0.5 * _GELU_K1 + 1.5 * _GELU_K3 * (c * c))
+    tangent = half * (1.0 + t) + (half * dy) * ((1.0 - t) * (1.0 + t))
+    return _gelu_tanh(x), tangent.astype(x.dtype)
+
+
+def softplus(x):
+    """Softplus, ``log(1 + e^x)`` (Dugas et al., "Incorporating Second-Order Functional
+    Knowledge for Better Option Pricing", NIPS 2000): ``jax.nn.softplus`` (which computes
+    ``jnp.logaddexp(x, 0)``) with its argument and meaning.
+
+    Accuracy in float32 against float64 ``log1p(exp(x))`` (tests/test_triton_backend.py):
+    on our Triton lowering, :mod:`pallas_core.triton.jit_helpers`' ``softplus``
+    (``max(x, 0) + 2 atanh(e / (2 + e))``, ``e = exp(-|x|)`` carried as two floats from a
+    polynomial as the sigmoid helper does, the quotient corrected; 45 SASS instructions per
+    element on sm_90, one ``rcp.approx``), within 1.2 ulps for every x with a normal result
+    (results below 2**-126 within 2**-126), in Triton's interpreter and at the GPU's worst
+    ``rcp.approx``; jax.nn.softplus lowered there (the exp and log1p helpers) is 4.2 ulps
+    off. Elsewhere (interpret, pallas_triton, mosaic_tpu, XLA outside kernels) it is
+    jax.nn.softplus's formula (XLA's CPU: 2.8 ulps).
+
+    Args:
+      x: an array; 16-bit floats are computed in float32 (jax.nn.softplus computes in x's
+        dtype), float64 in float64, integers promoted to a float as jax.nn.softplus does.
+
+    Returns:
+      softplus(x) in x's (floating) dtype and shape: ln 2 at +-0, 0 below x = -87.5 and at
+      -inf, inf at +inf, NaN for NaN. The derivative (a custom JVP) is
+      ``jax.nn.sigmoid(x)``, as jax.grad(jax.nn.softplus).
+
+    Raises:
+      TypeError: a complex x.
+    """
+    return _softplus(_floating(x, "softplus"))
+
+
+def _softplus_formula(x):
+    return jnp.logaddexp(x, 0.0)
+
+
+@jax.custom_jvp
+def _softplus(x):
+    if x.dtype == jnp.float64:
+        return _softplus_formula(x)
+    xf = x.astype(jnp.float32)
+    if context.backend() == "triton":
+        from pallas_core.triton import markers
+        y = markers.math_helper("softplus", _softplus_formula, xf)
+    else:
+        y = _softplus_formula(xf)
+    return y.astype(x.dtype)
+
+
+@_softplus.defjvp
+def _softplus_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    x, dx = jnp.asarray(x), jnp.asarray(dx)
+    z = x if x.dtype == jnp.float64 else x.astype(jnp.float32)
+    return _softplus(x), (jax.nn.sigmoid(z) * dx.astype(z.dtype)).astype(x.dtype)
+
+
 ACTIVATIONS: dict[str, Callable] = {
     "relu": jax.nn.relu,
     "relu6": jax.nn.relu6,
-    "gelu": jax.nn.gelu,  # tanh approximation, JAX's default
+    "gelu": gelu,  # tanh approximation, JAX's default (= jax.nn.gelu(x))
     "gelu_exact": gelu_exact,  # erf (Phi) form, = jax.nn.gelu(approximate=False)
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
     "sigmoid": jax.nn.sigmoid,
     "tanh": jax.numpy.tanh,
-    "softplus": jax.nn.softplus,
+    "softplus": softplus,  # = jax.nn.softplus
 }
 
 

@@ -113,7 +113,9 @@ def test_jit_vmap_and_default_implementation():
 def test_gelu_exact_means_jax_gelu_erf_form():
     x = jnp.linspace(-8, 8, 4001)
     np.testing.assert_allclose(ACTIVATIONS["gelu_exact"](x), jax.nn.gelu(x, approximate=False), atol=1e-6)
-    np.testing.assert_array_equal(ACTIVATIONS["gelu"](x), jax.nn.gelu(x))
+    # The tanh form without jax.nn.gelu's cancellation of 1 + tanh below x = -1 (the values
+    # there are below 0.2 in size; tests/test_triton_backend.py checks the accuracy).
+    np.testing.assert_allclose(ACTIVATIONS["gelu"](x), jax.nn.gelu(x), rtol=1e-6, atol=1e-6)
 
 
 @settings(max_examples=8, deadline=None)

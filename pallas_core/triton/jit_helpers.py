@@ -49,6 +49,47 @@ COMBINERS = {
 # (:func:`pallas_core.triton.runtime.load` sets it), for helpers with PTX in them.
 INTERPRETED = "_INTERPRETED"
 
+# exp(-|x|) as a sum of two floats, e_hi + e_lo, with no exp2 (the sigmoid and softplus
+# helpers' first lines; t = |x| clamped at 87.5, NaN kept): t reduced as in the exp helper,
+# exp(-t) = 2**-k exp(f), f = k ln2 - t = fh + fl in [-ln2/2, ln2/2] (fh exact), exp(f) =
+# (1 + fh) + (fl + f^2 C(f)) with C of degree 5 (a least-squares fit reweighted towards
+# minimax, 2**-29.7 absolute), each sum split exactly (Fast2Sum), and 2**-k built from
+# exponent bits.
+_EXP_NEG_ABS = """\
+a = tl.abs(x)
+t = tl.minimum(a, 87.5, propagate_nan=tl.PropagateNan.ALL)
+k = (t * 1.4426950408889634 + 12582912.0) - 12582912.0
+fh = k * 0.693145751953125 - t
+fl = k * 1.428606765330187e-06
+f = fh + fl
+p = 0.0001991727331187576
+p = p * f + 0.0013946091057732701
+p = p * f + 0.008333266712725163
+p = p * f + 0.041666269302368164
+p = p * f + 0.1666666716337204
+p = p * f + 0.5
+h = 1.0 + fh
+l = (fh - (h - 1.0)) + (fl + f * f * p)
+e_hi = h + l
+scale = ((127 - k.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+e_lo = (l - (e_hi - h)) * scale
+e_hi = e_hi * scale
+"""
+
+
+def _reciprocal(note: str) -> str:
+    """Helper lines setting ``q`` ~ ``1 / d``: rcp.approx.ftz.f32 (one MUFU, within 1 ulp)
+    on a GPU, for a ``d`` the caller knows needs no range fix-ups (``note`` says why), and
+    the division in Triton's interpreter, which cannot run PTX."""
+    return f"""\
+if {INTERPRETED}:
+    q = 1.0 / d
+else:  # {note}
+    q = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                  is_pure=True, pack=1)
+"""
+
+
 MATH = {
     # Goldberg: log(u) * x / (u - 1) corrects the rounding of u = 1 + x.
     # u == 1 keeps tiny x (and -0.0) exactly; u == inf keeps log1p(inf) = inf.
@@ -76,7 +117,7 @@ return tl.where(u == 1.0, x, em1)"""),
     # relative) and rcp.approx (2**-23) errors: 1.79 (tests/test_triton_backend.py). On
     # sm_90 the bias+gelu matmul (128 x 128 tile) takes 2296 SASS instructions, against
     # 2560 with 2 / d as div.full.f32 and the sign from two float compares.
-    "tanh": ("x", f"""\
+    "tanh": ("x", """\
 a = tl.abs(x)
 z = a * a
 p = 6.8239551183069125e-06
@@ -91,11 +132,7 @@ p = p * z + 0.13333305716514587
 p = p * z + -0.3333333134651184
 small = a + a * z * p
 d = tl.exp2(a * 2.885390081777927) + 1.0
-if {INTERPRETED}:
-    q = 1.0 / d
-else:  # d >= 1 (or inf): no range fix-ups
-    q = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
-                                  is_pure=True, pack=1)
+""" + _reciprocal("d >= 1 (or inf): no range fix-ups") + """\
 r = tl.where(a >= 1.2, tl.fma(q, -2.0, 1.0), small)
 return tl.where(x.to(tl.int32, bitcast=True) < 0, r * -1.0, r)"""),
     # exp with the argument reduced first (Cody & Waite): j = round(x log2(e)) (the
@@ -119,11 +156,7 @@ f = a - j * 0.693145751953125
 f = f - j * 1.428606765330187e-06
 return tl.exp2(f * 1.4426950408889634) * tl.exp2(j)"""),
     # lax.logistic in float32, within 0.8 ulps of float64, with no exp2 and whatever the
-    # quotient's rounding. e = exp(-|x|) is carried as e_hi + e_lo: t = |x| reduced as in
-    # the exp helper, exp(-t) = 2**-k exp(f), f = k ln2 - t = fh + fl in [-ln2/2, ln2/2] (fh
-    # exact), exp(f) = (1 + fh) + (fl + f^2 C(f)) with C of degree 5 (a least-squares fit
-    # reweighted towards minimax, 2**-29.7 absolute), each sum split exactly (Fast2Sum), and
-    # 2**-k built from exponent bits. Then sigmoid(|x|) = 1 / (1 + e) and sigmoid(-|x|) =
+    # quotient's rounding. e = exp(-|x|) is carried as e_hi + e_lo (_EXP_NEG_ABS). Then sigmoid(|x|) = 1 / (1 + e) and sigmoid(-|x|) =
     # e / (1 + e) with two error-free corrections (Muller et al., "Handbook of
     # Floating-Point Arithmetic", 2nd ed., 2018, sections 4.3 and 4.4): the rounding error
     # of d = 1 + e_hi (Fast2Sum, exact as 1 >= e_hi) and the residual of q ~ 1/d, rem =
@@ -135,32 +168,10 @@ return tl.exp2(f * 1.4426950408889634) * tl.exp2(j)"""),
     # (1 / (1 + exp(-x)) on the exp helper: 20, 2.3 ulps with exp2 and the division exact,
     # 10 at ex2.approx's and div.full's 2**-22); with e rounded to one float, 34 and 1.5 ulps,
     # but x * sigmoid(x) (silu) is within 2 ulps only with e carried (1.5; XLA's: 2.6).
-    "sigmoid": ("x", f"""\
-a = tl.abs(x)
-t = tl.minimum(a, 87.5, propagate_nan=tl.PropagateNan.ALL)
-k = (t * 1.4426950408889634 + 12582912.0) - 12582912.0
-fh = k * 0.693145751953125 - t
-fl = k * 1.428606765330187e-06
-f = fh + fl
-p = 0.0001991727331187576
-p = p * f + 0.0013946091057732701
-p = p * f + 0.008333266712725163
-p = p * f + 0.041666269302368164
-p = p * f + 0.1666666716337204
-p = p * f + 0.5
-h = 1.0 + fh
-l = (fh - (h - 1.0)) + (fl + f * f * p)
-e_hi = h + l
-scale = ((127 - k.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
-e_lo = (l - (e_hi - h)) * scale
-e_hi = e_hi * scale
+    "sigmoid": ("x", _EXP_NEG_ABS + """\
 d = 1.0 + e_hi
 err = (e_hi - (d - 1.0)) + e_lo
-if {INTERPRETED}:
-    q = 1.0 / d
-else:  # d in [1, 2]: no range fix-ups; the residual below corrects rcp.approx's ulp
-    q = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
-                                  is_pure=True, pack=1)
+""" + _reciprocal("d in [1, 2]: no range fix-ups; the residual below corrects rcp.approx's ulp") + """\
 rem = tl.fma(q * -1.0, d, 1.0)
 c = (rem - q * err) * q
 lo = tl.where(a > 87.5, 0.0, tl.fma(e_hi, q, tl.fma(e_lo, q, e_hi * c)))
@@ -266,15 +277,40 @@ scale = (scale + (127 << 23)).to(tl.float32, bitcast=True)
 e = h + l
 d = tl.fma(e, scale, 1.0)
 err = tl.fma(e, scale, 1.0 - d)
-if {INTERPRETED}:
-    q = 1.0 / d
-else:  # d in [1, 2]: no range fix-ups; the residual below corrects rcp.approx's ulp
-    q = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
-                                  is_pure=True, pack=1)
+""" + _reciprocal("d in [1, 2]: no range fix-ups; the residual below corrects rcp.approx's ulp") + """\
 c = tl.fma(q * -1.0, err, tl.fma(q * -1.0, d, 1.0))
 g = tl.fma(gh, q, tl.fma(gh, c, gl) * q)
 g = (g.to(tl.int32, bitcast=True) + kbits).to(tl.float32, bitcast=True)
 return tl.where(x < 0, g, x + g)""")
+
+# jax.nn.softplus, log(1 + e^x) = max(x, 0) + log1p(e), e = exp(-|x|) in (0, 1] carried as
+# e_hi + e_lo (_EXP_NEG_ABS), within 1.2 ulps of float64 log1p(exp(x)) for every float32 x
+# with a normal result, whatever the rounding of rcp.approx (tests/test_triton_backend.py).
+# log1p(e) = 2 atanh(e / (2 + e)), which does not cancel for small e, where the result is
+# about e: with S = e / (1 + e/2) (twice the atanh argument, a normal float wherever the
+# result is), log1p(e) = S + S^3 B(S^2), B(w) = A(w/4) / 4 where atanh(s) = s + s^3 A(s^2),
+# A of degree 3 (a least-squares fit reweighted towards minimax: 2**-27.7 of atanh(s) / s,
+# s <= 1/3). S as sh + sl: d = 1 + e_hi/2 and its rounding error (Fast2Sum), q ~ 1/d by
+# rcp.approx, sh = e_hi q, sl = (e - sh (1 + e/2)) q from two FMA residuals (Muller et al.,
+# "Handbook of Floating-Point Arithmetic", 2nd ed., 2018, sections 4.3-4.4). The result is
+# rounded once for x <= 0 (sh + (sl + sh^3 B)), twice for x > 0 (x + (sl + sh^3 B) first).
+# x < -87.5 (results below 2**-126) gives 0; +inf gives inf, NaN stays NaN. Cost on sm_90:
+# 45 SASS instructions per element (jax.nn.softplus on the exp and log1p helpers: 55, 4.2
+# ulps).
+_ATANH_A3 = (0.3333320617675781, 0.20010866224765778, 0.1399935632944107, 0.14013078808784485)
+_LOG1P_B3 = tuple(a / 4 ** (n + 1) for n, a in enumerate(_ATANH_A3))  # exact: powers of 2
+MATH["softplus"] = ("x", _EXP_NEG_ABS + """\
+d = tl.fma(e_hi, 0.5, 1.0)
+err = tl.fma(e_lo, 0.5, tl.fma(e_hi, 0.5, 1.0 - d))
+""" + _reciprocal("d in [1, 1.5]: no range fix-ups; the residuals below correct rcp.approx's ulp") + f"""\
+sh = e_hi * q
+sl = (tl.fma(sh * -1.0, d, e_hi) + tl.fma(sh * -1.0, err, e_lo)) * q
+z = sh * sh
+p = tl.fma({_LOG1P_B3[3]!r}, z, {_LOG1P_B3[2]!r})
+p = tl.fma(p, z, {_LOG1P_B3[1]!r})
+p = tl.fma(p, z, {_LOG1P_B3[0]!r})
+r = sh + (tl.maximum(x, 0.0) + tl.fma(sh * z, p, sl))
+return tl.where(x < -87.5, 0.0, r)""")
 
 # pallas_core.triton.approx_tanh: PTX's tanh.approx.f32 (about 2**-11 relative error)
 # on a GPU; the interpreter cannot run PTX and computes the accurate tanh.
@@ -287,7 +323,7 @@ return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=t
 # Helpers that call other helpers.
 _NEEDS = {"approx_tanh": ("tanh",)}
 # Helpers with PTX in them: their module defines INTERPRETED.
-PTX = frozenset({"approx_tanh", "gelu_tanh", "sigmoid", "tanh"})
+PTX = frozenset({"approx_tanh", "gelu_tanh", "sigmoid", "softplus", "tanh"})
 
 
 def with_dependencies(names) -> list[str]:

@@ -309,17 +309,28 @@ def gelu(x, approximate: bool = True):
     return _gelu_tanh(_floating(x, "gelu"))
 
 
-@jax.custom_jvp
-def _gelu_tanh(x):
+def _by_helper(helper: str, formula, x):
+    """``formula(x)`` computed in float32 (float64 in float64) and returned in x's dtype;
+    on our Triton lowering, the jit helper ``_<helper>`` of
+    :mod:`pallas_core.triton.jit_helpers` instead (through
+    :func:`pallas_core.triton.markers.math_helper`)."""
     if x.dtype == jnp.float64:
-        return _gelu_formula(x)
+        return formula(x)
     xf = x.astype(jnp.float32)
     if context.backend() == "triton":
         from pallas_core.triton import markers
-        y = markers.math_helper("gelu_tanh", _gelu_formula, xf)
-    else:
-        y = _gelu_formula(xf)
-    return y.astype(x.dtype)
+        return markers.math_helper(helper, formula, xf).astype(x.dtype)
+    return formula(xf).astype(x.dtype)
+
+
+def _wide(x):
+    """x in the dtype its activation is computed in: float64 stays, others go to float32."""
+    return x if x.dtype == jnp.float64 else x.astype(jnp.float32)
+
+
+@jax.custom_jvp
+def _gelu_tanh(x):
+    return _by_helper("gelu_tanh", _gelu_formula, x)
 
 
 @_gelu_tanh.defjvp
@@ -331,7 +342,7 @@ def _gelu_tanh_jvp(primals, tangents):
     in fused_matmul's gradient kernel on the 128 x 256 tile the other order spills."""
     (x,), (dx,) = primals, tangents
     x, dx = jnp.asarray(x), jnp.asarray(dx)
-    z = x if x.dtype == jnp.float64 else x.astype(jnp.float32)
+    z = _wide(x)
     t = jnp.tanh(z * (0.5 * _GELU_K1 + 0.5 * _GELU_K3 * (z * z)))
     c = jnp.clip(z, -_GELU_SLOPE_CLAMP, _GELU_SLOPE_CLAMP)
     half = 0.5 * dx.astype(z.dtype)
@@ -376,22 +387,14 @@ def _softplus_formula(x):
 
 @jax.custom_jvp
 def _softplus(x):
-    if x.dtype == jnp.float64:
-        return _softplus_formula(x)
-    xf = x.astype(jnp.float32)
-    if context.backend() == "triton":
-        from pallas_core.triton import markers
-        y = markers.math_helper("softplus", _softplus_formula, xf)
-    else:
-        y = _softplus_formula(xf)
-    return y.astype(x.dtype)
+    return _by_helper("softplus", _softplus_formula, x)
 
 
 @_softplus.defjvp
 def _softplus_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
     x, dx = jnp.asarray(x), jnp.asarray(dx)
-    z = x if x.dtype == jnp.float64 else x.astype(jnp.float32)
+    z = _wide(x)
     return _softplus(x), (jax.nn.sigmoid(z) * dx.astype(z.dtype)).astype(x.dtype)
 
 

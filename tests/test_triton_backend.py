@@ -480,7 +480,8 @@ def test_source_and_debug_print(capsys):
 # ---- ops through our lowering ----------------------------------------------------------
 
 @pytest.mark.parametrize("act, dtype", [(None, jnp.float32), ("gelu_exact", jnp.float32),
-                                        ("gelu_exact", jnp.bfloat16)])
+                                        ("gelu_exact", jnp.bfloat16), ("gelu", jnp.bfloat16),
+                                        ("softplus", jnp.float32)])
 def test_fused_matmul_forward_and_gradients(act, dtype):
     k = jax.random.split(jax.random.key(9), 4)
     x = jax.random.normal(k[0], (37, 50), dtype)

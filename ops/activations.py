@@ -304,9 +304,8 @@ def gelu(x, approximate: bool = True):
     Raises:
       TypeError: a complex x.
     """
-    if not approximate:
-        return gelu_exact(x)
-    return _gelu_tanh(_floating(x, "gelu"))
+    x = _floating(x, "gelu")
+    return _gelu_tanh(x) if approximate else gelu_exact(x)
 
 
 def _by_helper(helper: str, formula, x):

@@ -1017,3 +1017,19 @@ def test_gelu_and_softplus_derivatives_are_jax_nns():
     np.testing.assert_allclose(np.asarray(ops.ACTIVATIONS["gelu"](xb), np.float32),
                                np.asarray(jax.nn.gelu(xb.astype(jnp.float32)).astype(jnp.bfloat16),
                                           np.float32), rtol=2**-7, atol=1e-3)
+
+
+def test_gelu_and_softplus_take_jax_nns_arguments():
+    """jax.nn.gelu's ``approximate`` (False: the erf form, ops.activations.gelu_exact) and
+    integer inputs promoted to a float, as jax.nn does; a complex x is refused, naming x."""
+    gelu, softplus = ops.ACTIVATIONS["gelu"], ops.ACTIVATIONS["softplus"]
+    x = jnp.arange(-3, 4)
+    for ours, public in ((gelu, jax.nn.gelu), (softplus, jax.nn.softplus),
+                         (lambda v: gelu(v, approximate=False),
+                          lambda v: jax.nn.gelu(v, approximate=False))):
+        got, want = ours(x), public(x)
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    for fn in (gelu, softplus):
+        with pytest.raises(TypeError, match="x must be a real array"):
+            fn(jnp.ones(2, jnp.complex64))

@@ -156,12 +156,12 @@ f = a - j * 0.693145751953125
 f = f - j * 1.428606765330187e-06
 return tl.exp2(f * 1.4426950408889634) * tl.exp2(j)"""),
     # lax.logistic in float32, within 0.8 ulps of float64, with no exp2 and whatever the
-    # quotient's rounding. e = exp(-|x|) is carried as e_hi + e_lo (_EXP_NEG_ABS). Then sigmoid(|x|) = 1 / (1 + e) and sigmoid(-|x|) =
-    # e / (1 + e) with two error-free corrections (Muller et al., "Handbook of
-    # Floating-Point Arithmetic", 2nd ed., 2018, sections 4.3 and 4.4): the rounding error
-    # of d = 1 + e_hi (Fast2Sum, exact as 1 >= e_hi) and the residual of q ~ 1/d, rem =
-    # 1 - q d (one fused multiply-add, exact), so 1 / (1 + e) = q + c with c = (rem - q err) q
-    # to second order. The quotient's own error drops out, so the GPU takes rcp.approx.f32
+    # quotient's rounding. e = exp(-|x|) is carried as e_hi + e_lo (_EXP_NEG_ABS). Then
+    # sigmoid(|x|) = 1 / (1 + e) and sigmoid(-|x|) = e / (1 + e) with two error-free
+    # corrections (Muller et al., "Handbook of Floating-Point Arithmetic", 2nd ed., 2018,
+    # sections 4.3 and 4.4): the rounding error of d = 1 + e_hi (Fast2Sum, exact as
+    # 1 >= e_hi) and the residual of q ~ 1/d, rem = 1 - q d (one fused multiply-add, exact),
+    # so 1 / (1 + e) = q + c with c = (rem - q err) q to second order. The quotient's own error drops out, so the GPU takes rcp.approx.f32
     # (one MUFU; d is in [1, 2]) rather than div.full.f32's range fix-ups. Each result is
     # rounded once (a final fused multiply-add). x < -87.5 (results below 2**-126:
     # subnormal) gives 0; NaN stays NaN. Cost on sm_90: 42 SASS instructions per element

@@ -14,7 +14,7 @@ exp            Cody-Waite reduction, then exp2 (1)     1.0 (2.9)    5.0
 sigmoid        carried exp, corrected sum/quotient     0.65         2.2
 silu           x * sigmoid(x)                          1.5          2.6
 erf            polynomial, 1 - exp2(polynomial)        1.3          4.9
-gelu_exact     relu(x) - 2^-m c e^(-r/2) a M(a) (2)    3.7 (2.3)    1.9 .. 40
+gelu_exact     relu(x) - 2^-m c e^(-r/2) a M(a) (2)    3.6 (2.02)   1.9 .. 40
 gelu           x sigmoid(2y), 2y as two floats (3)     1.34         2.7 .. (4)
 softplus       relu(x) + 2 atanh(e / (2 + e)) (3)      1.03         2.8
 =============  ======================================  ===========  =======
@@ -28,8 +28,8 @@ transformations after Muller et al., "Handbook of Floating-Point Arithmetic", 2n
 ed. (2018), sections 4.3-4.4, so the GPU's approximate division (div.full.f32, 2
 ulps) drops out: 0.77 ulps with the quotient 2 ulps off either way.
 
-(2) :func:`gelu_exact` is pure jnp (every backend lowers it): 3.7 ulps in Triton's
-interpreter, which rounds every product, 2.3 where products and sums contract into
+(2) :func:`gelu_exact` is pure jnp (every backend lowers it): 3.6 ulps in Triton's
+interpreter, which rounds every product, 2.02 where products and sums contract into
 fused multiply-adds (a GPU, XLA on a CPU); XLA's erfc form (jax.nn.gelu) reaches 40
 ulps at [-5.7, -4] and gives 0 below -8.
 
@@ -45,11 +45,11 @@ about 2 |2y| more below 0: 27 at [-5, -3]) and jax.nn.softplus's own.
 
 Not within 2 ulps, and why:
 
-* ``gelu_exact``: 2.3 ulps at worst (3.7 unfused), see :func:`gelu_exact`: the sum
-  ``den = a Q + P`` of its rational is rounded at full size (with den exact: 1.9);
-  carrying its error (Fast2Sum on the larger of a Q and P, one more residual term) costs
-  about 6 more instructions per element, about 3590 for the bias+gelu_exact kernel,
-  past its budget of 3270 (benchmarks/static.py).
+* ``gelu_exact``: 2.02 ulps at worst (3.6 unfused), see :func:`gelu_exact`: the
+  denominator ``den`` of its rational is rounded twice at full size; carrying that error
+  (Fast2Sum, one more residual term) costs about 6 more instructions per element, past
+  the bias+gelu_exact kernel's budget of 3270 SASS instructions (benchmarks/static.py;
+  it takes 3256).
 """
 from __future__ import annotations
 
@@ -82,16 +82,20 @@ _INV_SQRT_2PI_HI, _INV_SQRT_2PI_LO = 0.3989422917366028, -1.1335170135851058e-08
 _GAUSS_W = (-0.1994711458683014, 0.04986776039004326, -0.008311179466545582,
             0.0010390832321718335, -0.0001044080636347644, 8.416389391641133e-06)
 # 1 / M(a) - a = P(a) / Q(a) for 0 <= a <= 13.2 (M: Mills' ratio), P and Q of degree 4,
-# fitted so that a M(a) = a Q / (a Q + P) is within 2**-26 (relative); P(0) / Q(0)
-# is sqrt(2 / pi) within 2**-47 (a float32 pair), so a M(a) is exact to first order at 0.
-_MILLS_P = (0.8579053282737732, 0.3888854682445526, 0.09708938747644424,
-            0.010101502761244774, 1.2208201951580122e-06)
-_MILLS_Q = (1.0752248764038086, 0.9770841598510742, 0.41978806257247925,
-            0.09609895944595337, 0.010154650546610355)
+# P = k Q + R with k = sqrt(2 / pi) in float32, fitted so that a M(a) = a Q / (a Q + k Q + R)
+# is within 2**-25.8 (relative); P(0) / Q(0) is sqrt(2 / pi) within 2**-47 (a float32 pair,
+# P(0) = k Q(0) + R(0) exactly), so a M(a) is exact to first order at 0. Among such fits, the
+# one with the smallest float32 error as evaluated (tests/test_triton_backend.py's GPU model).
+_MILLS_K = 0.7978845834732056
+_MILLS_R = (-2.6297612976122764e-08, -0.4215617775917053, -0.25655195116996765,
+            -0.07178712636232376, -0.008730298839509487)
+_MILLS_Q = (1.1601135730743408, 1.054006576538086, 0.45274385809898376,
+            0.10361546277999878, 0.01094345934689045)
 # |x| is clamped here: x Phi(x) < 2**-126 (subnormal) beyond, and 2**-m stays a normal float.
 _GELU_A_MAX = 13.2
 _HALF_LOG2E = 0.7213475108146667  # log2(e) / 2
 _SHIFT = 12582912.0  # 1.5 * 2**23
+_SHIFT_BITS = 0x4B400000  # its bits
 # 2 ln 2 = hi + lo, hi with 17 significant bits: m * hi is exact for m < 128.
 _TWO_LN2_HI, _TWO_LN2_LO = 1.38629150390625, 2.857213530660374e-06
 
@@ -152,26 +156,32 @@ def _gelu_exact_parts(x):
     the 12 leading bits of a (a bit mask), makes ah^2 exact and a^2 = ah^2 + (a - ah)(a + ah);
     m = round(ah^2 log2(e) / 2) and r = a^2 - 2 m ln 2 with ah^2 - m (2 ln 2)_hi exact (Cody &
     Waite), |r| < 0.8; 2**-m from exponent bits (the integer m in the low mantissa bits of
-    m + 1.5 * 2**23; a rounding by adding and subtracting that constant would be folded
-    away by XLA's simplifier). c e^{-r/2} = c_hi + (r W(r) + c_lo) and y = a M(a) = a Q /
-    (a Q + P), the quotient from ``rsqrt(den)^2`` (one MUFU on a GPU, no division's range
-    fix-ups) plus its residual times the same reciprocal. The products are ordered so that
+    ah^2 log2(e) / 2 + 1.5 * 2**23, rounded by that sum, read back as an integer). c e^{-r/2}
+    = c_hi + (r W(r) + c_lo) and y = a M(a) = a Q / den, den = a Q + (k Q + R) (P = k Q + R,
+    k = sqrt(2 / pi): Q's rounding cancels in the quotient at every a), the quotient from
+    ``rsqrt(den)^2`` (one MUFU on a GPU, no division's range fix-ups) plus its residual
+    times the same reciprocal. The products are ordered so that
     contraction into fused multiply-adds only helps: where it fuses (LLVM on a GPU, XLA on a
     CPU), the residuals ``aq - den y0`` and ``a q - aq`` are exact and d is rounded once, in
-    its last FMA; unfused, the residuals carry a rounded product (3.7 ulps instead of 2.3).
+    its last FMA; unfused, the residuals carry a rounded product (3.6 ulps instead of 2.02).
     """
     a = jnp.minimum(jnp.abs(x), _GELU_A_MAX)
     ah = _float(_bits(a) & jnp.int32(-4096))
     qh = ah * ah
-    m = jnp.floor(qh * _HALF_LOG2E + 0.5)
+    # m = round(ah^2 log2(e) / 2) in the low mantissa bits of the sum with 1.5 * 2**23 (the
+    # rounding of that sum; m read back from the bits as an integer: XLA's simplifier folds
+    # (v + c) - c into v), 2**-m from the same bits.
+    shifted = qh * _HALF_LOG2E + _SHIFT
+    m = (_bits(shifted) - jnp.int32(_SHIFT_BITS)).astype(jnp.float32)
     r = (a - ah) * (a + ah) + ((qh - m * _TWO_LN2_HI) - m * _TWO_LN2_LO)
-    # 2**-m from exponent bits: m + 1.5 * 2**23 holds m in its low mantissa bits.
-    scale = _float(jnp.int32(0x3F800000) - (_bits(m + _SHIFT) << 23))
+    scale = _float(jnp.int32(0x3F800000) - (_bits(shifted) << 23))
     cw = r * _horner(_GAUSS_W, r) + _INV_SQRT_2PI_LO  # c e^{-r/2} - c_hi
     q = _horner(_MILLS_Q, a)
-    p = _horner(_MILLS_P, a)
+    # den = a Q + P = a Q + (k Q + R): Q's rounding cancels in a Q / den at every a (not
+    # only where a Q dominates P), and P's rounding is gone.
+    t = _MILLS_K * q + _horner(_MILLS_R, a)
     aq = a * q
-    den = a * q + p
+    den = a * q + t
     rs = jax.lax.rsqrt(den)
     inv = rs * rs
     y0 = aq * inv
@@ -191,26 +201,28 @@ def gelu_exact(x):
     c = 1/sqrt(2 pi), with the exponent carried beyond float32 (a split exactly by a bit
     mask, Cody-Waite reduction, 2**-m from exponent bits, ``e^{-r/2}`` a polynomial: no exp2),
     and ``a M(a) = a Q(a) / (a Q(a) + P(a))``: Mills' ratio M in the form of its continued
-    fraction, ``1 / M(a) = a + P / Q`` (P, Q of degree 4, fitted on [0, 13.2]; the erfc
+    fraction, ``1 / M(a) = a + P / Q`` (P, Q of degree 4, fitted on [0, 13.2], P evaluated as
+    ``sqrt(2/pi) Q + R`` so that Q's rounding cancels in the quotient; the erfc
     rationals of W. J. Cody, "Rational Chebyshev approximations for the error function",
     Math. Comp. 23 (1969), are of the same kind), the quotient ``rsqrt(den)^2`` corrected
-    by its residual. Arithmetic, a bit mask, integer adds and shifts, floor, one rsqrt and
-    a max: every kernel backend lowers it. |x| is clamped at 13.2, where x Phi(x) < 2**-126.
+    by its residual. Arithmetic, a bit mask, integer adds and shifts, one rsqrt and a max:
+    every kernel backend lowers it. |x| is clamped at 13.2, where x Phi(x) < 2**-126.
 
     Accuracy against float64 ``x * ndtr(x)`` over float32 values with normal results
     (others within 2**-126 absolute; tests/test_triton_backend.py), in ulps at [-13.2,
     -5.7], [-5.7, -4], [-4, -2], [-2, -1], [-1, -0.45], [-0.45, 0], [0, 1.25], above:
     where products and sums contract into fused multiply-adds (LLVM on a GPU, modelled in
-    float32 numpy with rsqrt 2**-22.9 off either way): 1.9, 1.7, 2.1, 1.9, 1.9, 2.3, 2.1,
-    0.6; through XLA on a CPU, which contracts too: 2.3 (5 for |x| < 1e-31, where it
-    flushes the subnormal residuals); unfused (Triton's interpreter, whose numpy rounds
-    every product, so the residual corrections carry a rounded product): 2.8, 2.7, 3.2, 3.5,
-    2.7, 3.7, 3.6, 0.7. XLA's erfc form (jax.nn.gelu
-    on a CPU): 1.9 at x >= -1, 12 at [-2, -1], 40 at [-5.7, -4], 0 below -8. The largest
-    error left is the rounding of ``den = aQ + P`` (den exact: 1.9 ulps in the same model);
-    its error carried (Fast2Sum on the larger of aQ and P, one more residual term) would
-    cost about 6 instructions per element, past the kernel's budget. On sm_90 the
-    bias+gelu_exact matmul (128 x 128 tile, 64 elements per thread) takes 3208 SASS
+    float32 numpy with rsqrt 2**-22.9 off either way): 1.95, 1.8, 2.01, 1.97, 1.8, 2.02,
+    1.81, 0.64 (two samples of 786k values each); through XLA on a CPU, which contracts
+    too: 2.5; unfused (Triton's interpreter, whose numpy rounds every product, so the
+    residual corrections carry a rounded product): 3.3, 2.8, 3.2, 3.1, 2.6, 3.6, 2.8, 0.6.
+    XLA's erfc form (jax.nn.gelu on a CPU): 1.9 at x >= -1, 12 at [-2, -1], 40 at [-5.7,
+    -4], 0 below -8. The error left is mostly the two roundings of the denominator (of
+    ``k Q + R`` and of ``a Q + (k Q + R)``); carrying them (Fast2Sum, one more residual
+    term) would cost about 6 instructions per element, past the kernel's budget; the
+    coefficients are, among fits of equal real-number error (2**-25.8), those with the
+    smallest evaluated float32 error, which varies by 0.3 ulps between such fits. On sm_90
+    the bias+gelu_exact matmul (128 x 128 tile, 64 elements per thread) takes 3256 SASS
     instructions, within 1.25x the same kernel with libdevice's ``erff``
     (2616; libdevice's ``erfcf``, jax.nn.gelu's form: 3968); benchmarks/static.py.
 

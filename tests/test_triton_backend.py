@@ -727,7 +727,7 @@ def test_erf_and_gelu_exact_accuracy_over_the_float32_range():
     (random bit patterns, [-10, 10], and dense on [-13.2, 0], where x Phi(x) is a normal
     float down to -13.15): erf within 2 ulps everywhere, also with exp2 at the GPU's exp2f
     bound (2 ulps); gelu_exact within 4 ulps in the interpreter, which rounds every
-    product (measured 3.7), and within 2.5 (measured 2.4) with products and sums contracted
+    product (measured 3.6), and within 2.1 (measured 2.02) with products and sums contracted
     into fused multiply-adds as LLVM does on a GPU and rsqrt 2**-22.9 off either way (the
     function's own jaxpr run in float32 numpy, _float32_jaxpr_in_numpy); results below
     2**-126 within 2**-126; NaN, infinities and signed zeros as documented."""
@@ -754,7 +754,7 @@ def test_erf_and_gelu_exact_accuracy_over_the_float32_range():
     assert np.abs(got - want)[~normal].max() <= 2.0**-126
     for error in (0.0, 2.0**-22.9, -(2.0**-22.9)):
         fused = _float32_jaxpr_in_numpy(gelu_exact, x, rsqrt_error=error)
-        assert _ulps(fused[normal], want[normal]).max() <= 2.5, error
+        assert _ulps(fused[normal], want[normal]).max() <= 2.1, error
         assert np.abs(fused - want)[~normal].max() <= 2.0**-126
     edges = np.array([[0.0, -0.0, np.inf, -np.inf, np.nan, 13.2, -13.2, 20.0, -20.0, 3e38, -3e38]],
                      np.float32)

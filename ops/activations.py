@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from ops._checks import check_elementwise
-from pallas_core import context
+from pallas_core import context, registry
 
 _TWO_OVER_SQRT_PI = 1.1283791670955126
 # Polynomial coefficients, lowest degree first: least-squares fits (reweighted
@@ -328,9 +328,9 @@ def _by_helper(helper: str, formula, x):
     if x.dtype == jnp.float64:
         return formula(x)
     xf = x.astype(jnp.float32)
-    if context.backend() == "triton":
-        from pallas_core.triton import markers
-        return markers.math_helper(helper, formula, xf).astype(x.dtype)
+    rule = registry.rule("math_helper", context.backend())  # a lowering with jit helpers
+    if rule is not None:
+        return rule(helper, formula, xf).astype(x.dtype)
     return formula(xf).astype(x.dtype)
 
 

@@ -325,13 +325,10 @@ def _by_helper(helper: str, formula, x):
     on our Triton lowering, the jit helper ``_<helper>`` of
     :mod:`pallas_core.triton.jit_helpers` instead (through
     :func:`pallas_core.triton.markers.math_helper`)."""
-    if x.dtype == jnp.float64:
-        return formula(x)
-    xf = x.astype(jnp.float32)
-    rule = registry.rule("math_helper", context.backend())  # a lowering with jit helpers
-    if rule is not None:
-        return rule(helper, formula, xf).astype(x.dtype)
-    return formula(xf).astype(x.dtype)
+    z = _wide(x)
+    # A lowering with jit helpers (they take float32) registers this rule.
+    rule = registry.rule("math_helper", context.backend()) if z.dtype == jnp.float32 else None
+    return (formula(z) if rule is None else rule(helper, formula, z)).astype(x.dtype)
 
 
 def _wide(x):

@@ -127,9 +127,9 @@ def test_declared_dynamic_grid_and_scalar_prefetch_are_what_pallas_call_takes(ba
                               out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
                               backend=backend, interpret=False)(count.reshape(1), x)
 
+    prefetch_refusal = r"scalar prefetch is implemented on \('interpret', 'triton', 'mosaic_tpu'\)"
     for fn, declared, refusal in ((traced_grid, traits.dynamic_grid, r"computed under jit.*interpret, mosaic_tpu"),
-                                  (prefetched, traits.scalar_prefetch,
-                                   r"scalar prefetch is implemented on \('interpret', 'triton', 'mosaic_tpu'\)")):
+                                  (prefetched, traits.scalar_prefetch, prefetch_refusal)):
         if declared:
             assert jax.eval_shape(fn, x, count).shape == (8, 128)
         else:

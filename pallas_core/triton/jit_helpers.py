@@ -161,7 +161,8 @@ return tl.exp2(f * 1.4426950408889634) * tl.exp2(j)"""),
     # corrections (Muller et al., "Handbook of Floating-Point Arithmetic", 2nd ed., 2018,
     # sections 4.3 and 4.4): the rounding error of d = 1 + e_hi (Fast2Sum, exact as
     # 1 >= e_hi) and the residual of q ~ 1/d, rem = 1 - q d (one fused multiply-add, exact),
-    # so 1 / (1 + e) = q + c with c = (rem - q err) q to second order. The quotient's own error drops out, so the GPU takes rcp.approx.f32
+    # so 1 / (1 + e) = q + c with c = (rem - q err) q to second order. The quotient's own
+    # error drops out, so the GPU takes rcp.approx.f32
     # (one MUFU; d is in [1, 2]) rather than div.full.f32's range fix-ups. Each result is
     # rounded once (a final fused multiply-add). x < -87.5 (results below 2**-126:
     # subnormal) gives 0; NaN stays NaN. Cost on sm_90: 42 SASS instructions per element

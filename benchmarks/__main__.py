@@ -5,7 +5,14 @@ platform, shows progress, prints one table per op and writes results.json,
 results.md and one figure per op family (``results-<family>.png``) to
 ``benchmarks/results/runs/<date>-<platform>-<device>/`` (a folder git
 ignores; ``-quick`` suffix for ``--quick``; or ``--out``). Exit status 0 on
-success, 1 if any implementation failed or no case matched ``--filter``.
+success, 1 if any implementation failed, no case matched ``--filter`` or
+cases were left not run.
+
+Cases run headline first (:func:`benchmarks.suite.run_order`).
+``--budget-s`` stops starting cases after that many seconds, ``results.json``
+is rewritten after every case and SIGTERM ends the run with its report, and
+``--resume`` continues an earlier run (:mod:`benchmarks.checkpoint`): how a
+suite longer than one call to a lent GPU is measured over several.
 
 On a GPU or TPU each implementation is timed against the XLA baseline. On a
 host without one our kernels run only in interpreters, whose speed says
@@ -35,9 +42,9 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from benchmarks import harness, tables
+from benchmarks import checkpoint, harness, tables
 from benchmarks.plots import write_plots
-from benchmarks.suite import collect_cases
+from benchmarks.suite import collect_cases, run_order
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
@@ -71,10 +78,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(their speed says nothing about the kernels).")
     parser.add_argument("--no-static", action="store_true",
                         help="On a host without a GPU, skip the sm_90 compiles and roofline bounds.")
+    parser.add_argument("--budget-s", type=_positive_seconds, default=None, metavar="SECONDS",
+                        help="Start no new case after SECONDS (the report lists the cases not "
+                             "run; --resume runs them later). Default: no limit.")
+    parser.add_argument("--resume", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="Keep the rows of an earlier run's results.json (same device kind) "
+                             "and run only the cases it lacks.")
     parser.add_argument("--no-static-cache", action="store_true",
                         help="Compile again even if the static results of this source tree are "
                              "cached (see benchmarks.roofline.cache_dir).")
     return parser.parse_args(argv)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return seconds
 
 
 def git_commit() -> str | None:
@@ -149,6 +172,15 @@ def _notes(meta: dict, static: dict | None) -> list[str]:
         notes.append(tables.static_notes(static))
     elif meta.get("static_skipped"):
         notes.append(meta["static_skipped"])
+    earlier = meta.get("resumed_from")
+    if earlier:
+        ceilings = _ceiling_text(earlier) if earlier.get("ceilings") else "not measured"
+        notes.append(f"Resumed: {earlier['cases']} case(s) come from the run of {earlier['date']} "
+                     f"(commit {earlier['git_commit'] or 'unknown'}; ceilings {ceilings}), "
+                     "each rated against its own run's ceilings.")
+    if meta.get("not_run"):
+        notes.append(f"Incomplete: {len(meta['not_run'])} case(s) not run ({meta['stopped']}); "
+                     "python -m benchmarks --resume <this results.json> runs them.")
     return notes
 
 
@@ -237,6 +269,14 @@ def main(argv=None) -> int:
         console.print(header, markup=False, highlight=False)
     console.print(f"{'Benchmarking' if timed else 'Checking'} {len(selected)} case(s) on "
                   f"{info['device_kind']} ({platform}), jax {jax.__version__}")
+    resumed_rows, resumed_from = [], None
+    if args.resume:
+        try:
+            resumed_rows, resumed_from = checkpoint.load_resume(
+                args.resume, device_kind=info["device_kind"], platform=platform, timed=timed)
+        except ValueError as e:
+            console.print(f"error: {e}", markup=False, highlight=False)
+            return 2
     ceilings = None
     if timed:
         console.print("Measuring ceilings ...")
@@ -247,29 +287,51 @@ def main(argv=None) -> int:
             "max_seconds": max_seconds, "quick": args.quick, "filter": args.filter,
             "seed": args.seed}
 
-    rows: list[dict] = []
+    if resumed_from:
+        meta["resumed_from"] = resumed_from
+    rows: list[dict] = list(resumed_rows)
+    done = checkpoint.done_cases(rows)
+    to_run = [c for c in run_order(selected) if c.name not in done]
+    if done:
+        console.print(f"Resuming {args.resume}: {len(selected) - len(to_run)} case(s) done there, "
+                      f"{len(to_run)} to run.", markup=False, highlight=False)
+    budget = checkpoint.Budget(args.budget_s, start=start)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    not_run = [c.name for c in to_run]
     base_key = jax.random.key(args.seed)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("cases", total=len(selected))
-        for case in selected:
-            progress.update(task, description=case.name)
-            # The key depends only on the case's name, so --filter does not change inputs.
-            key = jax.random.fold_in(base_key, zlib.crc32(case.name.encode()))
-            if timed:
-                rows += harness.run_case(case, key=key, ceilings=ceilings, warmup=warmup,
-                                         iters=iters, max_seconds=max_seconds, device=device)
-            else:
-                rows += harness.check_case(case, key=key, device=device)
-            progress.advance(task)
+    with Progress(*columns, console=console) as progress, checkpoint.stop_on_sigterm():
+        task = progress.add_task("cases", total=len(to_run))
+        try:
+            for case in to_run:
+                if budget.spent():
+                    meta["stopped"] = f"--budget-s {args.budget_s:g} spent"
+                    break
+                progress.update(task, description=case.name)
+                # The key depends only on the case's name, so --filter does not change inputs.
+                key = jax.random.fold_in(base_key, zlib.crc32(case.name.encode()))
+                if timed:
+                    rows += harness.run_case(case, key=key, ceilings=ceilings, warmup=warmup,
+                                             iters=iters, max_seconds=max_seconds, device=device)
+                else:
+                    rows += harness.check_case(case, key=key, device=device)
+                not_run.remove(case.name)
+                checkpoint.write_checkpoint(out_dir / "results.json", meta, rows, not_run)
+                progress.advance(task)
+        except (checkpoint.Stopped, KeyboardInterrupt) as e:
+            meta["stopped"] = f"interrupted ({e or 'Ctrl-C'}) during {progress.tasks[0].description}"
+    meta["not_run"] = not_run
+    # Tables in the suite's registered order, whatever order the cases ran in.
+    position = {c.name: i for i, c in enumerate(selected)}
+    rows.sort(key=lambda r: position.get(r["case"], len(position)))
 
     static = None
     if on_cpu:
         static, meta["static_skipped"] = _static_report(args, console)
     meta["wall_s"] = time.perf_counter() - start
     print_report(console, meta, rows, static)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    meta["complete"] = not not_run
     write_json(out_dir / "results.json", meta, rows, static)
     write_markdown(out_dir / "results.md", meta, rows, static)
     figures = write_plots(out_dir, meta, rows)
@@ -283,7 +345,10 @@ def main(argv=None) -> int:
         console.print(f"{len(failed)} implementation(s) failed; see FAILED above.")
     if failing_kernels:
         console.print(f"{len(failing_kernels)} kernel(s) fail the static gate; see 'gate' above.")
-    return 1 if failed or failing_kernels else 0
+    if not_run:
+        console.print(f"{len(not_run)} case(s) not run ({meta['stopped']}): run them with "
+                      f"--resume {out_dir / 'results.json'}", markup=False, highlight=False)
+    return 1 if failed or failing_kernels or not_run else 0
 
 
 if __name__ == "__main__":

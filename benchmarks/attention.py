@@ -26,6 +26,14 @@ below the diagonal. Every row also reports ``peak_bytes`` (temporary plus
 output buffers of the compiled executable): the point of flash attention is
 never to hold ``T x S`` scores.
 
+JAX's own Pallas kernel, ``jax.experimental.pallas.ops.gpu.attention.mha``
+(:mod:`benchmarks.jax_pallas_ops`), is the ``jax_pallas`` column, forward and
+fwd+bwd (its custom VJP), at scale ``1/sqrt(H)``: compiled by JAX's Pallas
+Triton lowering on GPUs, on JAX's interpreter in full CPU runs (not quick
+ones). It has no grouped-query attention (it reads key/value head ``n`` for
+query head ``n``), so the ``+gqa`` cases have no such column, nor would
+lengths its blocks do not divide (:func:`benchmarks.jax_pallas_ops.mha_unsupported`).
+
 Passes: ``fwd`` and ``fwd+bwd`` (:data:`benchmarks.harness.PASSES`). There is
 no backward-only pass: a case's inputs are fresh arrays shared by every
 implementation, while a backward alone would start from each
@@ -57,7 +65,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import ops
-from benchmarks import harness
+from benchmarks import harness, jax_pallas_ops
 
 OP = "dot_product_attention"
 
@@ -128,7 +136,8 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     """
     ours = harness.kernel_implementations(platform)
     extra = extra_implementations(platform)
-    return [make_case(shape, pass_name, ours, extra)
+    interpret = jax_pallas_ops.interpret_mode(platform, quick)
+    return [make_case(shape, pass_name, ours, extra, jax_pallas_interpret=interpret)
             for shape in shapes(platform, quick)
             for pass_name in harness.PASSES]
 
@@ -141,14 +150,25 @@ def flops(shape: Shape, pass_name: str) -> float:
 
 
 def make_case(shape: Shape, pass_name: str, implementations: tuple[str, ...],
-              extra: tuple[str, ...] = ()) -> harness.Case:
-    """One case: our ``implementations`` and jax.nn's ``extra`` ones vs the XLA baseline."""
+              extra: tuple[str, ...] = (), *,
+              jax_pallas_interpret: bool | None = None) -> harness.Case:
+    """One case: our ``implementations`` and jax.nn's ``extra`` ones vs the XLA baseline.
+
+    ``jax_pallas_interpret`` (:func:`benchmarks.jax_pallas_ops.interpret_mode`):
+    None leaves out the ``jax_pallas`` column (JAX's ``mha``), else its
+    ``interpret`` flag; problems ``mha`` cannot express get no column either.
+    """
     fns = {harness.BASELINE: functools.partial(jax_nn_attention, causal=shape.causal,
                                                implementation="xla")}
     for name in extra:
         fns[name] = functools.partial(jax_nn_attention, causal=shape.causal, implementation=name)
     for name in implementations:
         fns[name] = functools.partial(ours_attention, causal=shape.causal, implementation=name)
+    # No column where mha cannot compute this problem (GQA, lengths its blocks do not divide).
+    if jax_pallas_interpret is not None and jax_pallas_ops.mha_unsupported(
+            shape.q_len, shape.kv_len, shape.heads, shape.kv_heads) is None:
+        fns[jax_pallas_ops.NAME] = functools.partial(jax_pallas_ops.mha, causal=shape.causal,
+                                                     interpret=jax_pallas_interpret)
     reference = functools.partial(exact_reference, causal=shape.causal)
     fwd_bwd = pass_name == "fwd+bwd"
     if fwd_bwd:

@@ -19,6 +19,17 @@ of ``s`` bytes and ``P`` the parameter bytes (``hidden * s`` per scale/bias):
   per-row-block partial sums of dscale / dbias are not counted: they are
   overhead of our kernels, not work the problem requires.
 
+JAX's own Pallas kernels, ``jax.experimental.pallas.ops.gpu.layer_norm.
+layer_norm`` and ``rms_norm.rms_norm`` (:mod:`benchmarks.jax_pallas_ops`),
+are the ``jax_pallas`` column of the layer_norm and rms_norm cases, forward
+and fwd+bwd (their custom VJPs), at the same epsilon: compiled by JAX's
+Pallas Triton lowering on GPUs, on JAX's interpreter in full CPU runs (not
+quick ones). JAX's rms_norm requires a bias, so it gets a zero one: one more
+``hidden``-element read, and in the backward a ``hidden``-element dbias
+written, beyond the bytes counted above. Their backward keeps the per-row
+statistics in x's dtype (bfloat16 rounds them). The residual-fused variant
+below has no JAX counterpart, hence no such column.
+
 The residual-fused RMSNorm (variant ``add+scale``: ``h = x + residual; y =
 rms_norm(h)``, both returned, as in every pre-norm decoder layer) is compared
 with what a user writes today: the add, then ``flax.nnx.RMSNorm`` on the sum,
@@ -36,7 +47,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from benchmarks import harness
+from benchmarks import harness, jax_pallas_ops
 from ops.reduction.norms import layer_norm, rms_norm
 
 # op name -> (center, has bias). Both ops take a scale, as in every model.
@@ -79,9 +90,10 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     residual-fused variant), for smoke tests.
     """
     ours = harness.kernel_implementations(platform)
+    interpret = jax_pallas_ops.interpret_mode(platform, quick)
     out = []
     for shape, dtype in shapes(platform, quick):
-        out += [make_case(op, shape, dtype, pass_name, ours)
+        out += [make_case(op, shape, dtype, pass_name, ours, jax_pallas_interpret=interpret)
                 for op in OPS for pass_name in harness.PASSES]
         if not quick:
             out += [make_residual_case(shape, dtype, pass_name, ours)
@@ -89,14 +101,22 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     return out
 
 
-def make_case(op: str, shape, dtype: str, pass_name: str,
-              implementations: tuple[str, ...]) -> harness.Case:
-    """One case: ``op`` on ``shape = (rows, hidden)``, our ``implementations`` vs XLA."""
+def make_case(op: str, shape, dtype: str, pass_name: str, implementations: tuple[str, ...], *,
+              jax_pallas_interpret: bool | None = None) -> harness.Case:
+    """One case: ``op`` on ``shape = (rows, hidden)``, our ``implementations`` vs XLA.
+
+    ``jax_pallas_interpret`` (:func:`benchmarks.jax_pallas_ops.interpret_mode`):
+    None leaves out the ``jax_pallas`` column (JAX's kernel), else its
+    ``interpret`` flag.
+    """
     rows, hidden = shape
     center, has_bias = OPS[op]
     fns = {harness.BASELINE: functools.partial(_xla_baseline, center=center)}
     for implementation in implementations:
         fns[implementation] = functools.partial(_ours, op=op, implementation=implementation)
+    if jax_pallas_interpret is not None:
+        fns[jax_pallas_ops.NAME] = functools.partial(_jax_pallas, op=op,
+                                                     interpret=jax_pallas_interpret)
     ref = functools.partial(_reference, center=center)
     if pass_name == "fwd+bwd":
         fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
@@ -159,6 +179,13 @@ def _ours(x, scale, bias=None, *, op, implementation):
     if op == "layer_norm":
         return layer_norm(x, scale, bias, epsilon=EPSILON, implementation=implementation)
     return rms_norm(x, scale, epsilon=EPSILON, implementation=implementation)
+
+
+def _jax_pallas(x, scale, bias=None, *, op, interpret):
+    """JAX's own kernel for ``op`` (:mod:`benchmarks.jax_pallas_ops`)."""
+    if op == "layer_norm":
+        return jax_pallas_ops.layer_norm(x, scale, bias, epsilon=EPSILON, interpret=interpret)
+    return jax_pallas_ops.rms_norm(x, scale, epsilon=EPSILON, interpret=interpret)
 
 
 def _reference(x, scale, bias=None, *, center):

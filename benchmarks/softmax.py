@@ -23,6 +23,14 @@ negligible and not counted):
 * max: fwd reads x (``N s``); the backward reads x for the tie mask and writes
   dx (``+2 N s``).
 
+JAX's own Pallas kernel ``jax.experimental.pallas.ops.gpu.softmax.softmax``
+(:mod:`benchmarks.jax_pallas_ops`) is the ``jax_pallas`` column of the
+``softmax`` forward cases: compiled by JAX's Pallas Triton lowering on GPUs,
+on JAX's interpreter in full CPU runs (not quick ones). It has no VJP
+(reverse mode through its ``pallas_call`` fails), so the ``fwd+bwd`` cases
+have no such column; JAX has no log_softmax, logsumexp or reduction kernel.
+It holds a whole row in one power-of-two block per program.
+
 ``flops`` are nominal per-element operation counts (max, subtract, exp, add,
 multiply...), there so rows carry a rate; GB/s is the figure that matters.
 """
@@ -33,7 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from benchmarks import harness
+from benchmarks import harness, jax_pallas_ops
 from ops.reduction import reduce as reductions
 from ops.reduction.softmax import log_softmax, logsumexp, softmax
 
@@ -93,7 +101,8 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     and pass), for smoke tests.
     """
     ours = harness.kernel_implementations(platform)
-    return [make_case(op, shape, dtype, variant, pass_name, ours)
+    interpret = jax_pallas_ops.interpret_mode(platform, quick)
+    return [make_case(op, shape, dtype, variant, pass_name, ours, jax_pallas_interpret=interpret)
             for op in OPS
             for shape, dtype in shapes(op, platform, quick)
             for variant in (VARIANTS[op][:1] if quick else VARIANTS[op])
@@ -101,8 +110,14 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
 
 
 def make_case(op: str, shape, dtype: str, variant: str, pass_name: str,
-              implementations: tuple[str, ...]) -> harness.Case:
-    """One case: ``op`` on a ``(rows, cols)`` array, our ``implementations`` vs XLA."""
+              implementations: tuple[str, ...], *,
+              jax_pallas_interpret: bool | None = None) -> harness.Case:
+    """One case: ``op`` on a ``(rows, cols)`` array, our ``implementations`` vs XLA.
+
+    ``jax_pallas_interpret`` (:func:`benchmarks.jax_pallas_ops.interpret_mode`):
+    None leaves out the ``jax_pallas`` column, else its ``interpret`` flag; only
+    ``softmax``'s forward cases have one (module docstring).
+    """
     rows, cols = shape
     fn, baseline, flops_fwd, flops_bwd, bytes_fwd, bytes_bwd = OPS[op]
     axis = None if variant == "axis=None" else -1
@@ -111,8 +126,12 @@ def make_case(op: str, shape, dtype: str, variant: str, pass_name: str,
     fns = {harness.BASELINE: xla_fn}
     for implementation in implementations:
         fns[implementation] = functools.partial(fn, implementation=implementation, **extra)
-    reference = functools.partial(_reference, xla_fn)
     with_bwd = pass_name == "fwd+bwd"
+    # JAX's softmax kernel has no VJP: forward only; JAX has no log_softmax or logsumexp kernel.
+    if jax_pallas_interpret is not None and op == "softmax" and not with_bwd:
+        fns[jax_pallas_ops.NAME] = functools.partial(jax_pallas_ops.softmax,
+                                                     interpret=jax_pallas_interpret)
+    reference = functools.partial(_reference, xla_fn)
     if with_bwd:
         fns = {name: harness.forward_and_backward(f) for name, f in fns.items()}
         reference = harness.forward_and_backward(reference)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from benchmarks import checkpoint, harness, tables
 from benchmarks.plots import write_plots
 from benchmarks.suite import collect_cases, run_order
+from ops.tuning import cache as tuning_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
@@ -285,7 +287,9 @@ def main(argv=None) -> int:
             "git_commit": git_commit(), "python": sys.version.split()[0], "ceilings": ceilings,
             "timed": timed, "header": header, "warmup": warmup, "iters": iters,
             "max_seconds": max_seconds, "quick": args.quick, "filter": args.filter,
-            "seed": args.seed}
+            "seed": args.seed,
+            # The tuner's winners the run used beyond the packaged configs, if any.
+            "tuning_cache": os.environ.get(tuning_cache.ENV_VAR)}
 
     if resumed_from:
         meta["resumed_from"] = resumed_from

@@ -21,7 +21,8 @@
 # benchmarks.lm, the byte-level LM trained with stock Flax layers and with ours),
 # RESUME (a results.json to continue), TUNE=0 (the same as leaving tune out of STEPS).
 # Time budgets in seconds, so that the call ends within 10 minutes: SESSION_BUDGET_S
-# (default 540) for the whole script; TESTS_BUDGET_S (120) cuts pytest; the tuner starts
+# (default 540) for the whole script; TESTS_BUDGET_S (120) cuts pytest (TEST_WORKERS, 4,
+# processes); the tuner starts
 # no new problem after TUNE_BUDGET_S (90) and is cut at TUNE_LIMIT_S (140), trying at
 # most TUNE_CANDIDATES (8) configs per problem; LM_LIMIT_S (150) cuts benchmarks.lm; the
 # benchmarks get what is left, starting no case in its last BENCH_MARGIN_S (60).
@@ -35,6 +36,9 @@
 # The device image has no registry: nothing is downloaded, so the project is
 # installed without its dependencies, on the image's own JAX, Flax and Triton.
 set -uo pipefail
+# Every step's output reaches its log as it is printed: a step cut by its time limit
+# keeps what it said.
+export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 out="${OUT:-benchmarks/results/latest}"
 mkdir -p "$out"
@@ -76,8 +80,16 @@ fi
 tests_status=0
 if has_step tests; then
   gpu_files=$(grep -l "mark.gpu" tests/*.py benchmarks/*.py 2>/dev/null | grep -v test_tma_launch)
+  # Compiling dominates these tests and the machine has 16 cores: TEST_WORKERS (4) pytest-xdist
+  # processes share the GPU, each allocating as it goes (JAX's default preallocates 75% of the
+  # GPU's memory per process, which would leave the second one nothing).
+  workers=()
+  if [[ "${TEST_WORKERS:-4}" -gt 1 ]] && "$py" -c "import xdist" 2>/dev/null; then
+    workers=(-n "${TEST_WORKERS:-4}")
+  fi
   # shellcheck disable=SC2086  # one argument per file
-  timeout "${TESTS_BUDGET_S:-120}" "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= $gpu_files 2>&1 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TESTS_BUDGET_S:-120}" \
+    "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= "${workers[@]}" $gpu_files 2>&1 \
     | tee "$out/pytest_gpu.txt" | tail -25
   tests_status=${PIPESTATUS[0]}
   echo "pytest -m gpu: exit ${tests_status} after $(( SECONDS - start )) s"

@@ -35,7 +35,7 @@ from pathlib import Path
 import jax
 
 import ops.tuning as tuning
-from benchmarks import harness
+from benchmarks import checkpoint, harness
 from benchmarks.__main__ import git_commit
 from ops.tuning import search
 
@@ -159,22 +159,37 @@ def main(argv=None) -> int:
         problems = [p for p in problems if p.op in wanted]
     print(f"Tuning {len(problems)} problem(s) for {target} on {device.device_kind} "
           f"({'timed on the device' if timing else 'compile filter only: no GPU, nothing is timed'})")
-    start, results = time.monotonic(), []
-    for problem in problems:
-        if args.budget_s is not None and time.monotonic() - start > args.budget_s:
-            print(f"Budget of {args.budget_s:g} s spent; skipping {problem.name} and the rest.")
-            break
-        results.append(tune_problem(problem, target=target, device_kind=device_kind,
-                                    iters=args.iters, max_candidates=args.max_candidates,
-                                    training=not args.inference_only))
-    entries = [r["entry"] for r in results if r["entry"] is not None]
-    if entries:
-        total = tuning.write(args.out, entries)
-        print(f"{len(entries)} winner(s) written to {args.out} ({total} entries in the file).")
+    start, results, written = time.monotonic(), [], 0
     report = args.report or args.out.with_name("tune_report.json")
+
+    def save(result) -> None:
+        """The winner into the cache file and the report rewritten, after every problem:
+        a tuner stopped by its caller's time limit keeps what it has measured."""
+        nonlocal written
+        if result["entry"] is not None:
+            tuning.write(args.out, [result["entry"]])
+            written += 1
+        if timing or args.report is not None:
+            report.write_text(json.dumps({"device_kind": device.device_kind, "target": target,
+                                          "commit": git_commit(), "results": results},
+                                         indent=1) + "\n")
+
+    with checkpoint.stop_on_sigterm():
+        try:
+            for problem in problems:
+                if args.budget_s is not None and time.monotonic() - start > args.budget_s:
+                    print(f"Budget of {args.budget_s:g} s spent; skipping {problem.name} and the rest.")
+                    break
+                results.append(tune_problem(problem, target=target, device_kind=device_kind,
+                                            iters=args.iters, max_candidates=args.max_candidates,
+                                            training=not args.inference_only))
+                save(results[-1])
+        except (checkpoint.Stopped, KeyboardInterrupt) as e:
+            print(f"Stopped ({e or 'Ctrl-C'}) after {len(results)} problem(s); those are saved.")
+    if written:
+        print(f"{written} winner(s) written to {args.out} "
+              f"({len(tuning.load(args.out))} entries in the file).")
     if timing or args.report is not None:
-        report.write_text(json.dumps({"device_kind": device.device_kind, "target": target,
-                                      "commit": git_commit(), "results": results}, indent=1) + "\n")
         print(f"Report written to {report}")
     dropped = sum(not v["kept"] for r in results for v in r["verdicts"])
     kept = sum(v["kept"] for r in results for v in r["verdicts"])

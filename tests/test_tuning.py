@@ -359,6 +359,27 @@ def test_tune_cli_on_cpu_filters_without_timing_or_writing(tmp_path):
     assert tune.main(["--ops", "conv"]) == 2
 
 
+def test_tune_cli_saves_each_winner_before_it_is_stopped(tmp_path, monkeypatch):
+    """A tuner cut by its caller's time limit (SIGTERM) keeps the winners and the
+    report of the problems it finished."""
+    from benchmarks import checkpoint, tune
+    out, report = tmp_path / "cache.json", tmp_path / "report.json"
+    first = _entry("layer_norm", "triton", "bfloat16", (4096, 1024), block_rows=2)
+
+    def fake_tune_problem(problem, **kwargs):
+        if fake_tune_problem.calls:
+            raise checkpoint.Stopped("signal 15")
+        fake_tune_problem.calls += 1
+        return {"problem": problem.name, "entry": first, "verdicts": [], "timings": []}
+
+    fake_tune_problem.calls = 0
+    monkeypatch.setattr(tune, "tune_problem", fake_tune_problem)
+    assert tune.main(["--ops", "layer_norm,rms_norm", "--out", str(out),
+                      "--report", str(report)]) == 0
+    assert json.loads(out.read_text())["entries"] == [first]
+    assert len(json.loads(report.read_text())["results"]) == 1
+
+
 def test_tune_cli_merges_a_session_cache(tmp_path):
     from benchmarks import tune
     session, package = tmp_path / "session.json", tmp_path / "package.json"

@@ -80,6 +80,7 @@ fi
 tests_status=0
 if has_step tests; then
   gpu_files=$(grep -l "mark.gpu" tests/*.py benchmarks/*.py 2>/dev/null | grep -v test_tma_launch)
+  # -v: one line per test as it ends, so a run cut by its limit still says what passed.
   # Compiling dominates these tests and the machine has 16 cores: TEST_WORKERS (4) pytest-xdist
   # processes share the GPU, each allocating as it goes (JAX's default preallocates 75% of the
   # GPU's memory per process, which would leave the second one nothing).
@@ -88,8 +89,8 @@ if has_step tests; then
     workers=(-n "${TEST_WORKERS:-4}")
   fi
   # shellcheck disable=SC2086  # one argument per file
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TESTS_BUDGET_S:-120}" \
-    "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= "${workers[@]}" $gpu_files 2>&1 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 10 "${TESTS_BUDGET_S:-120}" \
+    "$py" -m pytest -m gpu -v -rfE -p no:cacheprovider -o addopts= "${workers[@]}" $gpu_files 2>&1 \
     | tee "$out/pytest_gpu.txt" | tail -25
   tests_status=${PIPESTATUS[0]}
   echo "pytest -m gpu: exit ${tests_status} after $(( SECONDS - start )) s"
@@ -100,7 +101,7 @@ if has_step tune; then
   tune_args=(--out "$out/tuned_configs.json" --report "$out/tune_report.json"
              --budget-s "${TUNE_BUDGET_S:-90}" --max-candidates "${TUNE_CANDIDATES:-8}")
   if [[ -n "${QUICK:-}" ]]; then tune_args+=(--quick); fi
-  timeout "${TUNE_LIMIT_S:-140}" "$py" -m benchmarks.tune "${tune_args[@]}" 2>&1 \
+  timeout -k 15 "${TUNE_LIMIT_S:-140}" "$py" -m benchmarks.tune "${tune_args[@]}" 2>&1 \
     | tee "$out/tune.txt" | tail -30
   tune_status=${PIPESTATUS[0]}
   echo "tuner: exit ${tune_status} after $(( SECONDS - start )) s"

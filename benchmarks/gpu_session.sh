@@ -69,7 +69,7 @@ cat "$out/env.txt"
 # sm_90 default (docs/pallas_core.md, "The shape of the GPU program").
 if [[ -n "${TMA:-}" ]]; then export PALLAS_CORE_TRITON_TMA=1; fi
 if has_step tma; then
-  timeout 150 "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts= tests/test_tma_launch.py 2>&1 \
+  timeout -k 10 150 "$py" -m pytest -m gpu -v -rfE -p no:cacheprovider -o addopts= tests/test_tma_launch.py 2>&1 \
     | tee "$out/tma_launch.txt" | tail -8
   echo "tma launch on the GPU: exit ${PIPESTATUS[0]} after $(( SECONDS - start )) s"
 fi
@@ -112,7 +112,7 @@ fi
 
 lm_status=0
 if has_step lm; then
-  timeout "${LM_LIMIT_S:-150}" "$py" -m benchmarks.lm --json "$out/lm.json" 2>&1 \
+  timeout -k 10 "${LM_LIMIT_S:-150}" "$py" -m benchmarks.lm --json "$out/lm.json" 2>&1 \
     | tee "$out/lm.txt" | tail -12
   lm_status=${PIPESTATUS[0]}
   echo "benchmarks.lm: exit ${lm_status} after $(( SECONDS - start )) s"

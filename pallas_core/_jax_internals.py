@@ -1,10 +1,14 @@
-"""The one private JAX API pallas_core relies on, kept in one place.
+"""The private JAX APIs pallas_core relies on, kept in one place.
 
 ``discharge_state`` turns a jaxpr that allocates and mutates Refs into a
 pure one (JAX itself runs it on every jitted program that holds Refs). The
 interpreter applies it to each kernel body so that the programs it builds
 contain no Refs at all, which is what lets ``vmap`` batch a ``pl.when``
 (JAX cannot batch a stateful ``cond``) and keeps every transformation usable.
+
+Written for JAX 0.10.2 and 0.11: where the two differ (a primitive's params,
+the jaxpr classes) the helpers here read both forms; docs/pallas_core.md,
+"JAX versions", lists every private API used and what changed in 0.11.
 """
 from __future__ import annotations
 
@@ -84,6 +88,17 @@ def pytree_differences(tree1, tree2):
 
 # --- Searching a jaxpr (pallas_core.call, pallas_core.named_axes, ops._partitioning) --
 
+def scan_sizes(params) -> tuple[int, int]:
+    """``(number of consts, number of carried values)`` of a ``scan`` equation.
+
+    JAX 0.10 names them in the params (``num_consts``, ``num_carry``); JAX 0.11
+    replaced both by ``ft_in``, the operands' groups (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def find_eqn(jaxpr, predicate):
     """The first equation of ``jaxpr``, or of a jaxpr nested in an equation's
     params (cond branches, loop bodies, calls), for which ``predicate(eqn)``
@@ -108,6 +123,9 @@ def find_eqn(jaxpr, predicate):
 from jax._src.state import primitives as _state_primitives  # noqa: E402
 
 _STORES = (_state_primitives.swap_p, _state_primitives.addupdate_p)
+# JAX 0.11 merged ClosedJaxpr into Jaxpr (one class, its consts attached), so a
+# param's jaxpr is rewritten in place of unwrapping ``.jaxpr`` first.
+_MERGED_JAXPR = _core.ClosedJaxpr is _core.Jaxpr
 
 
 def varying_axes(*values) -> tuple:
@@ -136,7 +154,7 @@ def vary_stored_values(closed: jax.extend.core.ClosedJaxpr, mesh_axes) -> jax.ex
     ``mesh_axes`` order. A no-op where the types already agree."""
 
     def fix_param(v):
-        if isinstance(v, _core.ClosedJaxpr):
+        if isinstance(v, _core.ClosedJaxpr) and not _MERGED_JAXPR:
             return v.replace(jaxpr=fix(v.jaxpr))
         if isinstance(v, _core.Jaxpr):
             return fix(v)

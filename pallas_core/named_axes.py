@@ -23,7 +23,7 @@ AXIS_INDEX = "axis_index"
 
 
 def _sub_jaxprs(eqn):
-    return list(jax.core.jaxprs_in_params(eqn.params))
+    return list(jex_core.jaxprs_in_params(eqn.params))
 
 
 def uses_axis_index(jaxpr) -> bool:
@@ -95,7 +95,7 @@ def _rebuild(eqn, ins, index) -> list:
         return list(lax.while_loop(lambda c: call(p["cond_jaxpr"], [*cc, *c])[0],
                                    lambda c: call(p["body_jaxpr"], [*bc, *c]), list(init)))
     if name == "scan":
-        nc, ncarry = p["num_consts"], p["num_carry"]
+        nc, ncarry = _jax_internals.scan_sizes(p)
         consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
 
         def step(carry, x):

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from pallas_core import context
+from pallas_core import _jax_internals, context
 from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.primitives import next_power_of_2
 from pallas_core.indexing import indexer_layout, is_slice, is_trivial
@@ -958,7 +958,7 @@ class KernelWriter(ElementwiseWriter):
 
     def _p_scan(self, eqn, env, *args):
         p = eqn.params
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = _jax_internals.scan_sizes(p)
         if len(args) != n_consts + n_carry or p["reverse"]:
             self.unsupported(eqn, "scan with stacked inputs/outputs or reverse=True")
         consts, init = args[:n_consts], args[n_consts:]

@@ -7,8 +7,8 @@ contain no Refs at all, which is what lets ``vmap`` batch a ``pl.when``
 (JAX cannot batch a stateful ``cond``) and keeps every transformation usable.
 
 Written for JAX 0.10.2 and 0.11: where the two differ (a primitive's params,
-the jaxpr classes) the helpers here read both forms; docs/pallas_core.md,
-"JAX versions", lists every private API used and what changed in 0.11.
+the jaxpr classes) the helpers here read both forms; docs/pallas_core.md
+section 15 lists every private API used and what changed in 0.11.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ try:
 except ImportError as e:  # pragma: no cover - only on an incompatible JAX
     raise ImportError(
         "pallas_core needs jax._src.state.discharge.discharge_state (present in "
-        f"jax 0.10.x); this JAX ({jax.__version__}) does not provide it.") from e
+        f"jax 0.10.2 and 0.11); this JAX ({jax.__version__}) does not provide it.") from e
 
 
 def discharge_refs(closed_jaxpr: jax.extend.core.ClosedJaxpr):

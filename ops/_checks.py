@@ -67,8 +67,8 @@ _ELEMENTWISE_PRIMITIVES = frozenset("""
 # Calls whose bodies are checked in turn.
 _CALL_PRIMITIVES = frozenset("""
     jit pjit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr
-    remat checkpoint custom_lin
-""".split())
+    remat checkpoint custom_lin eval_jaxpr
+""".split())  # eval_jaxpr: closed_call's name in JAX after 0.11.0
 _PROBE_SHAPE = (2, 3)
 _elementwise_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -224,7 +224,7 @@ def _affine_eval(jaxpr, consts, inputs, rank):
         name = eqn.primitive.name
         sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
         out = [None] * len(eqn.outvars)
-        if sub is not None and name in ("pjit", "jit", "closed_call", "core_call"):
+        if sub is not None and name in ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr"):
             inner = getattr(sub, "jaxpr", sub)
             out = _affine_eval(inner, getattr(sub, "consts", ()), args, rank) or out
         elif any(a is None for a in args):

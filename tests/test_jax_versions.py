@@ -85,3 +85,39 @@ def test_only_names_jax_core_keeps_in_0_11():
                      for n in names.split(",")}
     assert used, "the search found nothing: is the pattern right?"
     assert sorted((p, n) for p, n in used if n not in JAX_CORE_IN_0_11) == []
+
+
+def test_a_called_jaxpr_under_either_name(monkeypatch):
+    """JAX 0.10 and 0.11.0 stage a call of a jaxpr as ``closed_call``, later JAX as
+    ``eval_jaxpr`` (same ``call_jaxpr`` param): the Triton source is the same."""
+    from jax._src.lax.eval_jaxpr import eval_jaxpr_p  # staged as closed_call here
+    from jax.extend import core as jex_core
+    from pallas_core.triton import codegen
+
+    inner = jax.make_jaxpr(lambda v: jnp.sin(v) * 2)(jax.ShapeDtypeStruct((8, 128), jnp.float32))
+
+    def kernel(x_ref, o_ref):
+        try:
+            (o_ref[...],) = eval_jaxpr_p.bind(x_ref[...], jaxpr=inner)
+        except TypeError:  # JAX after 0.11.0 names the param call_jaxpr
+            (o_ref[...],) = eval_jaxpr_p.bind(x_ref[...], call_jaxpr=inner)
+
+    def f(x):
+        return pl.pallas_call(kernel, out_shape=x, backend="triton")(x)
+
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    (as_closed_call,) = pl.triton.source(f, x)
+    assert "tl.sin" in as_closed_call
+    renamed = jex_core.Primitive("eval_jaxpr")
+    renamed.multiple_results = True
+    traced = codegen.trace_kernel
+
+    def with_eval_jaxpr(call):
+        closed = traced(call)
+        eqns = [e.replace(primitive=renamed) if e.primitive.name == "closed_call" else e
+                for e in closed.jaxpr.eqns]
+        assert any(e.primitive.name == "eval_jaxpr" for e in eqns), "the kernel calls no jaxpr"
+        return closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns))
+
+    monkeypatch.setattr(codegen, "trace_kernel", with_eval_jaxpr)
+    assert pl.triton.source(f, x) == [as_closed_call]

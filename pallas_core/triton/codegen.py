@@ -925,6 +925,10 @@ class KernelWriter(ElementwiseWriter):
     def _p_closed_call(self, eqn, env, *args):
         return self._inline(eqn.params["call_jaxpr"], args, env)
 
+    # JAX after 0.11.0 calls a jaxpr with ``eval_jaxpr`` (same ``call_jaxpr`` param)
+    # where 0.10 and 0.11.0 stage ``closed_call``.
+    _p_eval_jaxpr = _p_closed_call
+
     def _p_custom_jvp_call(self, eqn, env, *args):
         return self._inline(eqn.params["call_jaxpr"], args, env)
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_core._jax_internals import find_eqn
+from pallas_core._jax_internals import JAXPR_CALLS, find_eqn
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -65,10 +65,9 @@ _ELEMENTWISE_PRIMITIVES = frozenset("""
     select_n clamp bitcast_convert_type
 """.split())
 # Calls whose bodies are checked in turn.
-_CALL_PRIMITIVES = frozenset("""
-    jit pjit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr
-    remat checkpoint custom_lin eval_jaxpr
-""".split())  # eval_jaxpr: closed_call's name in JAX after 0.11.0
+_CALL_PRIMITIVES = JAXPR_CALLS | frozenset("""
+    custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat checkpoint custom_lin
+""".split())
 _PROBE_SHAPE = (2, 3)
 _elementwise_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

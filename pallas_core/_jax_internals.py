@@ -88,6 +88,11 @@ def pytree_differences(tree1, tree2):
 
 # --- Searching a jaxpr (pallas_core.call, pallas_core.named_axes, ops._partitioning) --
 
+# Primitives that call a jaxpr (``jaxpr`` / ``call_jaxpr`` param) with the same
+# meaning as inlining it. ``eval_jaxpr`` is ``closed_call``'s name in JAX after 0.11.0.
+JAXPR_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "eval_jaxpr"})
+
+
 def scan_sizes(params) -> tuple[int, int]:
     """``(number of consts, number of carried values)`` of a ``scan`` equation.
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
+from pallas_core._jax_internals import JAXPR_CALLS
 from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.specs import BlockMapping
 
@@ -224,7 +225,7 @@ def _affine_eval(jaxpr, consts, inputs, rank):
         name = eqn.primitive.name
         sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
         out = [None] * len(eqn.outvars)
-        if sub is not None and name in ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr"):
+        if sub is not None and name in JAXPR_CALLS:
             inner = getattr(sub, "jaxpr", sub)
             out = _affine_eval(inner, getattr(sub, "consts", ()), args, rank) or out
         elif any(a is None for a in args):

@@ -9,6 +9,7 @@ from flax import nnx
 import layers
 import ops
 from ops._checks import check_elementwise
+from tests.tolerances import BACKWARD
 
 # Empty operands never reach a kernel, so every implementation runs here, on a CPU.
 IMPLEMENTATIONS = ["xla", "interpret", "triton", "pallas_triton", "mosaic_tpu"]
@@ -64,8 +65,11 @@ def test_fused_matmul_with_empty_operands(impl, M, K, N):
     grads = jax.grad(loss, (1, 2, 3))(impl, x, w, b)
     chex.assert_trees_all_close(grads, jax.grad(loss, (1, 2, 3))("xla", x, w, b), rtol=1e-6)
     if K == 0 and M:  # bias + activation of zeros in every row; dbias = rows * gelu'(b)
+        # Our gelu's derivative is its own float32 formula (ops.activations), not jax.nn's
+        # autodiff: the two agree to float32's backward tolerance, not bit for bit (at 1e-6
+        # this failed for some of the inputs the module's shared RNG draws, by test order).
         np.testing.assert_allclose(grads[2], 3 * M * jax.vmap(jax.grad(jax.nn.gelu))(b),
-                                   rtol=1e-6)
+                                   rtol=BACKWARD[jnp.float32])
 
 
 # --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_core._jax_internals import JAXPR_CALLS, find_eqn
+from pallas_core._jax_internals import JAXPR_CALLS, LATER_ELEMENTWISE, find_eqn
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -63,10 +63,11 @@ _ELEMENTWISE_PRIMITIVES = frozenset("""
     add sub mul div rem pow max min nextafter atan2 and or xor eq ne lt le gt ge shift_left
     shift_right_logical shift_right_arithmetic igamma igammac polygamma zeta complex add_any
     select_n clamp bitcast_convert_type
-""".split())
-# Calls whose bodies are checked in turn.
+    empty
+""".split()) | frozenset(LATER_ELEMENTWISE)  # later JAX's log2; empty: jnp.empty in JAX 0.11
+# Calls whose bodies are checked in turn (``remat2``: jax.checkpoint / jax.remat).
 _CALL_PRIMITIVES = JAXPR_CALLS | frozenset("""
-    custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat checkpoint custom_lin
+    custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat2 custom_lin
 """.split())
 _PROBE_SHAPE = (2, 3)
 _elementwise_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -13,6 +13,7 @@ section 15 lists every private API used and what changed in 0.11.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 try:
     from jax._src.state.discharge import discharge_state as _discharge_state
@@ -23,8 +24,33 @@ except ImportError as e:  # pragma: no cover - only on an incompatible JAX
 
 
 def discharge_refs(closed_jaxpr: jax.extend.core.ClosedJaxpr):
-    """A pure ClosedJaxpr equivalent to ``closed_jaxpr`` (Ref effects threaded through)."""
-    return _discharge_state(closed_jaxpr)
+    """A pure ClosedJaxpr equivalent to ``closed_jaxpr`` (Ref effects threaded through;
+    hijax primitives expanded first, :func:`without_hijax`)."""
+    return _discharge_state(without_hijax(closed_jaxpr))
+
+
+def without_hijax(closed):
+    """``closed`` with every hijax primitive expanded into JAX's own primitives.
+
+    A hijax primitive (``call_hi_primitive``) keeps its jaxpr inside a Python object
+    that neither state discharge nor a code generator reads; ``lax.scan`` stages one
+    under JAX's ``jax_scan3`` flag (in 0.10.2 and 0.11: off by default), with its
+    carry in Refs. JAX expands them before its own lowering (``lower_jaxpr2``); so
+    does pallas_core. A jaxpr without one is returned as it is.
+
+    Raises:
+      NotImplementedError: hijax typed inputs or outputs (the expansion would change
+        the jaxpr's signature).
+    """
+    if not getattr(closed.jaxpr, "is_high", False):
+        return closed
+    from jax._src.interpreters import partial_eval as pe
+    lowered = pe.lower_jaxpr2(closed)
+    if [v.aval for v in lowered.jaxpr.outvars] != [v.aval for v in closed.jaxpr.outvars]:
+        raise NotImplementedError("a kernel with hijax typed inputs or outputs (e.g. a mutable "
+                                  "hijax type) is not supported; only hijax primitives such as "
+                                  "call_hi_primitive (lax.scan under jax_scan3) are expanded.")
+    return lowered
 
 
 # --- Forward-mode autodiff of kernels (pallas_core.autodiff) -------------------
@@ -53,7 +79,7 @@ def trace_ref_function(fn, ref_avals, name: str) -> jax.extend.core.ClosedJaxpr:
     debug = _api_util.debug_info(name, fn, tuple(ref_avals), {})
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(body, debug_info=debug),
                                                   list(ref_avals))
-    return _core.ClosedJaxpr(jaxpr, consts)
+    return close(jaxpr, consts)
 
 
 def jvp_of_ref_jaxpr(closed, nonzeros):
@@ -93,6 +119,23 @@ def pytree_differences(tree1, tree2):
 JAXPR_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "eval_jaxpr"})
 
 
+def as_closed(jaxpr):
+    """``jaxpr`` as a closed jaxpr (``.jaxpr`` and ``.consts``): a closed one as it is,
+    an open one (``remat2``'s body in JAX 0.10) with no consts."""
+    return jaxpr if hasattr(jaxpr, "consts") else close(jaxpr, [])
+
+
+def close(jaxpr, consts):
+    """The closed jaxpr of ``jaxpr`` with ``consts`` for its constvars.
+
+    JAX 0.11 merged ClosedJaxpr into Jaxpr (consts attached with ``with_consts``)
+    and keeps ``ClosedJaxpr(jaxpr, consts)`` only as a legacy spelling marked for
+    removal; JAX 0.10 has only the latter."""
+    if hasattr(jaxpr, "with_consts"):
+        return jaxpr.with_consts(consts)
+    return _core.ClosedJaxpr(jaxpr, consts)
+
+
 def scan_sizes(params) -> tuple[int, int]:
     """``(number of consts, number of carried values)`` of a ``scan`` equation.
 
@@ -102,6 +145,38 @@ def scan_sizes(params) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+# --- Element-wise primitives of later JAX, as JAX 0.10.2 spells them ----------
+# JAX 0.11.2 binds ``jnp.log2`` as a primitive of its own (``log2``); 0.10.2 and
+# 0.11.0 trace it to ``log(x) / log(2)``. The Triton code generator writes such a
+# primitive as that spelling (so its numerics, and the generated source, stay
+# those of 0.10.2) and the elementwise check takes it as elementwise. Each entry:
+# the function of the primitive's operands and params that 0.10.2 traces.
+def _log2_as_in_0_10(x, **params):
+    # jnp.log2 of JAX 0.10.2 for real dtypes: both logarithms in x's dtype, then
+    # their quotient (the ``accuracy`` param of later JAX has no 0.10.2 meaning).
+    return jax.lax.div(jax.lax.log(x), jax.lax.log(np.array(2, dtype=x.dtype)))
+
+
+LATER_ELEMENTWISE = {"log2": _log2_as_in_0_10}
+
+
+def spelled_as_in_0_10(eqn):
+    """The closed jaxpr of ``eqn`` (a :data:`LATER_ELEMENTWISE` primitive) as JAX
+    0.10.2 spells it, traced at the types of the equation's operands.
+
+    Raises:
+      NotImplementedError: a complex operand (0.10.2 spells those otherwise; no
+        backend that writes these spellings has complex numbers).
+    """
+    name = eqn.primitive.name
+    avals = [v.aval for v in eqn.invars]
+    if any(np.issubdtype(a.dtype, np.complexfloating) for a in avals):
+        raise NotImplementedError(f"the {name!r} primitive of complex operands has no spelling here.")
+    fn = LATER_ELEMENTWISE[name]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    return jax.make_jaxpr(lambda *xs: fn(*xs, **eqn.params))(*specs)
 
 
 def find_eqn(jaxpr, predicate):

@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import pallas_core as pl
@@ -121,3 +122,227 @@ def test_a_called_jaxpr_under_either_name(monkeypatch):
 
     monkeypatch.setattr(codegen, "trace_kernel", with_eval_jaxpr)
     assert pl.triton.source(f, x) == [as_closed_call]
+
+
+# ---- Primitives of later JAX (docs/pallas_core.md section 15) ---------------------------
+# JAX 0.11.2 binds jnp.log2 as a primitive named "log2"; the installed JAX may have none,
+# so a stand-in with JAX's semantics is bound by that name (the code generator and the
+# elementwise check dispatch by name; interpret and pallas_triton run it through JAX).
+
+def _stand_in_log2():
+    from jax.extend import core as jex_core
+    from jax.interpreters import batching, mlir
+
+    p = jex_core.Primitive("log2")
+    spelled = lambda x, accuracy=None: lax.div(lax.log(x), lax.log(np.array(2, x.dtype)))
+    p.def_impl(spelled)
+    p.def_abstract_eval(lambda x, accuracy=None: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(p, mlir.lower_fun(spelled, multiple_results=False))
+    batching.defvectorized(p)
+    return p, spelled
+
+
+LOG2_P, _LOG2_SPELLED = _stand_in_log2()
+
+
+def _log2_kernel(log2):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = log2(x_ref[...] * x_ref[...] + 0.5)
+    return kernel
+
+
+def _log2_call(log2, backend):
+    return lambda x: pl.pallas_call(_log2_kernel(log2), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    backend=backend)(x)
+
+
+def test_a_log2_primitive_on_the_interpreter_and_our_triton_lowering():
+    """Both agree with float64 log2; our Triton source for the primitive is 0.10.2's for
+    jnp.log2 (log(x) / log(2)), character for character, in float32 and bfloat16."""
+    from tests.tolerances import FORWARD, assert_close, for_dtype
+
+    prim = lambda v: LOG2_P.bind(v, accuracy=None)
+    rng = np.random.default_rng(7)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        spec = jax.ShapeDtypeStruct((8, 96), dtype)  # 96: padded lanes in the Triton tensors
+        assert pl.triton.source(_log2_call(prim, "triton"), spec) == \
+            pl.triton.source(_log2_call(jnp.log2, "triton"), spec)
+        x = rng.standard_normal((8, 96)).astype(dtype)
+        expected = np.log2(np.asarray(x, np.float64) ** 2 + 0.5)
+        for backend in ("interpret", "triton"):
+            out = _log2_call(prim, backend)(x)
+            assert out.dtype == dtype
+            assert_close(out, expected, 2 * for_dtype(FORWARD, dtype), f"log2 {backend} {dtype}")
+
+
+def test_a_log2_primitive_lowers_for_cuda_through_jax_pallas_triton(monkeypatch):
+    """On pallas_triton the primitive reaches JAX's own lowering (here: the stand-in's
+    rule, as JAX 0.11.2 registers its own)."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    monkeypatch.setitem(triton_lowering.triton_lowering_rules, LOG2_P,
+                        triton_lowering.lower_fun(_LOG2_SPELLED, multiple_results=False))
+    prim = lambda v: LOG2_P.bind(v, accuracy=None)
+    spec = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    text = jax.jit(_log2_call(prim, "pallas_triton")).trace(spec).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_a_log2_primitive_in_a_fused_epilogue():
+    """The elementwise check takes it; the fused matmul epilogue gives jnp.log2's numbers."""
+    import ops
+    from ops._checks import check_elementwise
+    from tests.tolerances import FORWARD, assert_close
+
+    activation = lambda z: LOG2_P.bind(z * z + 1.0, accuracy=None)
+    check_elementwise(activation, "activation", "test")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    w = rng.standard_normal((32, 24)).astype(np.float32) / 4
+    expected = np.log2((x.astype(np.float64) @ w) ** 2 + 1)
+    for impl in ("interpret", "triton"):
+        out = ops.fused_matmul(x, w, activation=activation, implementation=impl)
+        assert_close(out, expected, 4 * FORWARD[jnp.float32], f"log2 epilogue {impl}")
+
+
+def test_a_checkpointed_epilogue_is_elementwise_and_runs():
+    """jax.checkpoint stages remat2 (0.10.2 and 0.11): its body is checked, and the Triton
+    lowering writes it in place; the numbers are those of the plain activation."""
+    import ops
+    from ops._checks import check_elementwise
+
+    activation = jax.checkpoint(lambda z: jnp.tanh(z) * jax.nn.sigmoid(z))
+    check_elementwise(activation, "activation", "test")
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    w = rng.standard_normal((32, 24)).astype(np.float32) / 4
+    for impl in ("interpret", "triton"):
+        plain = ops.fused_matmul(x, w, activation=lambda z: jnp.tanh(z) * jax.nn.sigmoid(z),
+                                 implementation=impl)
+        np.testing.assert_array_equal(ops.fused_matmul(x, w, activation=activation, implementation=impl),
+                                      plain)
+    not_elementwise = jax.checkpoint(jax.nn.softmax)
+    with pytest.raises(ValueError, match="not elementwise"):
+        check_elementwise(not_elementwise, "activation", "test")
+
+
+def test_empty_and_unstack_in_the_elementwise_check():
+    """jnp.empty binds lax.empty in JAX 0.11 (a constant block, as 0.10.2's zeros); iterating
+    over the block binds unstack, which is refused by name."""
+    from ops._checks import check_elementwise
+
+    check_elementwise(lambda z: lax.empty(z.shape, z.dtype) * 0 + z, "activation", "test")
+    with pytest.raises(ValueError, match="'unstack'"):
+        check_elementwise(lambda z: jnp.stack(lax.unstack(z)[::-1]), "activation", "test")
+
+
+def _run_both(kernel, x, out_shape=None):
+    out_shape = out_shape or jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return [np.asarray(pl.pallas_call(kernel, out_shape=out_shape, backend=b)(x)) for b in ("interpret", "triton")]
+
+
+def test_unstack_empty_and_checkpoint_in_a_kernel():
+    """lax.unstack (JAX 0.11's iteration over a traced array), lax.empty (jnp.empty) and
+    jax.checkpoint in a kernel: our Triton lowering matches the interpreter and numpy."""
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((4, 96)).astype(np.float32)
+
+    def rows(x_ref, o_ref):
+        r = lax.unstack(x_ref[...], axis=0)
+        for i, row in enumerate((r[3], r[0] * 2, r[1] + r[2], r[1])):
+            o_ref[i, :] = row
+
+    def columns(x_ref, o_ref):  # unstack down to scalars, along the last axis
+        c = lax.unstack(x_ref[0, :4], axis=0)
+        o_ref[...] = x_ref[...] * (c[0] + c[3])
+
+    def empty(x_ref, o_ref):
+        o_ref[...] = lax.empty(x_ref.shape, x_ref.dtype) + x_ref[...]
+
+    def checkpointed(x_ref, o_ref):
+        o_ref[...] = jax.checkpoint(lambda v: jnp.sin(v) * v)(x_ref[...])
+
+    expected = {rows: np.stack([x[3], x[0] * 2, x[1] + x[2], x[1]]),
+                columns: x * (x[0, 0] + x[0, 3]), empty: x, checkpointed: np.sin(x) * x}
+    for kernel, want in expected.items():
+        for out in _run_both(kernel, x):
+            np.testing.assert_allclose(out, want, rtol=1e-6, err_msg=kernel.__name__)
+
+
+def test_unstack_of_a_dim_that_is_not_a_power_of_two_raises_naming_it():
+    def kernel(x_ref, o_ref):
+        r = lax.unstack(x_ref[...], axis=0)
+        o_ref[...] = r[0][None] + x_ref[...]
+
+    x = jax.ShapeDtypeStruct((3, 128), jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"unstacking .* dim of 3 .*'unstack'"):
+        pl.triton.source(lambda x: pl.pallas_call(kernel, out_shape=x, backend="triton")(x), x)
+
+
+@pytest.fixture
+def scan3():
+    """JAX's jax_scan3 flag (0.10.2 and 0.11: off by default): lax.scan stages a hijax
+    primitive, call_hi_primitive, with its carry in Refs."""
+    jax.config.update("jax_scan3", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_scan3", False)
+
+
+def test_loops_under_jax_scan3(scan3):
+    """call_hi_primitive is expanded into JAX's own primitives (as JAX does before lowering):
+    the interpreter and our Triton lowering run a kernel's scan / fori_loop carries, an
+    accumulator over an arbitrary grid axis included."""
+    def kernel(x_ref, o_ref, acc_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        block = x_ref[...]
+        acc_ref[...] += lax.fori_loop(0, 3, lambda i, c: c + block * i.astype(jnp.float32),
+                                      jnp.zeros_like(block))
+        total = lax.scan(lambda c, _: (c * 0.5 + 1.0, None), 0.0, None, length=4)[0]
+
+        @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+        def _():
+            o_ref[...] = acc_ref[...] + total
+
+    jaxpr = jax.make_jaxpr(lambda v: lax.fori_loop(0, 3, lambda i, c: c + v, v))(1.0)
+    assert any(e.primitive.name == "call_hi_primitive" for e in jaxpr.jaxpr.eqns)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((16, 256)).astype(np.float32)
+    call = lambda backend: pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32), grid=(2, 2),
+        in_specs=[pl.BlockSpec((8, 128), lambda i, k: (i, k))],
+        out_specs=pl.BlockSpec((8, 128), lambda i, k: (i, 0)),
+        scratch_shapes=[pl.tpu.VMEM((8, 128), jnp.float32)], backend=backend)(x)
+    total = 0.0
+    for _ in range(4):
+        total = total * 0.5 + 1.0
+    expected = 3 * (x[:, :128] + x[:, 128:]) + total
+    for backend in ("interpret", "triton"):
+        np.testing.assert_allclose(call(backend), expected, rtol=1e-6, atol=1e-6, err_msg=backend)
+
+
+def test_a_ref_made_in_the_kernel_accessed_in_part_raises(scan3):
+    def kernel(x_ref, o_ref):
+        ref = jax.new_ref(x_ref[...])
+        ref[0:1, :] = jnp.zeros((1, 128), jnp.float32)
+        o_ref[...] = ref[...]
+
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    with pytest.raises(NotImplementedError, match="a Ref made inside kernel kernel .* other than whole"):
+        pl.triton.source(lambda x: pl.pallas_call(kernel, out_shape=x, backend="triton")(x), x)
+
+
+def test_closing_a_jaxpr_in_either_form():
+    """JAX 0.11 attaches consts with Jaxpr.with_consts (ClosedJaxpr(jaxpr, consts) is kept
+    there only as a legacy spelling); 0.10.2 has only ClosedJaxpr."""
+    closed = jax.make_jaxpr(lambda v: v * np.arange(3.0, dtype=np.float32))(np.ones(3, np.float32))
+    again = _jax_internals.close(closed.jaxpr, closed.consts)
+    np.testing.assert_array_equal(_jax_internals.eval_jaxpr(again, np.ones(3, np.float32))[0], [0, 1, 2])
+    assert _jax_internals.as_closed(closed) is closed
+    opened = _jax_internals.as_closed(jax.make_jaxpr(lambda v: v + 1)(1.0).jaxpr)  # open in 0.10.2
+    assert list(opened.consts) == [] and _jax_internals.eval_jaxpr(opened, 1.0)[0] == 2.0
+

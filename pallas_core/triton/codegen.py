@@ -91,7 +91,8 @@ def trace_kernel(call) -> jex_core.ClosedJaxpr:
     ids = [jax.ShapeDtypeStruct((), jnp.int32)] * len(grid)
     blocks = [jax.ShapeDtypeStruct(m.ref_shape, m.dtype) for m in mappings]
     scratch = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in call.scratch_shapes]
-    return jax.make_jaxpr(body)(ids, blocks, scratch)
+    # Hijax primitives (lax.scan under jax_scan3) expanded into JAX's own, as JAX does.
+    return _jax_internals.without_hijax(jax.make_jaxpr(body)(ids, blocks, scratch))
 
 
 def _grouped(expr: str) -> str:
@@ -149,7 +150,9 @@ class RefView:
     masked: tuple[bool, ...]
     dtype: Any
     wide: bool  # more than 2**31 elements: int64 offsets
-    register: int | None = None  # index of a scratch buffer kept as a loop-carried value
+    # A value name carried through loops in place of memory: the index of a scratch buffer
+    # (named acc<k>), or the name of a Ref made inside the kernel (jax.new_ref of a value).
+    register: int | str | None = None
     origin_last: str | None = None  # start of the operand block's last dim, before any .at view
     result_shape: tuple[int, ...] | None = None  # set by a gather, whose axes Ranges do not give
     # Per array dim, the end (exclusive, in elements) of what a BoundedSlice block holds, or
@@ -158,7 +161,7 @@ class RefView:
 
     @property
     def register_name(self) -> str:
-        return f"acc{self.register}"
+        return self.register if isinstance(self.register, str) else f"acc{self.register}"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -409,7 +412,9 @@ class KernelWriter(ElementwiseWriter):
         (:mod:`pallas_core.triton.peeling`)."""
         jaxpr = closed.jaxpr
         length = self.call.grid[axis]
-        neutral = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "new_ref"]
+        # The Refs over operand and scratch blocks (trace_kernel's; not those a kernel makes).
+        neutral = [i for i, e in enumerate(jaxpr.eqns)
+                   if e.primitive.name == "new_ref" and e.invars[0] in jaxpr.invars]
         peel = peeling.plan(jaxpr, jaxpr.invars[axis], length, self.options.loop_peeling,
                             self._buffers(jaxpr, refs, neutral))
         if peel.before:
@@ -736,14 +741,25 @@ class KernelWriter(ElementwiseWriter):
             return None
         if all(_is_whole(t, ref.shape) for t in transforms):
             return ref.register_name
-        raise _ScratchNeedsMemory(ref.register)
+        self._needs_memory(ref)
 
     def _take_access(self, ref) -> dict | None:
         """The pending masked access of a load / store marker, consumed by its one get / swap."""
         access, self.access = self.access, None
         if access is not None and isinstance(ref, RefView) and ref.register is not None:
-            raise _ScratchNeedsMemory(ref.register)  # masked access: the buffer lives in memory
+            self._needs_memory(ref)  # masked access: the buffer lives in memory
         return access
+
+    def _needs_memory(self, ref: RefView):
+        """Raises for a register Ref accessed other than whole: a scratch buffer is then
+        written again in memory (:func:`generate`); a Ref made in the kernel has none."""
+        if not isinstance(ref.register, str):
+            raise _ScratchNeedsMemory(ref.register)
+        raise NotImplementedError(
+            f"triton backend: a Ref made inside kernel {self.call.name} (jax.new_ref of a value, "
+            "as lax.scan under JAX's jax_scan3 flag makes for its carry and stacked outputs) is "
+            "read or written other than whole, which is not supported; use a scratch buffer "
+            "(scratch_shapes) for it.")
 
     def _p_get(self, eqn, env, ref, *idx):
         access = self._take_access(ref)
@@ -790,7 +806,15 @@ class KernelWriter(ElementwiseWriter):
     def _p_new_ref(self, eqn, env, value):
         if isinstance(value, RefView):  # the Ref over an operand (or scratch) block
             return value
-        self.unsupported(eqn, "allocating a Ref inside the kernel (run_scoped)")
+        # A Ref over a value made in the kernel (lax.scan under jax_scan3 keeps its carry in
+        # such Refs): a value name carried through loops, as a register scratch buffer is.
+        aval = eqn.outvars[0].aval.inner_aval
+        name = self.fresh("loc")
+        self.emit(f"{name} = {fit(value, aval.shape, aval.dtype)}")
+        rank = len(aval.shape)
+        return RefView(ptr=name, array_shape=tuple(aval.shape), dim_names=(),
+                       dims=tuple(Range("0", n, 1) for n in aval.shape), masked=(False,) * rank,
+                       dtype=np.dtype(aval.dtype), wide=False, register=name)
 
     def _p_freeze(self, eqn, env, ref):
         return None
@@ -903,7 +927,7 @@ class KernelWriter(ElementwiseWriter):
         jaxpr = closed.jaxpr
         ref, val, mask, cmp = args[:4]
         if ref.register is not None:
-            raise _ScratchNeedsMemory(ref.register)
+            self._needs_memory(ref)
         inner = {v: a for v, a in zip(jaxpr.invars, args) if not isinstance(a, RefView)}
         self.ref_of_value.update({v: a for v, a in zip(jaxpr.invars, args) if isinstance(a, RefView)})
         get = next(e for e in jaxpr.eqns if e.primitive.name == "get")
@@ -928,6 +952,11 @@ class KernelWriter(ElementwiseWriter):
     # JAX after 0.11.0 calls a jaxpr with ``eval_jaxpr`` (same ``call_jaxpr`` param)
     # where 0.10 and 0.11.0 stage ``closed_call``.
     _p_eval_jaxpr = _p_closed_call
+
+    def _p_remat2(self, eqn, env, *args):
+        """``jax.checkpoint`` / ``jax.remat``: inside a kernel only a recomputation hint
+        for JAX's autodiff, so its body is written in place (an open jaxpr in 0.10)."""
+        return self._inline(_jax_internals.as_closed(eqn.params["jaxpr"]), args, env)
 
     def _p_custom_jvp_call(self, eqn, env, *args):
         return self._inline(eqn.params["call_jaxpr"], args, env)

@@ -16,9 +16,10 @@ import functools
 import jax
 import numpy as np
 
+from pallas_core import _jax_internals
 from pallas_core.primitives import next_power_of_2
 from pallas_core.triton.values import (Val, as_code, axis_index, cast, fit, identity, is_16bit_float, is_float,
-                                       lane_mask, nan_policy, padded, tl_dtype, tl_shape)
+                                       lane_mask, literal, nan_policy, padded, tl_dtype, tl_shape)
 
 _BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
            "gt": ">", "ge": ">=", "and": "&", "or": "|", "xor": "^"}
@@ -45,7 +46,18 @@ class ElementwiseWriter:
                               (_SCANS, self._scan)):
             if name in table:
                 return lambda eqn, env, x, method=method, combiner=table[name]: method(eqn, x, combiner)
+        if name in _jax_internals.LATER_ELEMENTWISE:
+            return self._as_in_0_10
         return None
+
+    def _as_in_0_10(self, eqn, env, *xs):
+        """A primitive of later JAX (``log2``) written as JAX 0.10.2's spelling of it,
+        so its numerics and Triton source are those of 0.10.2's jnp function."""
+        try:
+            spelled = _jax_internals.spelled_as_in_0_10(eqn)
+        except NotImplementedError:
+            self.unsupported(eqn, "a complex operand of primitive")
+        return self._inline(spelled, xs, env)
 
     def _binary(self, op, eqn, env, a, b):
         aval = eqn.outvars[0].aval
@@ -61,7 +73,7 @@ class ElementwiseWriter:
         xf = as_code(x)
         needs_f32 = is_16bit_float(aval.dtype)
         if needs_f32 and not template.startswith("tl.abs"):
-            xf = f"{xf}.to(tl.float32)"
+            xf = cast(x, "tl.float32") if not x.shape and not xf.isidentifier() else f"{xf}.to(tl.float32)"
             return self.assign(template.format(x=xf) + f".to({tl_dtype(aval.dtype)})", aval.shape, aval.dtype)
         return self.assign(template.format(x=xf), aval.shape, aval.dtype)
 
@@ -340,6 +352,39 @@ class ElementwiseWriter:
         while len(pieces) < parts:
             pieces = [half for piece in pieces for half in self._halves(piece, axis)]
         return pieces
+
+    def _p_unstack(self, eqn, env, x):
+        """``lax.unstack``, with which JAX 0.11 iterates over a traced array (0.10.2
+        slices it, which no backend of ours writes for a value): the dim halved in
+        turn down to single entries (as :meth:`_p_split`), each then squeezed away.
+        The dim must be a power of two (a padded dim would mix padding into entries)."""
+        axis = eqn.params["axis"]
+        n = x.shape[axis]
+        if next_power_of_2(n) != n:
+            self.unsupported(eqn, f"unstacking (iterating over) a dim of {n} of a value (only a "
+                                  "power-of-two dim; or index the Ref, x_ref[i]) with primitive")
+        pieces = [x]
+        while len(pieces) < n:
+            pieces = [half for piece in pieces for half in self._halves(piece, axis)]
+        outs = []
+        for piece, var in zip(pieces, eqn.outvars):
+            aval = var.aval
+            if not aval.shape:
+                outs.append(self._reduce_to_scalar(piece, aval))
+            else:
+                outs.append(self.assign(f"tl.reshape({as_code(piece)}, {tl_shape(aval.shape)})",
+                                        aval.shape, aval.dtype))
+        return outs
+
+    def _p_empty(self, eqn, env):
+        """``lax.empty``, which ``jnp.empty`` binds in JAX 0.11: zeros, as 0.10.2's
+        ``jnp.empty`` (a broadcast 0) gives, spelled as that broadcast is."""
+        aval = eqn.outvars[0].aval
+        zero = literal(0, aval)
+        if not aval.shape:
+            return zero
+        return self.assign(f"tl.full({tl_shape(aval.shape)}, {zero.expr}, {tl_dtype(aval.dtype)})",
+                           aval.shape, aval.dtype)
 
     def _halves(self, x: Val, axis: int) -> tuple[Val, Val]:
         """The two halves of ``x`` along ``axis`` (a power-of-two dim)."""

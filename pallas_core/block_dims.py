@@ -19,7 +19,8 @@ A ``BlockSpec``'s ``block_shape`` holds one entry per array dim:
 ``Buffered(buffer_count)`` is a BlockSpec's ``pipeline_mode``: how many
 buffers a pipelining backend (Mosaic TPU) keeps for the operand. It does not
 change what a kernel computes, so the interpreter and our Triton lowering
-accept and ignore it.
+accept and ignore it. JAX 0.11's ``prefetched_count`` (buffers filled before a
+pipeline starts, handed to JAX's ``emit_pipeline``) is accepted at its default, 0.
 """
 from __future__ import annotations
 
@@ -104,17 +105,33 @@ class Buffered:
       use_lookahead: let the pipeline fetch the next different block as soon as
         a buffer is free (Mosaic TPU).
       revisit: a :class:`RevisitMode` or None, for outputs (Mosaic TPU).
+      prefetched_count: JAX 0.11's number of buffers already filled when the
+        pipeline starts; only 0 (pallas_call fetches every block itself).
 
     Raises:
-      TypeError: a buffer count that is not a positive int, or a bad revisit.
+      TypeError: a buffer count that is not a positive int, a prefetched count
+        that is not a non-negative int, or a bad revisit.
+      NotImplementedError: a prefetched count above 0: JAX gives it meaning only
+        in ``pltpu.emit_pipeline`` (buffers passed in with its allocations), which
+        pallas_core does not provide.
     """
 
     buffer_count: int
     use_lookahead: bool = False
     revisit: RevisitMode | None = None
+    prefetched_count: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "buffer_count",
                            _positive_int(self.buffer_count, "Buffered(buffer_count)"))
         if self.revisit is not None and not isinstance(self.revisit, RevisitMode):
             raise TypeError(f"Buffered(revisit={self.revisit!r}): expected a RevisitMode or None.")
+        count = self.prefetched_count
+        if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise TypeError(f"Buffered(prefetched_count={count!r}): expected a non-negative int.")
+        if count:
+            raise NotImplementedError(
+                f"Buffered(prefetched_count={count}): pre-filled pipeline buffers are JAX's "
+                "pltpu.emit_pipeline's (passed in with its allocations), which pallas_core does "
+                "not provide; a pallas_call fetches every block itself (use 0, the default).")
+        object.__setattr__(self, "prefetched_count", int(count))

@@ -346,3 +346,30 @@ def test_closing_a_jaxpr_in_either_form():
     opened = _jax_internals.as_closed(jax.make_jaxpr(lambda v: v + 1)(1.0).jaxpr)  # open in 0.10.2
     assert list(opened.consts) == [] and _jax_internals.eval_jaxpr(opened, 1.0)[0] == 2.0
 
+
+def test_buffered_takes_prefetched_count_at_its_default():
+    """JAX after 0.11.0 adds Buffered(prefetched_count=), meaningful only to emit_pipeline."""
+    assert pl.Buffered(2, prefetched_count=0) == pl.Buffered(2)
+    with pytest.raises(NotImplementedError, match=r"prefetched_count=1\).*emit_pipeline"):
+        pl.Buffered(3, prefetched_count=1)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(TypeError, match="prefetched_count"):
+            pl.Buffered(2, prefetched_count=bad)
+
+
+def test_pltriton_names_of_later_jax():
+    """GPU introspection JAX's pallas.triton gained after 0.11.0: JAX's own where this JAX
+    has it, else an AttributeError naming it and the JAX version."""
+    from jax.experimental.pallas import triton as jax_pltriton
+
+    names = ("GpuInfo", "GpuVersion", "get_gpu_info", "get_gpu_info_from_version", "is_gpu_device",
+             "CUSTOM_CALL_TARGET_NAME")
+    for name in names:
+        if hasattr(jax_pltriton, name):
+            assert getattr(pl.triton, name) is getattr(jax_pltriton, name)
+        else:
+            with pytest.raises(AttributeError, match=rf"pallas_core\.triton\.{name} .*JAX {jax.__version__}"):
+                getattr(pl.triton, name)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        pl.triton.not_a_name
+

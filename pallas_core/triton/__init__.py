@@ -17,6 +17,10 @@ and runs it in Triton's interpreter elsewhere.
   which works on a host without a GPU.
 * :func:`tma_enabled` / :func:`enable_tma`: the library default of
   ``CompilerParams.tma`` (environment variable ``PALLAS_CORE_TRITON_TMA``).
+* JAX's ``pallas.triton`` names added after 0.11.0 (GPU introspection:
+  ``GpuInfo``, ``GpuVersion``, ``get_gpu_info``, ``get_gpu_info_from_version``,
+  ``is_gpu_device``; ``CUSTOM_CALL_TARGET_NAME``): JAX's own, where the installed
+  JAX has them (an AttributeError naming the name and the JAX version elsewhere).
 """
 from __future__ import annotations
 
@@ -32,6 +36,25 @@ from pallas_core.triton.primitives import approx_tanh, debug_barrier, dot, load,
 __all__ = ["CompilerParams", "approx_tanh", "atomic_add", "atomic_and", "atomic_cas", "atomic_max",
            "atomic_min", "atomic_or", "atomic_xchg", "atomic_xor", "compile", "debug_barrier", "dot", "elementwise_inline_asm",
            "enable_tma", "load", "max_contiguous", "source", "store", "tma_enabled"]
+
+
+# JAX's own, re-exported on first use: they describe JAX's devices and JAX's own
+# Pallas Triton custom call, and exist only in JAX after 0.11.0.
+_FROM_JAX_AFTER_0_11_0 = frozenset({"CUSTOM_CALL_TARGET_NAME", "GpuInfo", "GpuVersion", "get_gpu_info",
+                                    "get_gpu_info_from_version", "is_gpu_device"})
+
+
+def __getattr__(name):
+    if name not in _FROM_JAX_AFTER_0_11_0:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from jax.experimental.pallas import triton as jax_pallas_triton
+        return getattr(jax_pallas_triton, name)
+    except (ImportError, AttributeError):
+        raise AttributeError(
+            f"pallas_core.triton.{name} is JAX's jax.experimental.pallas.triton.{name}, re-exported "
+            f"where the installed JAX has it (JAX after 0.11.0); JAX {jax.__version__} does not."
+        ) from None
 
 
 def _trace(f, *args, **kwargs):

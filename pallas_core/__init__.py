@@ -22,6 +22,9 @@ atomics, JAX's ``pallas.triton`` load / store / dot / debug_barrier / max_contig
 approx_tanh / elementwise_inline_asm), ``pallas_core.gpu`` (SMEM, CompilerParams).
 See docs/pallas_core.md (section 13 lists what stays absent, and why).
 """
+# First: a JAX outside the verified range is named before anything else can fail on it.
+from pallas_core import _versions
+_versions.check_jax_version()
 from pallas_core import gpu, tpu, triton
 # The backends register their runners and primitive rules (pallas_core.registry) when
 # imported: this is the one place that imports them all.

@@ -373,3 +373,57 @@ def test_pltriton_names_of_later_jax():
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         pl.triton.not_a_name
 
+
+# ---- The verified range (pallas_core._versions) ----------------------------------------
+
+def test_versions_in_and_out_of_the_verified_range():
+    from pallas_core import _versions
+
+    for version in ("0.10.2", "0.11.0", "0.11.1.dev20260808", "0.11.2", "0.11.9"):
+        assert _versions.is_verified(version), version
+    for version in ("0.10.1", "0.9.2", "0.12.0", "0.12.0.1", "1.0"):
+        assert not _versions.is_verified(version), version
+    assert _versions.is_verified(jax.__version__)  # the JAX the tests run on
+    with pytest.raises(ValueError, match="version"):
+        _versions.version_tuple("main")
+
+
+def test_a_jax_outside_the_range_warns_once_naming_the_range(monkeypatch):
+    import warnings
+
+    from pallas_core import _versions
+
+    monkeypatch.setattr(_versions, "_warned", False)
+    monkeypatch.setattr(jax, "__version__", "0.12.0.1")
+    with pytest.warns(_versions.JaxVersionWarning,
+                      match=r"verified with JAX 0\.10\.2 up to \(not including\) 0\.12; this is JAX 0\.12\.0\.1"):
+        assert not _versions.check_jax_version()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _versions.check_jax_version()  # once per process
+    monkeypatch.setattr(_versions, "_warned", False)
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _versions.check_jax_version()
+
+
+def test_importing_pallas_core_under_a_newer_jax_warns():
+    import subprocess
+    import sys
+
+    code = "import jax; jax.__version__ = '0.12.0'; import pallas_core"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert run.stderr.count("JaxVersionWarning") == 1, run.stderr
+    assert "JAX 0.10.2 up to (not including) 0.12; this is JAX 0.12.0" in run.stderr
+
+
+def test_the_dependency_has_the_range_floor_and_no_ceiling():
+    """pyproject asks for jax>=<floor>: never a ceiling that would downgrade a newer JAX."""
+    from pallas_core import _versions
+
+    text = (REPO / "pyproject.toml").read_text()
+    pins = re.findall(r'"jax(?:\[\w+\])?([<>=!~][^"]*)"', text)
+    assert pins, "no jax dependency found"
+    for pin in pins:
+        assert pin == f">={_versions.VERIFIED_JAX[0]}", pin

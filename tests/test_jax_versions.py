@@ -184,8 +184,23 @@ def test_a_log2_primitive_lowers_for_cuda_through_jax_pallas_triton(monkeypatch)
                         triton_lowering.lower_fun(_LOG2_SPELLED, multiple_results=False))
     prim = lambda v: LOG2_P.bind(v, accuracy=None)
     spec = jax.ShapeDtypeStruct((8, 128), jnp.float32)
-    text = jax.jit(_log2_call(prim, "pallas_triton")).trace(spec).lower(lowering_platforms=("cuda",)).as_text()
+    with _an_abstract_gpu():
+        text = jax.jit(_log2_call(prim, "pallas_triton")).trace(spec).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+
+
+def _an_abstract_gpu():
+    """JAX after 0.11.0 lowers pallas_triton for the GPU it asks JAX about (its
+    pltriton.get_gpu_info): on a host without one, an abstract H100, as its error
+    message says. 0.10.2 asks nothing."""
+    import contextlib
+
+    from jax.experimental.pallas import triton as jax_pltriton
+
+    if not hasattr(jax_pltriton, "get_gpu_info"):
+        return contextlib.nullcontext()
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
 
 
 def test_a_log2_primitive_in_a_fused_epilogue():

@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import warnings
@@ -44,6 +43,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from benchmarks import checkpoint, harness, tables
+from benchmarks.provenance import git_commit, source_fingerprint
 from benchmarks.plots import write_plots
 from benchmarks.suite import collect_cases, run_order
 from ops.tuning import cache as tuning_cache
@@ -56,7 +56,9 @@ RUNS_ROOT = RESULTS_ROOT / "runs"
 # (warmup calls, timed samples, time budget in s) per implementation. CPU
 # budgets keep a timed suite to about a minute on a 2-core CI machine;
 # accelerators get many samples for stable medians.
-_SETTINGS = {"cpu": (2, 20, 2.0), "accelerator": (5, 50, 10.0), "quick": (1, 5, 1.0)}
+# Warm-up calls follow the first call (which checks the output) and precede the one
+# that sizes the samples: two are enough for compiled code.
+_SETTINGS = {"cpu": (2, 20, 2.0), "accelerator": (2, 50, 10.0), "quick": (1, 5, 1.0)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,18 +102,6 @@ def _positive_seconds(text: str) -> float:
     if not seconds > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return seconds
-
-
-def git_commit() -> str | None:
-    """Short hash of HEAD, with "+dirty" for uncommitted changes to tracked files."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, check=True,
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty.strip() else "")
 
 
 def default_out_dir(now: datetime.datetime, info: dict[str, str], quick: bool) -> Path:
@@ -284,7 +274,8 @@ def main(argv=None) -> int:
         console.print("Measuring ceilings ...")
         ceilings = harness.measure_ceilings(device)
     meta = {**info, "date": now.isoformat(timespec="seconds"), "jax_version": jax.__version__,
-            "git_commit": git_commit(), "python": sys.version.split()[0], "ceilings": ceilings,
+            "git_commit": git_commit(), "source_fingerprint": source_fingerprint(),
+            "python": sys.version.split()[0], "ceilings": ceilings,
             "timed": timed, "header": header, "warmup": warmup, "iters": iters,
             "max_seconds": max_seconds, "quick": args.quick, "filter": args.filter,
             "seed": args.seed,
@@ -315,11 +306,17 @@ def main(argv=None) -> int:
                 progress.update(task, description=case.name)
                 # The key depends only on the case's name, so --filter does not change inputs.
                 key = jax.random.fold_in(base_key, zlib.crc32(case.name.encode()))
+                steps = harness.StepTimes()
                 if timed:
                     rows += harness.run_case(case, key=key, ceilings=ceilings, warmup=warmup,
-                                             iters=iters, max_seconds=max_seconds, device=device)
+                                             iters=iters, max_seconds=max_seconds, device=device,
+                                             steps=steps)
                 else:
-                    rows += harness.check_case(case, key=key, device=device)
+                    rows += harness.check_case(case, key=key, device=device, steps=steps)
+                # Each case's steps in seconds (its fixed cost: everything but the timing).
+                meta.setdefault("case_seconds", {})[case.name] = steps.as_dict()
+                progress.console.print(f"{case.name}: {steps.summary()}", markup=False,
+                                       highlight=False)
                 not_run.remove(case.name)
                 checkpoint.write_checkpoint(out_dir / "results.json", meta, rows, not_run)
                 progress.advance(task)

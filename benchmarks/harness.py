@@ -9,13 +9,27 @@ memory-bound case's own size) and turns one case into result rows: timed
 (:func:`run_case`) or, on a host whose implementations are interpreters,
 accuracy only (:func:`check_case`). Units: times in ms, rates in TFLOP/s
 and GB/s.
+
+A case's fixed cost (everything but its timed samples) is kept small, since a
+lent GPU's minutes are few: every implementation and the float64 reference
+are compiled at once in threads (:func:`prepare_case`; XLA's and Triton's
+compilers release the GIL), the reference runs once per case and stays on
+the device, errors are reduced on the device (no host copy of the outputs),
+and the first call doubles as the first warm-up. :class:`StepTimes` records
+the seconds of each step (inputs, compile, reference, check, warm-up,
+timing), which the CLI prints per case.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import math
+import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +184,28 @@ def upcast(x):
     return x.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
 
 
+def _wide(x) -> jax.ShapeDtypeStruct:
+    """The reference's argument spec for input ``x``: float64 for a floating input."""
+    dtype = jnp.float64 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+    return jax.ShapeDtypeStruct(x.shape, dtype)
+
+
+def compile_reference(case: "Case", inputs: tuple):
+    """``case.reference`` compiled for ``inputs`` in float64 (JAX's x64 mode, for this
+    compile only). Run it with :func:`run_reference`."""
+    with jax.enable_x64(True):
+        return compile_fn(case.reference, *(_wide(x) for x in inputs))
+
+
+def run_reference(compiled, inputs: tuple):
+    """A compiled reference (:func:`compile_reference`) on ``inputs`` upcast to float64;
+    its outputs stay on the device (compare them with :func:`max_relative_error`)."""
+    with jax.enable_x64(True):
+        wide = tuple(jnp.asarray(x, jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating)
+                     else jnp.asarray(x) for x in inputs)
+        return jax.block_until_ready(compiled(*wide))
+
+
 def reference_output(case: "Case", inputs: tuple):
     """``case.reference`` on ``inputs`` in float64, as numpy arrays.
 
@@ -177,16 +213,156 @@ def reference_output(case: "Case", inputs: tuple):
     here, for this call only) every product and sum is float64: the errors
     reported against it are the implementations' own, not float32's.
     """
-    with jax.enable_x64(True):
-        wide = tuple(jnp.asarray(np.asarray(x, np.float64)) if jnp.issubdtype(x.dtype, jnp.floating)
-                     else jnp.asarray(np.asarray(x)) for x in inputs)
-        out = jax.jit(case.reference)(*wide)
-        return jax.tree.map(lambda a: np.asarray(a, np.float64), out)
+    out = run_reference(compile_reference(case, inputs), inputs)
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), out)
 
 
 def compile_fn(fn: Callable, *args) -> Callable:
     """``fn`` jitted and compiled ahead of time for ``args``' shapes and dtypes."""
     return jax.jit(fn).lower(*args).compile()
+
+
+def compile_workers() -> int:
+    """Threads :func:`prepare_case` compiles in: ``$PALLAS_KERNELS_COMPILE_WORKERS``, else
+    the host's cores (at most 8)."""
+    text = os.environ.get("PALLAS_KERNELS_COMPILE_WORKERS", "")
+    if text.strip():
+        return max(1, int(text))
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class StepTimes:
+    """Seconds spent in each step of one case, for the run's log and results.json.
+
+    Steps: ``inputs`` (the random inputs), ``compile`` (every implementation and
+    the reference: the parallel compile's wall time beyond the inputs' drawn
+    meanwhile; each one's own seconds in :attr:`compiles`), ``reference`` (its float64 run), ``check`` (each
+    implementation's first call and its error), ``warm-up`` and ``timing``
+    (the timed samples), and ``ceiling`` (a memory-bound case's copy of its own
+    bytes, :func:`copy_gbps`, measured once per size). Everything but
+    ``timing`` is the case's fixed cost.
+    """
+
+    ORDER = ("inputs", "compile", "reference", "ceiling", "check", "warm-up", "timing")
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.compiles: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    @property
+    def fixed_seconds(self) -> float:
+        """Everything but the timed samples."""
+        return sum(v for k, v in self.seconds.items() if k != "timing")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                "compiles": {k: round(v, 3) for k, v in self.compiles.items()},
+                "fixed_s": round(self.fixed_seconds, 3)}
+
+    def summary(self) -> str:
+        """One line: each step's seconds in order, the compiles per implementation."""
+        parts = [f"{name} {self.seconds[name]:.1f}" for name in self.ORDER if name in self.seconds]
+        compiles = ", ".join(f"{k} {v:.1f}" for k, v in self.compiles.items())
+        return (f"{'; '.join(parts)} s (fixed {self.fixed_seconds:.1f} s"
+                + (f"; compiles in parallel: {compiles}" if compiles else "") + ")")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A case ready to run: its inputs, each implementation compiled (or the exception
+    its compile raised), and the reference's outputs on the device (or its exception)."""
+    inputs: tuple
+    compiled: dict[str, Any]
+    reference: Any
+
+
+def _timed_compile(fn: Callable, args) -> tuple[Any, float]:
+    start = time.perf_counter()
+    try:
+        return fn(*args), time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 - returned, recorded in the implementation's row
+        return e, time.perf_counter() - start
+
+
+def prepare_case(case: "Case", key, steps: StepTimes | None = None,
+                 workers: int | None = None) -> Prepared:
+    """Makes ``case``'s inputs from ``key``, compiles every implementation and the float64
+    reference in threads meanwhile, then runs the reference once.
+
+    Tracing is Python (one thread at a time), but XLA's compiles, Triton's passes and
+    ptxas release the GIL, so five implementations compile in little more than the
+    slowest one's time; they compile for the inputs' shapes
+    (``jax.eval_shape(case.make_inputs)``) while the inputs are drawn. Each thread
+    runs in a copy of the caller's context (contextvars: a tuning-cache override,
+    ``pallas_core.triton.enable_tma``), so it traces what the caller would. A
+    compile that fails in a thread is tried again in this one before its
+    exception is kept (a failure of threading never reads as the kernel's).
+    Compiles only touch the device to autotune; the reference runs after them,
+    before anything is timed.
+
+    Raises:
+      ValueError: the case has no :data:`BASELINE` implementation.
+    """
+    next(_baseline_first(case.implementations))  # no baseline: raised before any compile
+    steps = steps if steps is not None else StepTimes()
+    workers = workers or compile_workers()
+    inputs = None
+
+    def draw() -> float:
+        nonlocal inputs
+        start = time.perf_counter()
+        inputs = jax.block_until_ready(case.make_inputs(key))
+        steps.add("inputs", time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    try:
+        specs = jax.eval_shape(case.make_inputs, key)
+    except Exception:  # noqa: BLE001 - inputs made outside JAX's tracing: draw them first
+        draw()
+        specs = inputs
+    tasks = {name: (compile_fn, (fn, *specs)) for name, fn in case.implementations.items()}
+    tasks[_REFERENCE] = (compile_reference, (case, specs))
+    start, drawing = time.perf_counter(), 0.0
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(workers, len(tasks))) as pool:
+            futures = {name: pool.submit(contextvars.copy_context().run, _timed_compile, fn, args)
+                       for name, (fn, args) in tasks.items()}
+            if inputs is None:
+                drawing = draw()
+            results = {name: future.result() for name, future in futures.items()}
+    else:
+        results = {name: _timed_compile(fn, args) for name, (fn, args) in tasks.items()}
+        if inputs is None:
+            drawing = draw()
+    steps.add("compile", time.perf_counter() - start - drawing)
+    for name, (out, _) in results.items():
+        if isinstance(out, Exception) and workers > 1:  # again alone: a real failure fails again
+            with steps.step("compile"):
+                results[name] = _timed_compile(*tasks[name])
+    steps.compiles.update({name: seconds for name, (_, seconds) in results.items()})
+    compiled = {name: out for name, (out, _) in results.items() if name != _REFERENCE}
+    reference, _ = results[_REFERENCE]
+    if not isinstance(reference, Exception):
+        with steps.step("reference"):
+            try:
+                reference = run_reference(reference, inputs)
+            except Exception as e:  # noqa: BLE001 - every row reports it
+                reference = e
+    return Prepared(inputs, compiled, reference)
+
+
+_REFERENCE = "reference (float64)"
 
 
 def compiled_peak_bytes(compiled) -> int | None:
@@ -214,49 +390,75 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20,
     """Wall-clock time of one ``fn(*args)`` call in ms, after compiling and warming up.
 
     ``fn`` is jitted and compiled first (:func:`compile_fn`), called once for
-    its output, then ``warmup`` more times untimed, then timed in up to
-    ``iters`` samples. A sample ends with ``jax.block_until_ready`` so that the
-    device's work is counted, not just its dispatch. Dispatching and syncing
-    cost tens of microseconds, which would inflate sub-millisecond kernels, so
-    a sample queues enough calls back to back to last about
-    :data:`MIN_SAMPLE_SECONDS` and reports the time per call.
-
-    Args:
-      warmup: untimed calls after the first.
-      iters: timed samples (at most).
-      max_seconds: optional budget for the timed samples; timing stops once
-        it is spent, after at least :data:`MIN_TIMED_RUNS` samples.
+    its output, then timed by :func:`time_compiled` (``warmup`` more untimed
+    calls, then up to ``iters`` samples).
 
     Returns:
-      ``median_ms``, ``p10_ms``, ``p90_ms``, ``min_ms``, ``mean_ms`` (ms per
-      call), ``runs`` (timed samples), ``calls_per_sample``, ``compile_ms``
-      (ms to trace and compile), ``peak_bytes`` (:func:`compiled_peak_bytes`)
-      and ``output`` (the first call's result, for accuracy checks).
+      :func:`time_compiled`'s fields, ``compile_ms`` (ms to trace and compile),
+      ``peak_bytes`` (:func:`compiled_peak_bytes`) and ``output`` (the first
+      call's result, for accuracy checks).
     """
     start = time.perf_counter()
     call = compile_fn(fn, *args)
     compile_ms = (time.perf_counter() - start) * 1e3
     output = jax.block_until_ready(call(*args))
-    for _ in range(warmup):
+    return {**time_compiled(call, *args, warmup=warmup, iters=iters, max_seconds=max_seconds),
+            "compile_ms": compile_ms, "peak_bytes": compiled_peak_bytes(call), "output": output}
+
+
+def time_compiled(call: Callable, *args, warmup: int = 3, iters: int = 20,
+                  max_seconds: float | None = None, steps: StepTimes | None = None
+                  ) -> dict[str, Any]:
+    """Wall-clock time of one call of a compiled ``call(*args)`` in ms, once it has run once.
+
+    ``warmup`` untimed calls, then up to ``iters`` timed samples. A sample ends
+    with ``jax.block_until_ready`` so that the device's work is counted, not
+    just its dispatch. Dispatching and syncing cost tens of microseconds, which
+    would inflate sub-millisecond kernels, so a sample queues enough calls back
+    to back to last about :data:`MIN_SAMPLE_SECONDS` and reports the time per
+    call (the one call that measures how many is the last warm-up).
+
+    Args:
+      warmup: untimed calls (after the first call, made by the caller).
+      iters: timed samples (at most).
+      max_seconds: optional budget for the timed samples; timing stops once
+        it is spent, after at least :data:`MIN_TIMED_RUNS` samples.
+      steps: where the ``warm-up`` and ``timing`` seconds are added, if given.
+
+    Returns:
+      ``median_ms``, ``p10_ms``, ``p90_ms``, ``min_ms``, ``mean_ms`` (ms per
+      call), ``runs`` (timed samples) and ``calls_per_sample``.
+    """
+    steps = steps if steps is not None else StepTimes()
+    with steps.step("warm-up"):
+        for _ in range(warmup):
+            jax.block_until_ready(call(*args))
+        t0 = time.perf_counter()
         jax.block_until_ready(call(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(call(*args))
-    one_call = time.perf_counter() - t0
+        one_call = time.perf_counter() - t0
     calls_per_sample = int(min(MAX_CALLS_PER_SAMPLE, max(1, MIN_SAMPLE_SECONDS // one_call)))
 
     seconds: list[float] = []
-    budget_start = time.perf_counter()
-    for _ in range(max(iters, 1)):
-        t0 = time.perf_counter()
-        for _ in range(calls_per_sample):
-            result = call(*args)
-        jax.block_until_ready(result)
-        seconds.append((time.perf_counter() - t0) / calls_per_sample)
-        over_budget = max_seconds is not None and time.perf_counter() - budget_start > max_seconds
-        if over_budget and len(seconds) >= MIN_TIMED_RUNS:
-            break
-    return {**_stats_ms(seconds), "calls_per_sample": calls_per_sample, "compile_ms": compile_ms,
-            "peak_bytes": compiled_peak_bytes(call), "output": output}
+    with steps.step("timing"):
+        budget_start = time.perf_counter()
+        for _ in range(max(iters, 1)):
+            t0 = time.perf_counter()
+            for _ in range(calls_per_sample):
+                result = call(*args)
+            jax.block_until_ready(result)
+            seconds.append((time.perf_counter() - t0) / calls_per_sample)
+            over_budget = max_seconds is not None and time.perf_counter() - budget_start > max_seconds
+            if over_budget and len(seconds) >= MIN_TIMED_RUNS:
+                break
+    return {**_stats_ms(seconds), "calls_per_sample": calls_per_sample}
+
+
+@functools.partial(jax.jit, inline=False)
+def _error_terms(output, reference):
+    """``(max |output - reference|, max |reference|)`` in float64 (traced under x64)."""
+    reference = reference.astype(jnp.float64)
+    return (jnp.max(jnp.abs(output.astype(jnp.float64) - reference)),
+            jnp.max(jnp.abs(reference)))
 
 
 def max_relative_error(output, reference) -> float:
@@ -265,23 +467,23 @@ def max_relative_error(output, reference) -> float:
     Normalising by the largest reference magnitude (not elementwise) keeps
     values near zero, where a low-precision dtype's relative error is
     meaningless, from dominating. NaN or inf in ``output`` gives NaN / inf.
+    Reduced in float64 where the arrays are (on the device for a device
+    reference: only two scalars per leaf reach the host).
     """
     out_leaves = jax.tree.leaves(output)
     ref_leaves = jax.tree.leaves(reference)
     if len(out_leaves) != len(ref_leaves):
         raise ValueError(f"output has {len(out_leaves)} leaves, reference {len(ref_leaves)}.")
     worst = 0.0
-    for o, r in zip(out_leaves, ref_leaves):
-        # Compared in float64 on the host: no rounding of the comparison itself.
-        r = np.asarray(r, np.float64)
-        if r.size == 0:
-            continue
-        err = float(np.max(np.abs(np.asarray(o, np.float64) - r)))
-        scale = float(np.max(np.abs(r)))
-        rel = err / scale if scale > 0 else err
-        if math.isnan(rel):
-            return rel
-        worst = max(worst, rel)
+    with jax.enable_x64(True):
+        for o, r in zip(out_leaves, ref_leaves):
+            if np.size(r) == 0:
+                continue
+            err, scale = (float(t) for t in _error_terms(jnp.asarray(o), jnp.asarray(r)))
+            rel = err / scale if scale > 0 else err
+            if math.isnan(rel):
+                return rel
+            worst = max(worst, rel)
     return worst
 
 
@@ -411,70 +613,92 @@ def _error_text(e: Exception) -> str:
 
 
 def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters: int,
-             max_seconds: float | None = None,
-             device: jax.Device | None = None) -> list[dict[str, Any]]:
+             max_seconds: float | None = None, device: jax.Device | None = None,
+             steps: StepTimes | None = None, workers: int | None = None) -> list[dict[str, Any]]:
     """Times every implementation of ``case``; one row (dict) per implementation.
 
     Each row has the keys in :data:`ROW_KEYS`: the case's identity (op, case,
     variant, shape, dtype, pass, implementation), the ceiling it is bound by
     ("matmul": compute-bound, rated in TFLOP/s; "copy": memory-bound, GB/s),
-    timing (median_ms, p10_ms, p90_ms in ms; runs; compile_ms), the rates and
+    timing (median_ms, p10_ms, p90_ms in ms; runs; compile_ms, of the
+    implementation's own compile in the parallel compile), the rates and
     their ceiling (:func:`rate_against_ceiling`: tflops, gbps, ceiling_rate,
     cache_resident, fraction_of_ceiling), speedup_vs_xla (the baseline's
     median over this row's; 1.0 for the baseline), max_rel_error (vs the
-    float64 reference, :func:`reference_output`), peak_bytes (the compiled
+    float64 reference, :func:`prepare_case`), peak_bytes (the compiled
     executable's temporary plus output bytes, :func:`compiled_peak_bytes`),
     error (None, or why the implementation failed: a failure is recorded
     rather than raised so that one broken kernel does not lose a long run),
     device_kind and platform.
+
+    The implementations and the reference compile at once (:func:`prepare_case`,
+    ``workers`` threads, ``key`` drawing the inputs); then each implementation in turn (the baseline
+    first) is called once, checked against the reference, warmed up
+    ``warmup - 1`` more times and timed (:func:`time_compiled`). ``steps``
+    receives each step's seconds.
     """
-    inputs = case.make_inputs(key)
-    reference = reference_output(case, inputs)
+    steps = steps if steps is not None else StepTimes()
+    prepared = prepare_case(case, key, steps, workers)
+    if case.ceiling == "copy" and case.bytes_accessed:
+        with steps.step("ceiling"):  # a copy of the case's bytes, measured once per size
+            copy_gbps(case.bytes_accessed, device)
     base = _identity(case, device)
     rows, baseline_ms = [], None
-    for impl_name, fn in _baseline_first(case.implementations):
-        row = {**dict.fromkeys(ROW_KEYS), **base, "implementation": impl_name}
+    for impl_name, call in _baseline_first(prepared.compiled):
+        row = {**dict.fromkeys(ROW_KEYS), **base, "implementation": impl_name,
+               "compile_ms": steps.compiles.get(impl_name, 0.0) * 1e3}
         try:
-            timing = time_fn(fn, *inputs, warmup=warmup, iters=iters, max_seconds=max_seconds)
+            row["max_rel_error"] = _check(call, prepared, steps)
+            timing = time_compiled(call, *prepared.inputs, warmup=max(0, warmup - 1), iters=iters,
+                                   max_seconds=max_seconds, steps=steps)
         except Exception as e:  # noqa: BLE001 - recorded in the row, reported, exit code 1
             row["error"] = _error_text(e)
             rows.append(row)
             continue
         if impl_name == BASELINE:
             baseline_ms = timing["median_ms"]
-        row.update({field: timing[field] for field in ("median_ms", "p10_ms", "p90_ms", "runs",
-                                                     "compile_ms", "peak_bytes")})
+        row.update({field: timing[field] for field in ("median_ms", "p10_ms", "p90_ms", "runs")})
+        row["peak_bytes"] = compiled_peak_bytes(call)
         row.update(rate_against_ceiling(case, timing["median_ms"] * 1e-3, ceilings, device))
-        row.update({
-            "speedup_vs_xla": baseline_ms / timing["median_ms"] if baseline_ms else None,
-            "max_rel_error": max_relative_error(timing["output"], reference),
-        })
+        row["speedup_vs_xla"] = baseline_ms / timing["median_ms"] if baseline_ms else None
         rows.append(row)
     return rows
 
 
-def check_case(case: Case, *, key, device: jax.Device | None = None) -> list[dict[str, Any]]:
+def check_case(case: Case, *, key, device: jax.Device | None = None,
+               steps: StepTimes | None = None, workers: int | None = None) -> list[dict[str, Any]]:
     """Runs every implementation of ``case`` once; one accuracy row per implementation.
 
     Nothing is timed: on a host whose implementations are interpreters a time
     says nothing about the kernels. Each row has the keys in
     :data:`ACCURACY_ROW_KEYS`; ``max_rel_error`` is against the float64
-    reference (:func:`reference_output`) and ``error`` is None or why the
+    reference (:func:`prepare_case`) and ``error`` is None or why the
     implementation failed (recorded, not raised, as in :func:`run_case`).
     """
-    inputs = case.make_inputs(key)
-    reference = reference_output(case, inputs)
+    steps = steps if steps is not None else StepTimes()
+    prepared = prepare_case(case, key, steps, workers)
     base = _identity(case, device)
     rows = []
-    for impl_name, fn in _baseline_first(case.implementations):
+    for impl_name, call in _baseline_first(prepared.compiled):
         row = {**dict.fromkeys(ACCURACY_ROW_KEYS), **base, "implementation": impl_name}
         try:
-            output = jax.block_until_ready(jax.jit(fn)(*inputs))
-            row["max_rel_error"] = max_relative_error(output, reference)
+            row["max_rel_error"] = _check(call, prepared, steps)
         except Exception as e:  # noqa: BLE001 - recorded in the row, reported, exit code 1
             row["error"] = _error_text(e)
         rows.append(row)
     return rows
+
+
+def _check(call, prepared: Prepared, steps: StepTimes) -> float:
+    """The first call of a compiled implementation (re-raising its compile's exception),
+    and its error against the reference (re-raising the reference's)."""
+    if isinstance(call, Exception):
+        raise call
+    with steps.step("check"):
+        output = jax.block_until_ready(call(*prepared.inputs))
+        if isinstance(prepared.reference, Exception):
+            raise RuntimeError(f"the float64 reference failed: {_error_text(prepared.reference)}")
+        return max_relative_error(output, prepared.reference)
 
 
 def _baseline_first(implementations: Mapping[str, Callable]):

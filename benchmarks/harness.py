@@ -314,7 +314,7 @@ def prepare_case(case: "Case", key, steps: StepTimes | None = None,
     Raises:
       ValueError: the case has no :data:`BASELINE` implementation.
     """
-    next(_baseline_first(case.implementations))  # no baseline: raised before any compile
+    next(baseline_first(case.implementations))  # no baseline: raised before any compile
     steps = steps if steps is not None else StepTimes()
     workers = workers or compile_workers()
     inputs = None
@@ -644,11 +644,11 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
             copy_gbps(case.bytes_accessed, device)
     base = _identity(case, device)
     rows, baseline_ms = [], None
-    for impl_name, call in _baseline_first(prepared.compiled):
+    for impl_name, call in baseline_first(prepared.compiled):
         row = {**dict.fromkeys(ROW_KEYS), **base, "implementation": impl_name,
                "compile_ms": steps.compiles.get(impl_name, 0.0) * 1e3}
         try:
-            row["max_rel_error"] = _check(call, prepared, steps)
+            row["max_rel_error"] = check_implementation(call, prepared, steps)
             timing = time_compiled(call, *prepared.inputs, warmup=max(0, warmup - 1), iters=iters,
                                    max_seconds=max_seconds, steps=steps)
         except Exception as e:  # noqa: BLE001 - recorded in the row, reported, exit code 1
@@ -679,19 +679,20 @@ def check_case(case: Case, *, key, device: jax.Device | None = None,
     prepared = prepare_case(case, key, steps, workers)
     base = _identity(case, device)
     rows = []
-    for impl_name, call in _baseline_first(prepared.compiled):
+    for impl_name, call in baseline_first(prepared.compiled):
         row = {**dict.fromkeys(ACCURACY_ROW_KEYS), **base, "implementation": impl_name}
         try:
-            row["max_rel_error"] = _check(call, prepared, steps)
+            row["max_rel_error"] = check_implementation(call, prepared, steps)
         except Exception as e:  # noqa: BLE001 - recorded in the row, reported, exit code 1
             row["error"] = _error_text(e)
         rows.append(row)
     return rows
 
 
-def _check(call, prepared: Prepared, steps: StepTimes) -> float:
-    """The first call of a compiled implementation (re-raising its compile's exception),
-    and its error against the reference (re-raising the reference's)."""
+def check_implementation(call, prepared: Prepared, steps: StepTimes) -> float:
+    """A prepared implementation's first call (``call``: compiled, or the exception its
+    compile raised, re-raised here) and its :func:`max_relative_error` against the
+    prepared reference (RuntimeError if the reference failed). Adds the ``check`` step."""
     if isinstance(call, Exception):
         raise call
     with steps.step("check"):
@@ -701,7 +702,12 @@ def _check(call, prepared: Prepared, steps: StepTimes) -> float:
         return max_relative_error(output, prepared.reference)
 
 
-def _baseline_first(implementations: Mapping[str, Callable]):
+def baseline_first(implementations: Mapping[str, Any]):
+    """``(name, value)`` pairs of ``implementations``, :data:`BASELINE` first.
+
+    Raises:
+      ValueError: there is no baseline.
+    """
     if BASELINE not in implementations:
         raise ValueError(f"a case must include the {BASELINE!r} baseline implementation, got "
                          f"{sorted(implementations)}.")

@@ -17,11 +17,27 @@ On a host without a GPU nothing is timed: the compile filter runs for
 ``--target`` (default sm_90) and its verdicts are printed and written to
 the report; no cache entry is made.
 
+Rankings (docs/design.md §5.2): on a GPU, after each problem is tuned, every
+registered implementation of its op that runs there (ours, ``xla``, ``cudnn``
+for attention) is timed on the problem's call, forward alone ("fwd") and,
+where the op registers a training step, forward and backward ("fwd+bwd"), ours
+on the winner just found; the implementations ranked by median time are a
+rankings entry (:mod:`ops.tuning.rankings`) for the device kind, written to
+``--rankings`` (default beside ``--out``, ``rankings.json``; ``--no-rankings``
+skips it). The default implementation of a call (``implementation=None``)
+is the first of its ranking that can run it.
+
 Outputs: ``--out`` (default: the packaged cache, ``ops/tuning/configs.json``)
 receives the winners, merged with what the file holds; ``--report`` (default
 beside ``--out``, ``tune_report.json``) every verdict and time. ``--merge
 FILE`` copies the entries of a cache file (e.g. one a GPU session wrote under
-``benchmarks/results/``) into ``--out`` and exits.
+``benchmarks/results/``) into ``--out``, and those of the ``rankings.json``
+beside it (when there is one) into ``--rankings`` (default: the packaged
+``ops/tuning/rankings.json``), and exits. ``--from-results FILE`` turns a
+benchmark run's ``results.json`` (``python -m benchmarks``: every
+implementation timed on the suite's shapes) into rankings entries in
+``--rankings`` (default: the packaged file), its source recorded as
+``--source-path`` (the path the run is committed under), and exits.
 """
 from __future__ import annotations
 
@@ -35,9 +51,12 @@ from pathlib import Path
 import jax
 
 import ops.tuning as tuning
-from benchmarks import checkpoint, harness
+import pallas_core as pl
+from benchmarks import checkpoint, harness, suite
 from benchmarks.__main__ import git_commit
-from ops.tuning import search
+from ops import _op, _resolve
+from ops._implementation import IMPLEMENTATIONS
+from ops.tuning import rankings, search
 
 _OPS_HELP = ", ".join(sorted(op.name for op in search.tuned_ops()))
 
@@ -69,7 +88,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(the forward that keeps residuals and the backward): faster, for a cache "
                         "that serves inference only.")
     parser.add_argument("--merge", type=Path, default=None, metavar="FILE",
-                        help="Merge FILE's entries into --out and exit.")
+                        help="Merge FILE's entries into --out, and those of the rankings.json "
+                        "beside FILE into --rankings, and exit.")
+    parser.add_argument("--rankings", type=Path, default=None,
+                        help="Rankings file the measured rankings are merged into (default: "
+                        "rankings.json beside --out; with --merge or --from-results the "
+                        "packaged ops/tuning/rankings.json).")
+    parser.add_argument("--no-rankings", action="store_true",
+                        help="Do not time the implementations against each other.")
+    parser.add_argument("--from-results", type=Path, default=None, metavar="FILE",
+                        help="Turn a benchmark results.json into rankings entries in --rankings "
+                        "and exit.")
+    parser.add_argument("--source-path", default=None,
+                        help="With --from-results: the path the run is committed under, "
+                        "recorded as the entries' source (default: FILE as given).")
+    parser.add_argument("--source-commit", default=None,
+                        help="With --from-results: the commit the run measured, when its "
+                        "results.json names another.")
     return parser.parse_args(argv)
 
 
@@ -134,16 +169,155 @@ def tune_problem(problem: search.Problem, *, target: str, device_kind: str | Non
     return result
 
 
+# ----------------------------------------------------------------------------
+# Rankings: every implementation of an op timed on the same call
+# ----------------------------------------------------------------------------
+
+def _random_inputs(args, key, high: int) -> list:
+    """Fresh random arrays shaped as ``args`` (integers in ``[0, high)``)."""
+    out = []
+    for k, a in zip(jax.random.split(key, len(args)), args):
+        if jax.numpy.issubdtype(a.dtype, jax.numpy.integer):
+            out.append(jax.random.randint(k, a.shape, 0, high, a.dtype))
+        else:
+            out.append(jax.random.normal(k, a.shape, jax.numpy.float32).astype(a.dtype))
+    return out
+
+
+def ranked_implementations(op: _op.Op, platform: str) -> tuple[str, ...]:
+    """The implementations of ``op`` the default may choose on ``platform``."""
+    return tuple(name for name, impl in op.implementations.items() if platform in impl.platforms)
+
+
+def rank_problem(problem: search.Problem, *, device_kind: str, platform: str, iters: int,
+                 source: str, winner: dict | None = None, log=print) -> list[rankings.Ranking]:
+    """Times every implementation of ``problem``'s op that may be a default on this
+    device on its call, "fwd" and (where the op has a training step) "fwd+bwd"; one
+    rankings entry per pass, naming ``source``. ``winner``: the tuned cache entry of
+    ``problem``'s own implementation (installed while ours run)."""
+    op, op_problem = problem.registered, problem.op_problem()
+    names = ranked_implementations(op, platform)
+    out = []
+    for pass_, make in (("fwd", op.tuning.example), ("fwd+bwd", op.tuning.training)):
+        if make is None or make(op_problem, names[0]) is None:
+            continue
+        fn, args = make(op_problem, names[0])
+        key_problem = _resolve.capture_call(fn, args).problem  # what a lookup of the call sees
+        inputs = _random_inputs(args, jax.random.key(1), problem.shape[-1])
+        times, failed = {}, {}
+        for name in names:
+            fn, _ = make(op_problem, name)
+            overrides = [winner] if winner is not None and name == problem.implementation else []
+            try:
+                with tuning.override(overrides):
+                    times[name] = harness.time_fn(fn, *inputs, warmup=2, iters=iters,
+                                                  max_seconds=2.0)["median_ms"]
+            except Exception as e:  # noqa: BLE001 - a failure is part of the ranking
+                failed[name] = harness._error_text(e)
+        if not times:
+            continue
+        entry = rankings.make_entry(op.name, device_kind, key_problem.dtype, key_problem.shape,
+                                    pass_, times, failed, key_problem.variant_dict(),
+                                    source=source, cases=[f"{problem.name}/{pass_}"])
+        log(f"  {problem.name} {pass_}: " + ", ".join(f"{n} {t:.4g} ms" for n, t in entry.ranking)
+            + "".join(f", {n} failed" for n in failed))
+        out.append(entry)
+    return out
+
+
+def tuner_source(device_kind: str, target: str) -> dict:
+    return {"tool": "python -m benchmarks.tune", "device_kind": device_kind, "target": target,
+            "commit": git_commit(), "jax_version": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def rankings_from_results(document: dict, *, source: str, log=print) -> list[rankings.Ranking]:
+    """Rankings entries from a benchmark run's ``results.json`` (decoded): each case's
+    successful implementations (those of :data:`ops.IMPLEMENTATIONS`) ranked by median
+    time, failures listed; the key is the problem the op itself sees for the case
+    (its call traced abstractly up to the op layer, :func:`ops._resolve.capture_call`),
+    the pass the case's. Cases with one key (fused_matmul's plain and bias + gelu
+    products) are merged, each implementation's times summed over them (those timed
+    in only some are left out)."""
+    meta = document["meta"]
+    cases = {c.name: c for c in suite.collect_cases(meta["platform"])}
+    rows: dict[str, list[dict]] = {}
+    for row in document["rows"]:
+        rows.setdefault(row["case"], []).append(row)
+    merged: dict[tuple, dict] = {}
+    for name, group in rows.items():
+        case = cases.get(name)
+        ours = None if case is None else next(
+            (i for i in case.implementations if i in pl.BACKENDS), None)
+        if ours is None:
+            log(f"  {name}: no such case with a kernel implementation now; skipped.")
+            continue
+        shapes = jax.eval_shape(case.make_inputs, jax.random.key(0))
+        problem = _resolve.capture_call(case.implementations[ours], shapes).problem
+        key = (case.op, problem.dtype, problem.bucket, problem.variant, case.pass_name)
+        times = {r["implementation"]: r["median_ms"] for r in group
+                 if r["implementation"] in IMPLEMENTATIONS and not r.get("error")
+                 and r.get("median_ms")}
+        failed = {r["implementation"]: r["error"] for r in group
+                  if r["implementation"] in IMPLEMENTATIONS and r.get("error")}
+        if key in merged:
+            old = merged[key]
+            failed = {**old["failed"], **failed}
+            times = {n: t + old["times"][n] for n, t in times.items()
+                     if n in old["times"] and n not in failed}
+            old.update(times=times, failed=failed, cases=old["cases"] + [name])
+        else:
+            merged[key] = dict(problem=problem, times=times, failed=failed, cases=[name],
+                               pass_=case.pass_name)
+    entries = []
+    for m in merged.values():
+        p = m["problem"]
+        if m["times"]:
+            entries.append(rankings.make_entry(
+                p.op, meta["device_kind"], p.dtype, p.shape, m["pass_"], m["times"], m["failed"],
+                p.variant_dict(), source=source, cases=m["cases"]))
+    return entries
+
+
+def _merge(args) -> int:
+    entries = json.loads(args.merge.read_text())["entries"] if args.merge.exists() else None
+    if entries is None:
+        print(f"{args.merge}: no such file.")
+        return 1
+    tuning.load(args.merge)  # validates, version included
+    print(f"{args.out}: {tuning.write(args.out, entries)} entries after merging {len(entries)}.")
+    beside = args.merge.with_name("rankings.json")
+    if beside.exists():
+        table = rankings.load(beside)
+        out = args.rankings or rankings.PACKAGED_RANKINGS
+        print(f"{out}: {rankings.write(out, table.entries.values(), table.sources)} rankings "
+              f"after merging {len(table.entries)}.")
+    return 0
+
+
+def _from_results(args) -> int:
+    if not args.from_results.exists():
+        print(f"{args.from_results}: no such file.")
+        return 1
+    document = json.loads(args.from_results.read_text())
+    meta = document["meta"]
+    info = {"path": args.source_path or str(args.from_results), "tool": "python -m benchmarks",
+            "device_kind": meta["device_kind"], "commit": args.source_commit or meta["git_commit"],
+            "jax_version": meta["jax_version"], "date": meta["date"]}
+    source = f"{meta['device_kind']} {str(meta['date'])[:10]} benchmarks".replace(" ", "-")
+    entries = rankings_from_results(document, source=source)
+    out = args.rankings or rankings.PACKAGED_RANKINGS
+    print(f"{out}: {rankings.write(out, entries, {source: info})} rankings after adding "
+          f"{len(entries)} from {args.from_results}.")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.merge is not None:
-        entries = json.loads(args.merge.read_text())["entries"] if args.merge.exists() else None
-        if entries is None:
-            print(f"{args.merge}: no such file.")
-            return 1
-        tuning.load(args.merge)  # validates, version included
-        print(f"{args.out}: {tuning.write(args.out, entries)} entries after merging {len(entries)}.")
-        return 0
+        return _merge(args)
+    if args.from_results is not None:
+        return _from_results(args)
     device = jax.devices()[0]
     target = args.target or gpu_target(device) or "sm_90"
     timing = gpu_target(device) is not None
@@ -161,6 +335,9 @@ def main(argv=None) -> int:
           f"({'timed on the device' if timing else 'compile filter only: no GPU, nothing is timed'})")
     start, results, written = time.monotonic(), [], 0
     report = args.report or args.out.with_name("tune_report.json")
+    ranking_file = args.rankings or args.out.with_name("rankings.json")
+    ranking = timing and not args.no_rankings
+    source = f"tune-{device.device_kind}-{git_commit() or 'unknown'}".replace(" ", "-")
 
     def save(result) -> None:
         """The winner into the cache file and the report rewritten, after every problem:
@@ -184,6 +361,12 @@ def main(argv=None) -> int:
                                             iters=args.iters, max_candidates=args.max_candidates,
                                             training=not args.inference_only))
                 save(results[-1])
+                if ranking:
+                    entries = rank_problem(problem, device_kind=device_kind, platform=device.platform,
+                                           iters=args.iters, source=source,
+                                           winner=results[-1]["entry"])
+                    rankings.write(ranking_file, entries,
+                                   {source: tuner_source(device.device_kind, target)})
         except (checkpoint.Stopped, KeyboardInterrupt) as e:
             print(f"Stopped ({e or 'Ctrl-C'}) after {len(results)} problem(s); those are saved.")
     if written:
@@ -191,6 +374,9 @@ def main(argv=None) -> int:
               f"({len(tuning.load(args.out))} entries in the file).")
     if timing or args.report is not None:
         print(f"Report written to {report}")
+    if ranking and ranking_file.exists():
+        print(f"Rankings written to {ranking_file} ({len(rankings.load(ranking_file).entries)} "
+              "entries in the file).")
     dropped = sum(not v["kept"] for r in results for v in r["verdicts"])
     kept = sum(v["kept"] for r in results for v in r["verdicts"])
     print(f"{kept} candidate(s) kept, {dropped} dropped by the {target} compile filter.")

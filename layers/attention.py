@@ -31,7 +31,7 @@ from jax import lax
 
 from layers.dense import _FUSED_DTYPES, _as_precision, _check_implementation
 from layers.norms import RMSNorm
-from ops._implementation import run_implementation
+from ops._implementation import platform_default, run_implementation
 from ops.attention import dot_product_attention as _flash_attention
 
 __all__ = ["AttentionFallbackWarning", "MultiHeadAttention", "dot_product_attention"]
@@ -315,6 +315,10 @@ class _BoundAttention:
         self.__signature__ = _BOUND_SIGNATURE
 
     def __call__(self, *args, **kwargs):
+        if self.implementation is None and platform_default() != "xla":
+            # Off a CPU the op's own default: the fastest measured implementation for the call.
+            return dot_product_attention(*args, implementation=None, **kwargs)
+
         def body(impl):
             if impl == "xla":
                 return _stock_attention(*args, **kwargs)  # stock Flax, bit for bit

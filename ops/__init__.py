@@ -1,9 +1,12 @@
 """Curated fused kernels for model authors (docs/design.md §5).
 
-Every op is jit/vmap/grad-compatible and takes ``implementation=``: None
-picks the best for the platform (falling back to "xla"), a name or a
-sequence of names tried in order; see :mod:`ops._implementation`.
+Every op is jit/vmap/grad-compatible and takes ``implementation=``: None is
+the default (XLA on a CPU; on a GPU the fastest implementation measured for
+the call that can run it, ours or XLA or cuDNN; :func:`resolve_implementation`
+says which and why), a name or a sequence of names tried in order; see
+:mod:`ops._implementation`, :mod:`ops._default` and :mod:`ops._resolve`.
 """
+from ops._resolve import resolve_implementation
 from ops._implementation import IMPLEMENTATIONS
 from ops.activations import ACTIVATIONS
 from ops.attention import dot_product_attention
@@ -16,4 +19,4 @@ from ops.serving import paged_attention, ragged_paged_attention, update_kv_pages
 
 __all__ = ["ACTIVATIONS", "IMPLEMENTATIONS", "apply_rotary_embedding", "cross_entropy", "dot_product_attention", "fused_matmul", "gated_linear_unit", "layer_norm",
            "linear_cross_entropy", "log_softmax", "logsumexp", "max", "mean", "paged_attention",
-           "ragged_dot", "ragged_paged_attention", "rms_norm", "rope_frequencies", "softmax", "sum", "update_kv_pages"]
+           "ragged_dot", "ragged_paged_attention", "resolve_implementation", "rms_norm", "rope_frequencies", "softmax", "sum", "update_kv_pages"]

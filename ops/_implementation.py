@@ -1,10 +1,14 @@
 """Choosing an op's implementation (shared by every op and layer).
 
 ``implementation=`` is None, a name from :data:`IMPLEMENTATIONS`, or a
-non-empty sequence of names tried in order (docs/design.md §5):
+non-empty sequence of names tried in order (docs/design.md §5.2):
 
-- None picks the best available for the default device's platform
-  (:func:`platform_default`; ``"xla"`` where no kernel backend is fast).
+- None: the op's default. On a CPU that is ``"xla"`` (no kernel backend is
+  fast there); on a GPU the fastest implementation measured for the call that
+  can run it, ours or the user's own alternatives (``xla``, ``cudnn``), from
+  the rankings shipped beside the tuning cache (:mod:`ops._default`,
+  :mod:`ops.tuning.rankings`); on a TPU ``mosaic_tpu``.
+  ``ops.resolve_implementation`` says which, and why.
 - A name is used as asked (a Mosaic or Triton implementation on hardware
   that lacks it fails when JAX lowers it).
 - A sequence, such as ``("mosaic_gpu", "triton", "xla")``: an implementation
@@ -16,8 +20,9 @@ non-empty sequence of names tried in order (docs/design.md §5):
   not caught.
 
 :func:`check_implementation` validates the argument before anything is
-traced; :func:`run_implementation` validates, then runs the op's body once
-per name until one runs.
+traced. The registered ops run their implementations through
+:meth:`ops._op.Op.run`; :func:`run_implementation` is the same loop for code
+that is not an op (the layers), its None being :func:`platform_default`.
 """
 from __future__ import annotations
 
@@ -26,11 +31,15 @@ from typing import TypeVar
 
 from pallas_core.backends import backend_traits, default_backend
 
-IMPLEMENTATIONS = ("xla", "interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton")
+# "xla": the op's XLA reference; "cudnn": cuDNN's flash attention through
+# jax.nn.dot_product_attention (attention only); the others: pallas_core backends.
+IMPLEMENTATIONS = ("xla", "interpret", "triton", "mosaic_tpu", "mosaic_gpu", "pallas_triton",
+                   "cudnn")
 
 KERNEL_BACKENDS = ("interpret", "triton", "pallas_triton", "mosaic_tpu")
 
-Implementation = str | Sequence[str] | None
+# What ``implementation=`` takes.
+ImplementationArg = str | Sequence[str] | None
 
 _R = TypeVar("_R")
 
@@ -115,15 +124,3 @@ def run_implementation(implementation, op: str, body: Callable[[str], _R], *,
         except NotImplementedError as e:
             error = e
     raise error
-
-
-def resolve_implementation(implementation, op: str, *, kernel_backends=KERNEL_BACKENDS,
-                           missing_reason: str = "") -> str:
-    """The first implementation ``op`` has a kernel for (a name with no fallback: that name).
-
-    For code that needs one name up front rather than a body to run (the
-    layers ask whether a call goes to ``"xla"``). Raises as
-    :func:`run_implementation` does.
-    """
-    return run_implementation(implementation, op, lambda name: name,
-                              kernel_backends=kernel_backends, missing_reason=missing_reason)

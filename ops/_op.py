@@ -10,6 +10,11 @@ An op is made of (docs/design.md §5.1):
 * its implementations: for every pallas_core backend it has kernels for, the
   config class those kernels take (``configs``). Several backends may share
   one class; the class is the whole contract between the op and the tuner.
+  Registering the op makes an :class:`Implementation` of each (and of
+  ``"xla"``): the name, the config class, the kernel entry (the op's
+  ``entry(name, **args)``) and a ``supported(call)`` predicate; a later module
+  adds one more (``mosaic_gpu`` kernels, cuDNN) with
+  :func:`register_implementation`, with no edit in the op's body.
 
 A **config** is a frozen (hashable) dataclass subclassing :class:`KernelConfig`:
 every field is something that changes the generated kernel (tiles, warps,
@@ -60,11 +65,15 @@ In the op's module (its own folder for a family), at import time::
         reference=my_op_reference, check=_check,
         tuning=Tuning(example=_example, shapes=((4096, 4096),), quick=((256, 1024),))))
 
-and in the op's body::
+with ``entry=_my_op_on`` (the checked call on one implementation, ``"xla"``
+included), ``problem_of=`` (the call's dims, dtype and variant, which the
+measured rankings of the default are keyed by) and ``supported=`` (per
+implementation, why it cannot run a call, before anything is traced) among
+its arguments; in the op's public function, after its checks::
 
-    return OP.run(implementation, lambda impl: _my_op_on(impl, ...))   # implementation= fallbacks
+    return OP.run(implementation, x=x, features=features, ...)   # the entry's arguments
     ...
-    config = OP.select(OP.problem((rows, features), x.dtype), impl, explicit)
+    config = OP.select(OP.problem((rows, features), x.dtype), impl, explicit)   # in the entry
 
 The op's package ``__init__`` imports the module and ``ops/__init__.py``
 imports the package, so ``import ops`` (or anything under it) registers every
@@ -75,7 +84,10 @@ they iterate :func:`registered` ops, with no per-op tables. An op with no
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -83,8 +95,9 @@ import jax
 import numpy as np
 
 import pallas_core as pl
-from ops._implementation import KERNEL_BACKENDS, run_implementation
-from ops.tuning import cache
+from ops import _default
+from ops._implementation import IMPLEMENTATIONS, KERNEL_BACKENDS, check_implementation
+from ops.tuning import cache, rankings
 from pallas_core.triton import backend as triton_backend
 
 _R = TypeVar("_R")
@@ -182,6 +195,123 @@ class Problem:
         raise AttributeError(name)
 
 
+_PLATFORMS = {"cuda": "gpu", "rocm": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The device an implementation is chosen for.
+
+    Attributes:
+      platform: "cpu", "gpu" or "tpu".
+      device_kind: ``jax.Device.device_kind`` (what rankings and the tuning cache
+        are keyed by).
+    """
+
+    platform: str
+    device_kind: str
+
+    @classmethod
+    def current(cls) -> "Target":
+        """The default device (its kind as :func:`ops.tuning.current_device_kind` says,
+        so :func:`ops.tuning.device_kind` renames it)."""
+        platform = jax.default_backend()
+        return cls(_PLATFORMS.get(platform, platform), cache.current_device_kind())
+
+    @classmethod
+    def of_kind(cls, device_kind: str) -> "Target":
+        """A device by its kind alone: "cpu" is a CPU, "TPU ..." a TPU, anything else
+        (``"NVIDIA H200"``, ...) a GPU.
+
+        Raises:
+          ValueError: not a non-empty string.
+        """
+        if not isinstance(device_kind, str) or not device_kind:
+            raise ValueError(f"device_kind: expected a non-empty string such as 'NVIDIA H200', "
+                             f"got {device_kind!r}.")
+        kind = device_kind.lower()
+        platform = "cpu" if kind == "cpu" else "tpu" if kind.startswith("tpu") else "gpu"
+        return cls(platform, device_kind)
+
+    @property
+    def sm(self) -> str | None:
+        """The CUDA architecture (``"sm_90"``) where known: the device's own when this
+        process has it, else its family's (:func:`ops.tuning.rankings.device_family`)."""
+        if self.platform != "gpu":
+            return None
+        device = jax.devices()[0]
+        capability = getattr(device, "compute_capability", None)
+        if device.device_kind == self.device_kind and capability:
+            return "sm_" + "".join(str(capability).split(".")[:2])
+        return rankings.device_family(self.device_kind)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+    """One checked call of an op, before any implementation runs: what an
+    implementation's ``run`` and ``supported`` read.
+
+    Attributes:
+      op: the :class:`Op`.
+      args: the checked arguments, named as the op's ``entry`` takes them.
+      target: the device the implementation is chosen for.
+      pass_: "fwd" (the op alone), "fwd+bwd" (called under differentiation:
+        ``jax.grad`` / ``jax.vjp`` traced it, :func:`ops._default.differentiated`)
+        or "bwd" (an op's public backward function).
+    """
+
+    op: "Op"
+    args: Mapping[str, Any]
+    target: Target
+    pass_: str = "fwd"
+
+    @functools.cached_property
+    def problem(self) -> Problem | None:
+        """The call's :class:`Problem` (``op.problem_of``), or None for an op without one."""
+        if self.op.problem_of is None:
+            return None
+        shape, dtype, variant = self.op.problem_of(**self.args)
+        return self.op.problem(shape, dtype, variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way to run one op: what ``implementation=name`` runs.
+
+    Attributes:
+      name: a name from :data:`ops.IMPLEMENTATIONS`.
+      run: the kernel entry, ``run(call)`` -> the op's result; it may raise
+        NotImplementedError for a call it finds it cannot run after all (the
+        next implementation is tried).
+      config: the typed config class its kernels take (None: none, as for
+        ``xla`` and ``cudnn``).
+      supported: ``supported(call)`` -> None, or why this implementation cannot
+        run ``call`` (read from the checked arguments and the target, before
+        anything is traced: a head dim JAX's Triton lowering cannot tile, a
+        feature cuDNN does not have, a GPU older than sm_90); None: every call.
+      platforms: where the default may choose it ("cpu", "gpu", "tpu"); an
+        explicit ``implementation=`` runs it anywhere.
+      not_default: why the default never chooses it ("": it may), e.g. an
+        implementation that breaks the op's memory promise.
+    """
+
+    name: str
+    run: Callable[[Call], Any]
+    config: type[KernelConfig] | None = None
+    supported: Callable[[Call], str | None] | None = None
+    platforms: tuple[str, ...] = ()
+    not_default: str = ""
+
+    @property
+    def ours(self) -> bool:
+        """Whether it runs this project's kernels (a pallas_core backend)."""
+        return self.name in pl.BACKENDS
+
+    def why_not(self, call: Call) -> str | None:
+        """None when it can run ``call``, else why not."""
+        return None if self.supported is None else self.supported(call)
+
+
 class KernelConfig:
     """Base of an implementation's config: subclasses are frozen dataclasses (hashable,
     so a config can be a ``custom_vjp`` nondiff argument) whose fields are everything that
@@ -266,45 +396,74 @@ class Op:
     Attributes:
       name: the public name (``ops.<name>``), the key of the registry and the cache.
       dims: names of the problem dims its configs are chosen by.
-      configs: implementation (pallas_core backend) -> its config class; the
-        backends the op has kernels for.
+      configs: pallas_core backend -> the config class its kernels take (None: a
+        kernel with no config); the backends the op has kernels for when it is
+        registered (:meth:`implementations` is the live table, which later modules
+        may add to).
       reference: the XLA reference (the ``"xla"`` implementation).
       check: the argument checks (None where they are part of the public function).
       variant: the op's :class:`Variant` class, or None.
       tuning: how the tuner exercises it, or None (not tuned).
-      missing_reason: why a backend outside ``configs`` has no kernel (for errors).
+      missing_reason: why an implementation it does not have is missing (for errors).
+      entry: ``entry(name, **args)``: the op's checked call on implementation
+        ``name`` (``"xla"`` and each backend of ``configs``), ``args`` being what its
+        public function passes to :meth:`run`; None: the op is not run through
+        :meth:`run` (its implementations only carry configs).
+      problem_of: ``problem_of(**args) -> (shape, dtype, variant)``: the call's
+        problem (its dims as ``dims`` names them, its dtype and variant fields or
+        None), which the measured rankings of the default are keyed by; None: no
+        ranking applies (the default takes its safe order).
+      supported: implementation name -> ``supported(call)`` (see
+        :class:`Implementation`) for the implementations registration makes.
+      not_default: implementation name -> why the default never picks it (say
+        ``{"xla": "it materialises the N x V logits"}``).
+      function: the public function (``ops.<name>``), which
+        :func:`ops.resolve_implementation` calls abstractly; None: not resolvable.
     """
 
     name: str
     dims: tuple[str, ...]
-    configs: Mapping[str, type[KernelConfig]]
+    configs: Mapping[str, type[KernelConfig] | None]
     reference: Callable
     check: Callable | None = None
     variant: type[Variant] | None = None
     tuning: Tuning | None = None
     missing_reason: str = ""
+    entry: Callable[..., Any] | None = None
+    problem_of: Callable[..., tuple] | None = None
+    supported: Mapping[str, Callable[[Call], str | None]] = dataclasses.field(default_factory=dict)
+    not_default: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    function: Callable | None = None
+
+    @property
+    def implementations(self) -> Mapping[str, Implementation]:
+        """Every registered implementation of the op, by name (``"xla"`` first)."""
+        return dict(_IMPLEMENTATIONS.get(self.name, {}))
 
     @property
     def kernel_backends(self) -> tuple[str, ...]:
-        return tuple(self.configs)
+        """The implementations that run our kernels (pallas_core backends)."""
+        return tuple(name for name, impl in self.implementations.items() if impl.ours)
 
     def config_type(self, implementation: str) -> type[KernelConfig]:
         """The config class of ``implementation``.
 
         Raises:
-          NotImplementedError: the op has no kernel for it.
+          NotImplementedError: the op has no kernel with a config for it.
         """
-        try:
-            return self.configs[implementation]
-        except KeyError:
+        found = self.implementations.get(implementation)
+        if found is None or found.config is None:
             raise NotImplementedError(f"{self.name}: no kernel for implementation="
-                                      f"{implementation!r}{self.missing_reason}.") from None
+                                      f"{implementation!r}{self.missing_reason}.")
+        return found.config
 
     def tunable_fields(self) -> tuple[str, ...]:
         """Every tunable field of the op's config classes (what a cache entry may hold)."""
         names: dict[str, None] = {}
-        for cls in self.configs.values():
-            names.update(dict.fromkeys(cls.tunable_fields()))
+        classes = [impl.config for impl in self.implementations.values()] or list(self.configs.values())
+        for cls in classes:
+            if cls is not None:
+                names.update(dict.fromkeys(cls.tunable_fields()))
         return tuple(names)
 
     def problem(self, shape: Sequence[int], dtype, variant: Mapping | None = None) -> Problem:
@@ -321,12 +480,47 @@ class Op:
         full = cache.full_variant(self.name, variant, f"{self.name}: variant")
         return Problem(self.name, shape, np.dtype(dtype).name, tuple(sorted(full.items())))
 
-    def run(self, implementation, body: Callable[[str], _R]) -> _R:
-        """``body(name)`` for the first implementation that runs (``implementation=``'s
-        fallbacks, :func:`ops._implementation.run_implementation`)."""
-        return run_implementation(implementation, self.name, body,
-                                  kernel_backends=self.kernel_backends,
-                                  missing_reason=self.missing_reason)
+    def run(self, implementation, /, *, pass_: str | None = None, **args):
+        """The op's checked call (``args``, as ``entry`` takes them) on the first
+        implementation that runs it.
+
+        ``implementation`` is the public ``implementation=`` (:mod:`ops._implementation`):
+        a name or a sequence is tried in order; None is the default for the call and
+        its device (:func:`ops._default.choose`: XLA on a CPU, the fastest measured
+        implementation that can run the call on a GPU). An implementation the op
+        does not have, one whose ``supported`` refuses the call, and one whose entry
+        raises NotImplementedError are skipped. ``pass_``: "bwd" for an op's public
+        backward function; otherwise the call is "fwd", or "fwd+bwd" when traced
+        under differentiation.
+
+        Raises:
+          ValueError: a bad ``implementation``.
+          NotImplementedError: the last implementation's, when none runs.
+        """
+        check_implementation(implementation, self.name)
+        call = Call(self, args, Target.current(), pass_ or _default.pass_of(args))
+        if _CAPTURE.get():
+            raise CapturedCall(call)
+        if implementation is None:
+            names = _default.choose(self, call).order
+        else:
+            names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+        table, error = self.implementations, None
+        for name in names:
+            try:
+                found = table.get(name)
+                if found is None:
+                    raise NotImplementedError(
+                        f"{self.name}: implementation={name!r} has no kernel yet"
+                        f"{self.missing_reason}; available: {', '.join(map(repr, table))}.")
+                why = found.why_not(call)
+                if why is not None:
+                    raise NotImplementedError(f"{self.name}: implementation={name!r} cannot run "
+                                              f"this call: {why}.")
+                return found.run(call)
+            except NotImplementedError as e:
+                error = e
+        raise error
 
     def select(self, problem: Problem, implementation: str, explicit: KernelConfig | None = None,
                **hints) -> KernelConfig:
@@ -350,6 +544,29 @@ class Op:
         return cls.heuristic(problem, device, **hints)
 
 
+class CapturedCall(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised by :meth:`Op.run` inside :func:`capturing`: the checked call, not run."""
+
+    def __init__(self, call: Call):
+        super().__init__(call.op.name)
+        self.call = call
+
+
+_CAPTURE: contextvars.ContextVar[bool] = contextvars.ContextVar("op_capture", default=False)
+
+
+@contextlib.contextmanager
+def capturing():
+    """Within the block, an op called stops at :meth:`Op.run` and raises
+    :class:`CapturedCall` with its checked call (nothing is traced or run):
+    how :func:`ops.resolve_implementation` and the rankings' tools see a call."""
+    token = _CAPTURE.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
+
+
 def fit(block: int, dim: int, floor: int = 16) -> int:
     """``block`` clamped to ``dim`` rounded up to a power of two (at least ``floor``):
     a candidate tile no bigger than the problem needs."""
@@ -358,11 +575,36 @@ def fit(block: int, dim: int, floor: int = 16) -> int:
 
 _REGISTRY: dict[str, Op] = {}
 _DIMS: dict[str, tuple[str, ...]] = {}
+_IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {}
+# Where the default may choose XLA: on every platform (it is what the user already has).
+_XLA_PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def _check_config_class(op: str, name: str, cls) -> None:
+    if cls is None:
+        return
+    if (not (isinstance(cls, type) and issubclass(cls, KernelConfig))
+            or not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen):
+        raise ValueError(f"{op}: the config of {name!r} must be a frozen dataclass "
+                         f"subclassing KernelConfig, got {cls!r}.")
+
+
+def _entry_runner(op: Op, name: str) -> Callable[[Call], Any]:
+    def run(call: Call):
+        if op.entry is None:
+            raise NotImplementedError(f"{op.name}: registered without an entry; nothing to run.")
+        return op.entry(name, **call.args)
+    return run
+
+
+def _declare(op: Op) -> None:
+    cache.declare(op.name, op.tunable_fields(), {} if op.variant is None else op.variant.defaults())
 
 
 def register(op: Op) -> Op:
     """Adds ``op`` to the registry (and its config fields and variant to the tuning
-    cache's schema); returns it.
+    cache's schema) with an :class:`Implementation` of ``"xla"`` and of each backend of
+    ``op.configs``, running ``op.entry``; returns it.
 
     Raises:
       ValueError: another op of that name, a backend not in
@@ -375,14 +617,47 @@ def register(op: Op) -> Op:
         if backend not in KERNEL_BACKENDS:
             raise ValueError(f"{op.name}: configs names {backend!r}; expected some of "
                              f"{KERNEL_BACKENDS}.")
-        if (not (isinstance(cls, type) and issubclass(cls, KernelConfig))
-                or not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen):
-            raise ValueError(f"{op.name}: the config of {backend!r} must be a frozen dataclass "
-                             f"subclassing KernelConfig, got {cls!r}.")
-    cache.declare(op.name, op.tunable_fields(), {} if op.variant is None else op.variant.defaults())
+        _check_config_class(op.name, backend, cls)
+    table = {"xla": Implementation("xla", _entry_runner(op, "xla"),
+                                   supported=op.supported.get("xla"), platforms=_XLA_PLATFORMS,
+                                   not_default=op.not_default.get("xla", ""))}
+    for backend, cls in op.configs.items():
+        hardware = pl.backend_traits(backend).hardware
+        table[backend] = Implementation(
+            backend, _entry_runner(op, backend), config=cls, supported=op.supported.get(backend),
+            platforms=(hardware,) if hardware in _XLA_PLATFORMS else (),
+            not_default=op.not_default.get(backend, ""))
+    _IMPLEMENTATIONS[op.name] = table
+    _declare(op)
     _REGISTRY[op.name] = op
     _DIMS[op.name] = tuple(op.dims)
     return op
+
+
+def register_implementation(op_name: str, implementation: Implementation, *,
+                            replace: bool = False) -> Implementation:
+    """Adds ``implementation`` to the registered op ``op_name``: how a new backend module
+    (Mosaic GPU kernels, a vendor library) makes ``implementation=name`` run it, and
+    lets the default choose it where the rankings measured it, with no edit in the op.
+
+    Raises:
+      KeyError: no such op.
+      ValueError: a name not in :data:`ops.IMPLEMENTATIONS`, one the op has already
+        (unless ``replace``), or a config class that is not a frozen
+        :class:`KernelConfig` dataclass.
+    """
+    op = get(op_name)
+    name = implementation.name
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"{op_name}: implementation name {name!r}; expected one of "
+                         f"{IMPLEMENTATIONS}.")
+    if name in _IMPLEMENTATIONS[op_name] and not replace:
+        raise ValueError(f"{op_name}: implementation {name!r} is registered already "
+                         "(replace=True replaces it).")
+    _check_config_class(op_name, name, implementation.config)
+    _IMPLEMENTATIONS[op_name][name] = implementation
+    _declare(op)
+    return implementation
 
 
 def registered() -> tuple[Op, ...]:

@@ -20,7 +20,6 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._implementation import run_implementation
 from ops._partitioning import psum, run
 from ops.attention import dropout as dropout_lib
 from ops.attention import calls, decode, range_table
@@ -73,11 +72,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         keys at or past the length are padding.
       local_window_size: optional ``int`` w (= ``(w, w)``) or ``(left, right)``:
         query ``i`` sees keys ``i - left <= j <= i + right``.
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
-        "xla" (the float32 reference), "interpret", "triton" (our Triton
-        lowering), "pallas_triton" (JAX's) or "mosaic_tpu". "mosaic_gpu" raises
-        NotImplementedError. Or a sequence of these tried in order, each that
-        raises NotImplementedError skipped (:mod:`ops._implementation`).
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla" (the float32 reference), "interpret",
+        "triton" (our Triton lowering), "pallas_triton" (JAX's), "mosaic_tpu" or
+        "cudnn" (cuDNN's flash attention through ``jax.nn.dot_product_attention``,
+        for the calls it takes: :mod:`ops.attention.cudnn`; NotImplementedError for
+        the others). "mosaic_gpu" raises NotImplementedError. Or a sequence of these
+        tried in order, each that raises NotImplementedError skipped
+        (:mod:`ops._implementation`).
       return_residual: also return the logsumexp (see Returns).
       query_segment_ids, key_value_segment_ids: optional int32 ``[B, T]`` /
         ``[B, S]`` (both or neither): a query sees only keys with its id (packed
@@ -133,14 +137,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     args = _check(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, local_window_size, query_segment_ids,
                   key_value_segment_ids, logits_soft_cap, dropout_rate, dropout_rng, sinks)
-    return run_implementation(
-        implementation, _OP, lambda impl: _attention(args, impl, is_causal, dropout_rate,
-                                                     dropout_rng, block_sizes, return_residual),
-        missing_reason=" (JAX's Mosaic GPU lowering has no generic dot_general for the kernels "
-        "as written; use 'triton')")
+    return OP.run(implementation, args=args, is_causal=is_causal, dropout_rate=dropout_rate,
+                  dropout_rng=dropout_rng, block_sizes=block_sizes,
+                  return_residual=return_residual)
 
 
-def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, return_residual):
+def _attention(impl, args, is_causal, dropout_rate, dropout_rng, block_sizes, return_residual):
     """The checked call on one implementation (see :func:`dot_product_attention`)."""
     q, k, v, bias, mask = args["q"], args["k"], args["v"], args["bias"], args["mask"]
     T, S = q.shape[1], k.shape[1]
@@ -158,20 +160,8 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
         out = out.astype(q.dtype)
     else:
         traits = pl.backend_traits(impl)
-        if traits.power_of_two_blocks and any(d & (d - 1) for d in (q.shape[-1], v.shape[-1])):
-            raise NotImplementedError(
-                f"{_OP}: {impl} (JAX's Triton lowering) needs power-of-two head dims, got "
-                f"H={q.shape[-1]}, Hv={v.shape[-1]}; use 'triton'")
+        variant, why_not_split = _variant(args, is_causal, rate)
         key_mask = mask is not None and mask.shape[1:3] == (1, 1)
-        why_not_split = split_kv_applies(T, q.shape[2] // k.shape[2], bias=bias is not None,
-                                         mask=mask is not None and not key_mask,
-                                         dropout=rate > 0)
-        variant = tuning_variant(
-            causal=spec.causal, window=(spec.left, spec.right), segments=args["q_seg"] is not None,
-            q_lengths=args["q_len"] is not None, kv_lengths=args["kv_len"] is not None,
-            bias=bias, mask=mask, dropout=rate > 0, soft_cap=args["cap"] is not None,
-            group=q.shape[2] // k.shape[2],
-            decode_programs=q.shape[0] * k.shape[2] if why_not_split is None else None)
         blocks = _check_block_sizes(block_sizes, T, S, max(q.shape[-1], v.shape[-1]), q.dtype,
                                     impl, variant)
         k_splits = _k_splits(blocks, q.shape, k.shape, impl, why_not_split)
@@ -200,6 +190,39 @@ def _attention(args, impl, is_causal, dropout_rate, dropout_rng, block_sizes, re
     if return_residual:
         return out, lax.stop_gradient(lse)
     return out
+
+
+def _variant(args, is_causal, rate) -> tuple[dict, str | None]:
+    """The call's tuning variant (:func:`ops.attention.block_sizes.tuning_variant`) and
+    why split-KV decode cannot run it (None: it can)."""
+    q, k, bias, mask = args["q"], args["k"], args["bias"], args["mask"]
+    key_mask = mask is not None and mask.shape[1:3] == (1, 1)
+    T, group = q.shape[1], q.shape[2] // max(k.shape[2], 1)
+    why_not_split = split_kv_applies(T, group, bias=bias is not None,
+                                     mask=mask is not None and not key_mask, dropout=rate > 0)
+    variant = tuning_variant(
+        causal=bool(is_causal), window=(args["left"], args["right"]),
+        segments=args["q_seg"] is not None, q_lengths=args["q_len"] is not None,
+        kv_lengths=args["kv_len"] is not None, bias=bias, mask=mask, dropout=rate > 0,
+        soft_cap=args["cap"] is not None, group=group,
+        decode_programs=q.shape[0] * k.shape[2] if why_not_split is None else None)
+    return variant, why_not_split
+
+
+def _problem_of(args, is_causal, dropout_rate, **_):
+    """The call's problem ``(T, S, head_dim)`` and variant (:attr:`ops._op.Op.problem_of`)."""
+    q, k, v = args["q"], args["k"], args["v"]
+    variant, _ = _variant(args, is_causal, float(dropout_rate))
+    return (q.shape[1], k.shape[1], max(q.shape[-1], v.shape[-1])), q.dtype, variant
+
+
+def _power_of_two_heads(call) -> str | None:
+    """JAX's Triton lowering tiles only power-of-two head dims (``triton`` pads them)."""
+    q, v = call.args["args"]["q"], call.args["args"]["v"]
+    if any(d & (d - 1) for d in (q.shape[-1], v.shape[-1])):
+        return (f"JAX's Triton lowering needs power-of-two head dims, got H={q.shape[-1]}, "
+                f"Hv={v.shape[-1]}; use 'triton'")
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -525,4 +548,9 @@ def _partitioned_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks=No
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
-OP = register_op(dot_product_attention, _check)  # the op layer's registry (ops/_op.py)
+# The op layer's registry (ops/_op.py); cuDNN's flash attention registers itself beside ours
+# (ops/attention/cudnn.py).
+OP = register_op(dot_product_attention, _check, entry=_attention, problem_of=_problem_of,
+                 supported={"pallas_triton": _power_of_two_heads},
+                 missing_reason=" (JAX's Mosaic GPU lowering has no generic dot_general for the "
+                 "kernels as written; use 'triton')")

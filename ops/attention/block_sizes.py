@@ -305,9 +305,10 @@ def _training(fn: Callable) -> Callable:
     return training
 
 
-def register_op(fn: Callable, check: Callable | None = None) -> _op.Op:
+def register_op(fn: Callable, check: Callable | None = None, **op_fields) -> _op.Op:
     """Registers attention (``fn``: :func:`ops.dot_product_attention`, ``check``: its
-    argument checks) with the op layer.
+    argument checks, ``op_fields``: the rest of :class:`ops._op.Op`'s, its entry among
+    them) with the op layer.
 
     The tuner fills the cache for 2048 and 4096 tokens at head dims 64 and 128 (the
     static gate's sizes), self-attention being causal (an example with ``T == S`` is
@@ -321,4 +322,4 @@ def register_op(fn: Callable, check: Callable | None = None) -> _op.Op:
                           shapes=tuple((t, t, h) for t in (2048, 4096) for h in (64, 128))
                           + (_DECODE_TUNING,),
                           quick=((512, 512, 64),), variant=_tuning_variant,
-                          order=20, training=_training(fn))))
+                          order=20, training=_training(fn)), function=fn, **op_fields))

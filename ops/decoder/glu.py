@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -77,8 +78,11 @@ def gated_linear_unit(x, weights, *, activation=None, implementation=None,
         (``"silu"`` for SwiGLU, ``"gelu"`` (tanh) or ``"gelu_exact"`` for GeGLU,
         ``"relu"``, ``"sigmoid"``, ...; :data:`ops.ACTIVATIONS`) or an
         elementwise JAX callable, applied to the float32 gate.
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
-        "xla", "interpret", "triton", "pallas_triton" or "mosaic_tpu", or a
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton", "pallas_triton" or
+        "mosaic_tpu", or a
         sequence of these tried in order (:mod:`ops._implementation`).
         With stacked weights ``mosaic_tpu`` needs ``block_n`` to divide N (its
         heuristic finds one when N <= 512 or N is a multiple of 128) and raises
@@ -103,7 +107,7 @@ def gated_linear_unit(x, weights, *, activation=None, implementation=None,
     kernels); jit- and vmap-compatible.
     """
     act, explicit, weights = _check(x, weights, activation, block_sizes)
-    return OP.run(implementation, lambda impl: _glu_on(impl, x, weights, act, explicit))
+    return OP.run(implementation, x=x, weights=weights, act=act, explicit=explicit)
 
 
 _FORMS = ("weights must be one [K, 2, N] array (gate and up stacked on axis 1) or a pair "
@@ -155,7 +159,25 @@ def _check(x, weights, activation, block_sizes):
 
 def _problem(m: int, n: int, k: int, dtype, weights) -> Problem:
     """The op layer's problem of a call: its dims, dtype and weights' form."""
-    return OP.problem((m, n, k), dtype, {"stacked": True} if not isinstance(weights, tuple) else None)
+    return OP.problem(*_problem_dims(m, n, k, dtype, weights))
+
+
+def _problem_dims(m: int, n: int, k: int, dtype, weights) -> tuple:
+    return (m, n, k), dtype, {"stacked": True} if not isinstance(weights, tuple) else None
+
+
+def _problem_of(x, weights, **_):
+    """The call's problem (:attr:`ops._op.Op.problem_of`), forward or backward."""
+    k, n = _dims(weights)
+    return _problem_dims(math.prod(x.shape[:-1]), n, k, x.dtype, weights)
+
+
+def _entry(impl, x, weights, act, explicit, backward=None):
+    """The checked call on one implementation: the forward, or with ``backward =
+    (preactivations, g)`` :func:`glu_backward`'s."""
+    if backward is None:
+        return _glu_on(impl, x, weights, act, explicit)
+    return _glu_backward_on(impl, x, weights, act, explicit, *backward)
 
 
 def _dims(weights) -> tuple[int, int]:
@@ -218,17 +240,23 @@ def glu_backward(x, weights, preactivations, g, *, activation=None, implementati
     if tuple(g.shape) != (*lead, n):
         raise ValueError(f"{_OP}: g must have shape {(*lead, n)}, got {tuple(g.shape)}.")
 
-    def body(impl):
-        if impl == "xla" or x.size == 0 or k * n == 0:
-            return glu_backward_reference(x, weights, preactivations, g.astype(x.dtype), act)
-        x2 = reshape(x, (-1, k))
-        config = OP.select(_problem(x2.shape[0], n, k, x.dtype, weights), impl, explicit)
-        zs = tuple(reshape(p.astype(x.dtype), (x2.shape[0], *p.shape[len(lead):])) for p in pres)
-        dx, dw = _glu_bwd(_Kernel(impl, config, act), (x2, weights, zs),
-                          reshape(g.astype(x.dtype), (-1, n)))
-        return reshape(dx, x.shape), dw
+    return OP.run(implementation, pass_="bwd", x=x, weights=weights, act=act, explicit=explicit,
+                  backward=(preactivations, g))
 
-    return OP.run(implementation, body)
+
+def _glu_backward_on(impl, x, weights, act, explicit, preactivations, g):
+    """:func:`glu_backward`'s checked call on one implementation."""
+    k, n = _dims(weights)
+    lead = tuple(x.shape[:-1])
+    if impl == "xla" or x.size == 0 or k * n == 0:
+        return glu_backward_reference(x, weights, preactivations, g.astype(x.dtype), act)
+    pres = tuple(preactivations) if isinstance(weights, tuple) else (preactivations,)
+    x2 = reshape(x, (-1, k))
+    config = OP.select(_problem(x2.shape[0], n, k, x.dtype, weights), impl, explicit)
+    zs = tuple(reshape(p.astype(x.dtype), (x2.shape[0], *p.shape[len(lead):])) for p in pres)
+    dx, dw = _glu_bwd(_Kernel(impl, config, act), (x2, weights, zs),
+                      reshape(g.astype(x.dtype), (-1, n)))
+    return reshape(dx, x.shape), dw
 
 
 # --------------------------------------------------------------------------
@@ -720,7 +748,8 @@ def _example(problem: Problem, implementation: str):
 OP = register(Op(
     name=_OP, dims=("m", "n", "k"),
     configs={b: GluConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
-    reference=gated_linear_unit_reference, variant=GluVariant,
+    reference=gated_linear_unit_reference, variant=GluVariant, entry=_entry,
+    problem_of=_problem_of, function=gated_linear_unit,
     tuning=Tuning(example=_example, shapes=((8192, 14336, 4096), (8192, 8192, 2048)),
                   quick=((256, 512, 256),), order=10, training=vjp_training(_example)),
     missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has no "

@@ -78,8 +78,11 @@ def apply_rotary_embedding(x, positions, inv_freq, *, interleaved: bool = False,
         (transformers' ``rotate_half``), True pairs ``2i`` with ``2i + 1`` (GPT-J).
       attention_scaling: a static Python number multiplying ``cos`` and ``sin``
         (YaRN's attention factor; :func:`ops.rope_frequencies` returns it).
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
-        "xla", "interpret", "triton", "pallas_triton" or "mosaic_tpu", or a
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton", "pallas_triton" or
+        "mosaic_tpu", or a
         sequence of these tried in order (:mod:`ops._implementation`).
         ``pallas_triton`` needs power-of-two ``H``, ``R / 2`` and ``H - R`` (or
         ``R = H``) and raises NotImplementedError otherwise.
@@ -103,8 +106,8 @@ def apply_rotary_embedding(x, positions, inv_freq, *, interleaved: bool = False,
     """
     interleaved, attention_scaling, blocks = _check(x, positions, inv_freq, interleaved,
                                                     attention_scaling, block_sizes)
-    return OP.run(implementation, lambda impl: _rope_on(
-        impl, x, positions, inv_freq, interleaved, attention_scaling, blocks))
+    return OP.run(implementation, x=x, positions=positions, inv_freq=inv_freq,
+                  interleaved=interleaved, scaling=attention_scaling, explicit=blocks)
 
 
 def _check(x, positions, inv_freq, interleaved, attention_scaling, block_sizes):
@@ -169,15 +172,35 @@ def _rope_on(impl, x, positions, inv_freq, interleaved, scaling, explicit):
     return reshape(out, x.shape)
 
 
-def _require_powers_of_two(impl, head_dim, rotary_dim):
+def _odd_blocks(head_dim: int, rotary_dim: int) -> str | None:
+    """Why JAX's Pallas Triton lowering cannot tile the call (None: it can): its blocks
+    (the head dim, half the rotary dims, the unrotated rest) must be powers of two."""
     sizes = {"H": head_dim, "R / 2": rotary_dim // 2}
     if rotary_dim < head_dim:
         sizes["H - R"] = head_dim - rotary_dim
     odd = {k: v for k, v in sizes.items() if v & (v - 1)}
     if odd:
-        raise NotImplementedError(f"{_OP}: implementation={impl!r} needs power-of-two "
-                                  f"blocks (JAX's Pallas Triton lowering), got {odd}; 'triton' "
-                                  "pads them.")
+        return (f"needs power-of-two blocks (JAX's Pallas Triton lowering), got {odd}; "
+                "'triton' pads them")
+    return None
+
+
+def _require_powers_of_two(impl, head_dim, rotary_dim):
+    why = _odd_blocks(head_dim, rotary_dim)
+    if why is not None:
+        raise NotImplementedError(f"{_OP}: implementation={impl!r} {why}.")
+
+
+def _problem_of(x, inv_freq, interleaved, **_):
+    """The call's problem ``(tokens, heads, head_dim, rotary_dim)`` and variant
+    (:attr:`ops._op.Op.problem_of`)."""
+    *_, heads, head_dim = x.shape
+    return ((x.size // max(heads * head_dim, 1), heads, head_dim, 2 * inv_freq.shape[0]), x.dtype,
+            {"interleaved": bool(interleaved)})
+
+
+def _pallas_triton_supported(call) -> str | None:
+    return _odd_blocks(call.args["x"].shape[-1], 2 * call.args["inv_freq"].shape[0])
 
 
 # --------------------------------------------------------------------------
@@ -365,7 +388,8 @@ def _example(problem: Problem, implementation: str):
 OP = register(Op(
     name=_OP, dims=("tokens", "heads", "head_dim", "rotary_dim"),
     configs={b: RopeConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
-    reference=rotary_embedding_reference, variant=RopeVariant,
+    reference=rotary_embedding_reference, variant=RopeVariant, entry=_rope_on,
+    problem_of=_problem_of, function=apply_rotary_embedding, supported={"pallas_triton": _pallas_triton_supported},
     tuning=Tuning(example=_example, shapes=((16384, 32, 128, 128), (16384, 8, 128, 128)),
                   quick=((256, 4, 64, 64),), training=vjp_training(_example)),
     missing_reason=" (mosaic_gpu: no kernel for it yet)"))

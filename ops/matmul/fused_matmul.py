@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -64,8 +65,10 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
         ``jax.nn.gelu`` (tanh form), "gelu_exact" (erf form), "silu"/"swish",
         "sigmoid", "tanh", "softplus"); or any elementwise JAX callable. It runs
         on the float32 accumulator inside the kernel's epilogue.
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
-        "mosaic_tpu"), "xla", "interpret", "triton" (pallas_core's own Triton
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton" (pallas_core's own Triton
         lowering), "pallas_triton" (JAX's) or "mosaic_tpu". "mosaic_gpu"
         raises NotImplementedError (it needs a wgmma kernel). Or a sequence of
         these tried in order, each that raises NotImplementedError skipped
@@ -90,7 +93,7 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
     kernels); jit- and vmap-compatible.
     """
     act, blocks = _check(x, w, bias, activation, implementation, block_sizes)
-    return OP.run(implementation, lambda impl: _fused_matmul_on(impl, x, w, bias, act, blocks))
+    return OP.run(implementation, x=x, w=w, bias=bias, act=act, blocks=blocks)
 
 
 def _check(x, w, bias, activation, implementation, block_sizes):
@@ -119,6 +122,11 @@ def _fused_matmul_on(impl, x, w, bias, act, blocks):
     config = _Config(backend=impl, block_sizes=blocks)
     out = _fused_matmul(x2, w, bias, config, act)
     return reshape(out, (*lead, w.shape[1]))
+
+
+def _problem_of(x, w, **_):
+    """The call's problem ``(m, n, k)`` (:attr:`ops._op.Op.problem_of`)."""
+    return (math.prod(x.shape[:-1]), w.shape[1], w.shape[0]), x.dtype, None
 
 
 def _check_block_sizes(block_sizes):
@@ -436,7 +444,8 @@ def _training(problem: _op.Problem, implementation: str):
 # first: compute-bound ops are where tuning moves most.
 OP = _op.register(_op.Op(
     name=_OP, dims=("m", "n", "k"), configs=dict.fromkeys(KERNEL_BACKENDS, MatmulConfig),
-    reference=reference, check=_check,
+    reference=reference, check=_check, entry=_fused_matmul_on, problem_of=_problem_of,
+    function=fused_matmul,
     tuning=_op.Tuning(example=_example, shapes=((4096,) * 3, (8192,) * 3), quick=((512,) * 3,),
                       order=10, training=_training),
     missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has no "

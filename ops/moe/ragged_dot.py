@@ -70,8 +70,10 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         (expert parallelism); rows of the other groups are zero in the
         output (not left unwritten), so a sum over expert shards is the full
         product. Group ids outside ``[0, G)`` own no rows.
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
-        "mosaic_tpu"), "xla" (``jax.lax.ragged_dot``), "interpret", "triton",
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla" (``jax.lax.ragged_dot``), "interpret", "triton",
         "pallas_triton" (JAX's Triton lowering, which has no scalar prefetch:
         programs per output tile looping over the tile's groups, the tables as
         ordinary operands, blocks padded to powers of two), "mosaic_tpu";
@@ -99,8 +101,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     """
     out_dtype, explicit = _check(lhs, rhs, group_sizes, precision, preferred_element_type,
                                  group_offset, block_sizes)
-    return OP.run(implementation, lambda impl: _ragged_dot_on(
-        impl, lhs, rhs, group_sizes, precision, out_dtype, group_offset, explicit))
+    return OP.run(implementation, lhs=lhs, rhs=rhs, group_sizes=group_sizes, precision=precision,
+                  out_dtype=out_dtype, group_offset=group_offset, explicit=explicit)
 
 
 def _check(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, block_sizes):
@@ -333,10 +335,16 @@ def _example(problem: Problem, implementation: str):
     return fn, args
 
 
+def _problem_of(lhs, rhs, **_):
+    """The call's problem ``(m, k, n, groups)`` (:attr:`ops._op.Op.problem_of`)."""
+    return (lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0]), lhs.dtype, None
+
+
 OP = register(Op(
     name=_OP, dims=("m", "k", "n", "groups"),
     configs={b: RaggedDotConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
-    reference=ragged_dot_reference,
+    reference=ragged_dot_reference, entry=_ragged_dot_on, problem_of=_problem_of,
+    function=ragged_dot,
     tuning=Tuning(example=_example, shapes=((32768, 4096, 14336, 8), (32768, 14336, 4096, 8),
                                             (131072, 2048, 1024, 64)),
                   quick=((512, 256, 512, 4),), training=vjp_training(_example)),

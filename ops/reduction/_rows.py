@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 
 import jax
@@ -283,17 +284,29 @@ def row_example(fn: Callable, *, params: int = 0, labels: bool = False) -> Calla
     return example
 
 
+def row_problem_of(x, axes=None, **_) -> tuple:
+    """The problem of a row-wise call on ``x`` reduced over ``axes`` (None: the last):
+    ``((rows, features), dtype, None)`` (:attr:`ops._op.Op.problem_of`)."""
+    axes = (x.ndim - 1,) if axes is None else tuple(a % x.ndim for a in axes)
+    features = math.prod(x.shape[a] for a in axes)
+    return (math.prod(x.shape) // max(features, 1), features), x.dtype, None
+
+
 def register_row_op(name: str, reference: Callable, example: Callable, *,
                     config: type[RowConfig] = RowConfig, shapes=(), quick=(), order: int = 100,
-                    check: Callable | None = None) -> _op.Op:
+                    check: Callable | None = None, entry: Callable | None = None,
+                    problem_of: Callable = row_problem_of,
+                    function: Callable | None = None) -> _op.Op:
     """Registers a row-wise op (:func:`ops._op.register`): problem dims ``(rows,
     features)``, ``config`` on every kernel backend, the tuner's ``shapes`` and
     ``quick`` problems, ``example(problem, implementation)`` the tuner's call (its
     ``jax.vjp`` the training step the compile filter also compiles: the backward
-    kernels take the same layout)."""
+    kernels take the same layout), ``entry``, ``problem_of`` and ``function`` (the
+    public op) as :class:`ops._op.Op` takes them."""
     return _op.register(_op.Op(
         name=name, dims=("rows", "features"), configs=dict.fromkeys(KERNEL_BACKENDS, config),
-        reference=reference, check=check,
+        reference=reference, check=check, entry=entry, problem_of=problem_of,
+        function=function,
         tuning=_op.Tuning(example=example, shapes=tuple(shapes), quick=tuple(quick), order=order,
                           training=_op.vjp_training(example))))
 

@@ -56,8 +56,9 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from ops import _op
 from ops._checks import check_array, check_float_dtype
-from ops._implementation import check_implementation, run_implementation
+from ops._implementation import check_implementation
 from ops._partitioning import ROW, STAT, reshape, rowwise
 from ops.reduction import _rows, lm_loss
 
@@ -96,8 +97,11 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None,
       reduction: ``"none"`` (per-row losses in logits' dtype), ``"sum"`` or
         ``"mean"`` (float32 scalars; the mean over rows not ignored).
       return_z_loss: also return the z-loss term alone (reduced the same way).
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
-        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu";
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton" (ours),
+        "pallas_triton", "mosaic_tpu";
         or a sequence of these tried in order (:mod:`ops._implementation`).
       max_chunk: cap on the column chunk the kernels walk a row in (a power of
         two >= 128); None picks it by dtype. A tuning / test hook.
@@ -130,9 +134,8 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None,
         logits_soft_cap=logits_soft_cap, reduction=reduction, return_z_loss=return_z_loss)
     check_implementation(implementation, _OP)
     _rows.check_max_chunk(max_chunk, _OP)
-    return run_implementation(implementation, _OP,
-                              lambda impl: _cross_entropy_on(impl, logits, labels, max_chunk,
-                                                             options))
+    return _op.get(_OP).run(implementation, logits=logits, labels=labels, max_chunk=max_chunk,
+                            options=options)
 
 
 def _cross_entropy_on(impl, logits, labels, max_chunk, options=lm_loss.LossOptions()):
@@ -375,4 +378,6 @@ def _compiler_params(layout: _rows.RowLayout, backend: str, dtype, *, row_blocks
 
 # The tuner fills the cache for 4096 rows of a 128256-class vocabulary (Llama 3's).
 _rows.register_row_op(_OP, reference, _rows.row_example(cross_entropy, labels=True),
-                      shapes=[(4096, 128256)], order=40)
+                      shapes=[(4096, 128256)], order=40, entry=_cross_entropy_on,
+                      problem_of=lambda logits, **_: _rows.row_problem_of(logits),
+                      function=cross_entropy)

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +87,7 @@ from jax import lax
 import pallas_core as pl
 from ops import _op
 from ops._checks import check_array, check_matmul_operands
-from ops._implementation import KERNEL_BACKENDS, check_implementation, run_implementation
+from ops._implementation import KERNEL_BACKENDS, check_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops._tiles import mosaic_tpu_matmul_blocks
 from ops.matmul import tiled
@@ -114,8 +115,10 @@ def linear_cross_entropy(x, w, labels, *, ignore_index: int | None = None,
         the same defaults (none active; pass ``ignore_index=-100`` for
         transformers' padding labels) and meaning
         (:mod:`ops.reduction.lm_loss`), on the logits ``x @ w``.
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
-        "mosaic_tpu"), "xla" (naive, materialises the logits), "interpret",
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla" (naive, materialises the logits), "interpret",
         "triton" (ours), "pallas_triton", "mosaic_tpu"; or a sequence of these
         tried in order (:mod:`ops._implementation`).
       block_sizes: optional ``(block_rows, block_vocab, block_d)`` tile of the
@@ -158,9 +161,8 @@ def linear_cross_entropy(x, w, labels, *, ignore_index: int | None = None,
     if vocab_chunk is not None and (not isinstance(vocab_chunk, (int, np.integer))
                                     or isinstance(vocab_chunk, bool) or vocab_chunk <= 0):
         raise ValueError(f"{_OP}: vocab_chunk must be a positive int, got {vocab_chunk!r}.")
-    return run_implementation(implementation, _OP,
-                              lambda impl: _linear_cross_entropy_on(impl, x, w, labels, blocks,
-                                                                    vocab_chunk, options))
+    return OP.run(implementation, x=x, w=w, labels=labels, blocks=blocks, vocab_chunk=vocab_chunk,
+                  options=options)
 
 
 def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk,
@@ -749,6 +751,15 @@ class LinearCrossEntropyConfig(_op.KernelConfig):
                    walk=tiled.strategy(device.backend))
 
 
+def _problem_of(x, w, **_):
+    """The call's problem ``(rows, d, vocab)`` (:attr:`ops._op.Op.problem_of`)."""
+    return (math.prod(x.shape[:-1]), w.shape[0], w.shape[1]), x.dtype, None
+
+
+# The op exists for memory: the default never takes the XLA path, which forms the logits.
 OP = _op.register(_op.Op(name=_OP, dims=("rows", "d", "vocab"),
                          configs=dict.fromkeys(KERNEL_BACKENDS, LinearCrossEntropyConfig),
-                         reference=reference))
+                         reference=reference, entry=_linear_cross_entropy_on,
+                         problem_of=_problem_of, function=linear_cross_entropy,
+                         not_default={"xla": "it forms the N x V logits in memory, which "
+                                             "linear_cross_entropy exists to avoid"}))

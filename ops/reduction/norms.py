@@ -128,8 +128,9 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from ops import _op
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._implementation import check_implementation, run_implementation
+from ops._implementation import check_implementation
 from ops._partitioning import PARAM, ROW, STAT, psum, reshape, rowwise
 from ops.reduction._rows import register_row_op, row_example
 from ops.reduction._rows import (RowLayout, check_max_chunk, as_rows, chunk_slice, column_mask, for_each_chunk,
@@ -179,8 +180,11 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6,
         mean is large against their spread; set it to match a Flax module
         with ``use_fast_variance=True`` bit for bit (the layers pass their
         setting through).
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
-        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton" or "mosaic_tpu".
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton" (ours), "pallas_triton"
+        or "mosaic_tpu".
         "mosaic_gpu" raises NotImplementedError (no kernel for it yet). Or a
         sequence of these tried in order (:mod:`ops._implementation`).
       max_chunk: optional cap on the column chunk the kernels walk a row in
@@ -281,9 +285,9 @@ def _normalize(op, x, scale, bias, *, epsilon, center, fast_variance, residual, 
     scale_offset = _check_scale_offset(scale_offset, scale, op)
     check_max_chunk(max_chunk, op)
     check_implementation(implementation, op)
-    return run_implementation(
-        implementation, op, lambda impl: _norm_on(impl, op, x, residual, scale, bias, epsilon,
-                                                  center, fast_variance, scale_offset, max_chunk))
+    return _op.get(op).run(implementation, op=op, x=x, residual=residual, scale=scale, bias=bias,
+                           epsilon=epsilon, center=center, fast_variance=fast_variance,
+                           scale_offset=scale_offset, max_chunk=max_chunk)
 
 
 def _norm_on(impl, op, x, residual, scale, bias, epsilon, center, fast_variance, scale_offset,
@@ -888,6 +892,8 @@ def _cost(operands, out_shapes, rows: int, *, flops_per_element: int):
 # The tuner fills the cache for both norms over 4096 rows of 4096..32768 features (the
 # static gate's sizes); --quick tunes one small layer norm.
 register_row_op("layer_norm", layer_norm_reference, row_example(layer_norm, params=2),
-                shapes=[(4096, f) for f in (4096, 8192, 32768)], quick=[(256, 4096)], order=30)
+                shapes=[(4096, f) for f in (4096, 8192, 32768)], quick=[(256, 4096)], order=30,
+                entry=_norm_on, function=layer_norm)
 register_row_op("rms_norm", rms_norm_reference, row_example(rms_norm, params=1),
-                shapes=[(4096, f) for f in (4096, 8192, 32768)], order=31)
+                shapes=[(4096, f) for f in (4096, 8192, 32768)], order=31, entry=_norm_on,
+                function=rms_norm)

@@ -47,8 +47,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 import pallas_core as pl
+from ops import _op
 from ops._checks import check_where
-from ops._implementation import run_implementation
 from ops._partitioning import (ROW, STAT, explicit_sharding, reduced_axes, reshape, run,
                                with_sharding)
 from ops.reduction._rows import (RowLayout, check_axis_op, for_each_chunk, load_chunk,
@@ -80,8 +80,11 @@ def sum(x, axis=None, dtype=None, out=None, keepdims=False, initial=None,  # noq
       where: optional boolean array broadcastable to x's shape: only the elements
         where it is True are summed (x is masked in one elementwise pass before
         the kernel).
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
-        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton" (ours),
+        "pallas_triton", "mosaic_tpu".
         "mosaic_gpu" raises NotImplementedError (no kernel for it yet). Or a
         sequence of these tried in order (:mod:`ops._implementation`).
       max_chunk: keyword-only tuning/test hook: caps the columns one in-kernel
@@ -187,8 +190,8 @@ def _float_dtype(dtype, kind):
 
 def _reduce_core(x, axes, kind, implementation, max_chunk, out_dtype):
     """sum / mean / max over ``axes`` accumulated in float32, rounded to ``out_dtype``."""
-    return run_implementation(implementation, kind, lambda impl: _reduce_on(
-        impl, x, axes, kind, max_chunk, out_dtype))
+    return _op.get(kind).run(implementation, x=x, axes=axes, kind=kind, max_chunk=max_chunk,
+                             out_dtype=out_dtype)
 
 
 def _reduce_on(impl, x, axes, kind, max_chunk, out_dtype):
@@ -381,4 +384,4 @@ def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
 
 for _kind, _fn in (("sum", sum), ("mean", mean), ("max", max)):
     register_row_op(_kind, functools.partial(reference, kind=_kind), row_example(_fn),
-                    check=check_axis_op)
+                    check=check_axis_op, entry=_reduce_on, function=_fn)

@@ -42,8 +42,8 @@ import numpy as np
 from jax import lax
 
 import pallas_core as pl
+from ops import _op
 from ops._checks import check_array, check_broadcasts_to, check_where
-from ops._implementation import run_implementation
 from ops._partitioning import PER_ROW, ROW, STAT, reshape, rowwise
 from ops.reduction._rows import (RowLayout, check_axis_op, chunk_slice, for_each_chunk, load_chunk,
                                  logsumexp_shift, online_logsumexp_update, register_row_op,
@@ -69,8 +69,11 @@ def softmax(x, axis=-1, where=None, *, implementation: str | None = None,
       where: optional boolean array broadcastable to x: only those elements take
         part, and the others' output is 0, as ``jax.nn.softmax``'s ``where``
         (x is masked with ``-inf`` in one elementwise pass before the kernel).
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu ->
-        "mosaic_tpu"), "xla", "interpret", "triton" (ours), "pallas_triton", "mosaic_tpu".
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton" (ours),
+        "pallas_triton", "mosaic_tpu".
         "mosaic_gpu" raises NotImplementedError (no kernel for it yet). Or a
         sequence of these tried in order (:mod:`ops._implementation`).
       max_chunk: keyword-only tuning/test hook: caps the column chunk an
@@ -171,8 +174,7 @@ def _masked_family(x, axis, where, mode, implementation, max_chunk, fill):
 
 
 def _softmax_family(x, axes, mode, implementation, max_chunk):
-    return run_implementation(implementation, mode, lambda impl: _softmax_family_on(
-        impl, x, axes, mode, max_chunk))
+    return _op.get(mode).run(implementation, x=x, axes=axes, mode=mode, max_chunk=max_chunk)
 
 
 def _softmax_family_on(impl, x, axes, mode, max_chunk):
@@ -412,7 +414,9 @@ def _layout(rows: int, features: int, dtype, config: _Config) -> RowLayout:
 # The tuner fills the cache for softmax over 4096 rows of 4096..32768 features (the static
 # gate's sizes); log_softmax and logsumexp share its kernels' layout.
 register_row_op("softmax", softmax_reference, row_example(softmax), check=check_axis_op,
-                shapes=[(4096, f) for f in (4096, 8192, 32768)], order=32)
+                shapes=[(4096, f) for f in (4096, 8192, 32768)], order=32,
+                entry=_softmax_family_on, function=softmax)
 register_row_op("log_softmax", log_softmax_reference, row_example(log_softmax),
-                check=check_axis_op)
-register_row_op("logsumexp", logsumexp_reference, row_example(logsumexp), check=check_axis_op)
+                check=check_axis_op, entry=_softmax_family_on, function=log_softmax)
+register_row_op("logsumexp", logsumexp_reference, row_example(logsumexp), check=check_axis_op,
+                entry=_softmax_family_on, function=logsumexp)

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_core as pl
+from ops import _op
 from ops._checks import check_same_dtype
-from ops._implementation import run_implementation
 from ops._partitioning import block_index, run
 from ops.attention.tile_math import div, rem
 from ops.serving import checks
@@ -44,8 +44,11 @@ def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None
       new_k, new_v: ``[T, K, H]``, the cache's dtype (quantize int8 caches first).
       slot_mapping: int32 ``[T]``; a negative slot (or one past the cache) skips
         the token (padding). Two tokens with one slot: either may win.
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
-        "xla" (a scatter), "interpret", "triton", "pallas_triton" (a power-of-two
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla" (a scatter), "interpret", "triton",
+        "pallas_triton" (a power-of-two
         head dim; NotImplementedError otherwise),
         "mosaic_tpu", or a sequence tried in order. "mosaic_gpu" raises
         NotImplementedError.
@@ -61,10 +64,8 @@ def update_kv_pages(kv_pages, new_k, new_v, slot_mapping, *, implementation=None
     combined = not isinstance(kv_pages, (tuple, list))
     pages = (kv_pages,) if combined else tuple(kv_pages)
     _check(pages, new_k, new_v, slot_mapping, combined)
-    out = run_implementation(
-        implementation, _OP, lambda impl: _run(pages, new_k, new_v, slot_mapping, combined, impl),
-        kernel_backends=("interpret", "triton", "pallas_triton", "mosaic_tpu"),
-        missing_reason=" (mosaic_gpu: no kernel for it yet; use 'triton' or 'pallas_triton')")
+    out = OP.run(implementation, pages=pages, new_k=new_k, new_v=new_v, slots=slot_mapping,
+                 combined=combined)
     return out[0] if combined else type(kv_pages)(out)
 
 
@@ -303,3 +304,34 @@ def _write_by_dma(impl: str, ps: int, pages, news, slots):
         (slots, *(x.reshape(T, K, 1, 1, H) for x in news), *pages),
         pl.CompilerParams(("arbitrary",)), grid_spec=grid_spec)
 
+
+# --------------------------------------------------------------------------
+# Registration with the op layer (no config: the write has no tiles to choose)
+# --------------------------------------------------------------------------
+
+def _entry(impl, pages, new_k, new_v, slots, combined):
+    return _run(pages, new_k, new_v, slots, combined, impl)
+
+
+def _problem_of(pages, new_k, combined, **_):
+    """The call's problem ``(tokens, kv_heads, head_dim, page_size)``."""
+    T, K, H = new_k.shape
+    return (T, K, H, _geometry(pages, combined)[1]), new_k.dtype, None
+
+
+def _reference(kv_pages, new_k, new_v, slot_mapping):
+    """The XLA scatter (the ``"xla"`` implementation)."""
+    return update_kv_pages(kv_pages, new_k, new_v, slot_mapping, implementation="xla")
+
+
+def _power_of_two_head_dim(call) -> str | None:
+    H = call.args["new_k"].shape[-1]
+    return None if not H & (H - 1) else f"needs a power-of-two head dim; got {H}"
+
+
+OP = _op.register(_op.Op(
+    name=_OP, dims=("tokens", "kv_heads", "head_dim", "page_size"),
+    configs=dict.fromkeys(("interpret", "triton", "pallas_triton", "mosaic_tpu")),
+    reference=_reference, entry=_entry, problem_of=_problem_of, function=update_kv_pages,
+    supported={"pallas_triton": _power_of_two_head_dim},
+    missing_reason=" (mosaic_gpu: no kernel for it yet; use 'triton' or 'pallas_triton')"))

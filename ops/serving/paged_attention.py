@@ -59,8 +59,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
         length - 1``; ``right`` is irrelevant (no key lies right of the query).
       sinks: optional float ``[N]``: a per-head sink logit joining each softmax's
         denominator (gpt-oss; StreamingLLM), neither scaled nor capped.
-      implementation: None (cpu -> "xla", gpu -> "triton", tpu -> "mosaic_tpu"),
-        "xla" (the float32 reference of :mod:`ops.serving.reference`),
+      implementation: None (the default: "xla" on a CPU; on a GPU the fastest
+        measured implementation that can run the call, which
+        ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
+        on a TPU; docs/design.md §5.2), "xla" (the float32 reference of
+        :mod:`ops.serving.reference`),
         "interpret", "triton", "mosaic_tpu", "pallas_triton" (JAX's Triton
         lowering: the same math walking the pages in an in-kernel loop, as it has
         no scalar prefetch; power-of-two head dims and pages), or a sequence tried
@@ -86,8 +89,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales_pages=N
     args = _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages,
                   scale, logits_soft_cap, local_window_size, sinks)
     bs = check_block_sizes(block_sizes, _OP)
-    return OP.run(implementation, lambda impl: sharding.paged_attention(
-        lambda a, i: _run(a, i, bs), args, impl))
+    return OP.run(implementation, args=args, block_sizes=bs)
+
+
+def _entry(impl, args, block_sizes):
+    """The checked call on one implementation, partitioned (:mod:`ops.serving.sharding`)."""
+    return sharding.paged_attention(lambda a, i: _run(a, i, block_sizes), args, impl)
+
+
+def _problem_of(args, **_):
+    """The call's problem (:data:`ops.serving.block_sizes.DIMS`; :attr:`ops._op.Op.problem_of`)."""
+    (B, N, H), (K, _, ps, _) = args["q"].shape, args["k"].shape
+    return (B, K, N // max(K, 1), H, ps, args["tables"].shape[1]), args["q"].dtype, None
 
 
 def _window_left(window, op: str):
@@ -223,7 +236,7 @@ def _example(problem, implementation: str):
 
 OP = register(Op(
     name=_OP, dims=DIMS, configs={b: PagedBlockSizes for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
-    reference=_reference,
+    reference=_reference, entry=_entry, problem_of=_problem_of, function=paged_attention,
     tuning=Tuning(example=_example, shapes=((1, 4, 8, 128, 16, 512), (8, 4, 8, 128, 16, 512),
                                             (64, 4, 8, 128, 16, 512), (8, 4, 8, 128, 16, 8192)),
                   quick=((2, 2, 4, 64, 16, 8),), order=60),

@@ -95,8 +95,19 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     args = _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale,
                   sliding_window, soft_cap, k_scale, v_scale, sinks)
     bs = check_block_sizes(block_sizes, _OP)
-    return OP.run(implementation, lambda impl: sharding.ragged_paged_attention(
-        lambda a, i: _run(a, i, bs), args, impl))
+    return OP.run(implementation, args=args, block_sizes=bs)
+
+
+def _entry(impl, args, block_sizes):
+    """The checked call on one implementation, partitioned (:mod:`ops.serving.sharding`)."""
+    return sharding.ragged_paged_attention(lambda a, i: _run(a, i, block_sizes), args, impl)
+
+
+def _problem_of(args, **_):
+    """The call's problem (:data:`ops.serving.block_sizes.DIMS`; :attr:`ops._op.Op.problem_of`)."""
+    (T, N, H), (_, ps, K2, _) = args["q"].shape, args["kv"].shape
+    K = K2 // 2
+    return (T, K, N // max(K, 1), H, ps, args["tables"].shape[1]), args["q"].dtype, None
 
 
 def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale, window, soft_cap,
@@ -215,5 +226,6 @@ def _reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs
 
 OP = register(Op(
     name=_OP, dims=DIMS, configs={b: PagedBlockSizes for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
-    reference=_reference,
+    reference=_reference, entry=_entry, problem_of=_problem_of,
+    function=ragged_paged_attention,
     missing_reason=" (mosaic_gpu: no kernel for it yet; use 'triton')"))

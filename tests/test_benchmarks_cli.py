@@ -159,7 +159,8 @@ def test_every_command_line_option_has_help_text():
     import argparse
 
     from benchmarks import __main__ as main_cli
-    from benchmarks import attention_memory, encoder, jax_pallas_tests, lm, static, tune
+    from benchmarks import (attention_memory, compat, encoder, jax_pallas_tests, lease_queue, lm,
+                            provenance, smoke, static, tune)
     parsers = []
     original = argparse.ArgumentParser.parse_args
 
@@ -169,14 +170,15 @@ def test_every_command_line_option_has_help_text():
 
     argparse.ArgumentParser.parse_args = capture
     try:
-        for module in (main_cli, attention_memory, encoder, jax_pallas_tests, lm, static, tune):
+        for module in (main_cli, attention_memory, encoder, jax_pallas_tests, lm, static, tune,
+                       compat, smoke, lease_queue, provenance):
             try:
                 (getattr(module, "parse_args", None) or module.main)([])
             except SystemExit:
                 pass
     finally:
         argparse.ArgumentParser.parse_args = original
-    assert len(parsers) == 7
+    assert len(parsers) == 11
     for parser in parsers:
         assert parser.description and parser.description.rstrip().endswith("."), parser.prog
         for action in parser._actions:

@@ -19,7 +19,8 @@ Backend-specific modules: ``pallas_core.tpu`` (VMEM, SMEM, HBM, CompilerParams,
 PrefetchScalarGridSpec, roll, prng_seed / prng_random_bits, make_async_copy /
 async_copy / sync_copy, SemaphoreType), ``pallas_core.triton`` (CompilerParams,
 atomics, JAX's ``pallas.triton`` load / store / dot / debug_barrier / max_contiguous /
-approx_tanh / elementwise_inline_asm), ``pallas_core.gpu`` (SMEM, CompilerParams).
+approx_tanh / elementwise_inline_asm), ``pallas_core.gpu`` (Mosaic GPU: ``kernel``, SMEM / ACC /
+Barrier, TMA copies, ``wgmma``, pipelines; JAX's GPU interpret mode on a CPU host).
 See docs/pallas_core.md (section 13 lists what stays absent, and why).
 """
 # First: a JAX outside the verified range is named before anything else can fail on it.
@@ -39,7 +40,7 @@ from pallas_core.debugging import debug_print
 from pallas_core.dma import semaphore_read, semaphore_signal, semaphore_wait
 from pallas_core.params import ARBITRARY, PARALLEL, CompilerParams, InterpretParams
 from pallas_core.primitives import (cdiv, dot, ds, dslice, load, loop, multiple_of, next_power_of_2,
-                                    num_programs, program_id, run_scoped, store, when)
+                                    num_programs, program_id, run_scoped, run_state, store, when)
 from pallas_core.memory import ANY, MemorySpace, empty, empty_like
 from pallas_core.primitives import _RefSlice as Slice  # what pl.ds makes: JAX's own Slice
 from pallas_core.specs import BlockDim, Blocked, BlockSpec, GridSpec, Unblocked
@@ -56,5 +57,5 @@ __all__ = [
     "Slice", "squeezed",
     "ARBITRARY", "BACKENDS", "TRITON_BACKENDS", "BlockSpec", "Blocked", "CompilerParams", "GridSpec", "InterpretParams", "PARALLEL",
     "Unblocked", "backend_traits", "cdiv", "default_backend", "dot", "ds", "dslice", "gpu", "load", "loop",
-    "multiple_of", "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "store", "tpu", "triton", "when",
+    "multiple_of", "next_power_of_2", "num_programs", "pallas_call", "program_id", "run_scoped", "run_state", "store", "tpu", "triton", "when",
 ]

@@ -29,6 +29,23 @@ class KernelContext:
     def run_scoped(self, body, scratch_shapes) -> Any:
         raise NotImplementedError
 
+    def run_scoped_named(self, body, scratch_shapes, named, collective_axes) -> Any:
+        """``run_scoped`` with keyword scratch (``body(*refs, **named_refs)``) and JAX's
+        ``collective_axes`` (one allocation shared along those axes: Mosaic GPU's
+        warpgroups, which only its context has)."""
+        if collective_axes:
+            raise NotImplementedError(
+                f"run_scoped: collective_axes={collective_axes!r} share scratch between the "
+                f"warpgroups of a Mosaic GPU kernel; the {self.backend} backend has none.")
+        n, names = len(scratch_shapes), list(named)
+        return self.run_scoped(lambda *refs: body(*refs[:n], **dict(zip(names, refs[n:]))),
+                               tuple(scratch_shapes) + tuple(named.values()))
+
+    def run_state(self, fn, init) -> Any:
+        """``pl.run_state(fn)(init)``: JAX's, whose Refs every discharging backend takes."""
+        from jax.experimental import pallas as jpl
+        return jpl.run_state(fn)(init)
+
 
 def backend() -> str:
     """The backend of the kernel being traced ("" outside a kernel)."""

@@ -319,12 +319,38 @@ def _as_index(idx):
     return idx
 
 
-def run_scoped(body, *scratch_shapes):
-    """Calls ``body(*refs)`` with fresh scratch Refs that live only inside it.
+def run_scoped(body, *scratch_shapes, collective_axes=(), **named_scratch_shapes):
+    """Calls ``body(*refs, **named_refs)`` with fresh scratch Refs that live only inside it.
 
     Args:
-      scratch_shapes: e.g. ``pallas_core.tpu.VMEM((8, 128), jnp.float32)``.
+      scratch_shapes: e.g. ``pallas_core.tpu.VMEM((8, 128), jnp.float32)``,
+        ``pallas_core.gpu.SMEM(...)`` / ``ACC(...)`` / ``Barrier(...)``.
+      collective_axes: Mosaic GPU only (JAX's keyword): one allocation shared
+        by the warpgroups along these axes (e.g. ``"wg"``); elsewhere
+        NotImplementedError.
+      named_scratch_shapes: scratch passed to ``body`` by keyword.
     Returns:
       Whatever ``body`` returns.
     """
-    return context.current().run_scoped(body, scratch_shapes)
+    ctx = context.current()
+    if not collective_axes and not named_scratch_shapes:
+        return ctx.run_scoped(body, scratch_shapes)
+    return ctx.run_scoped_named(body, scratch_shapes, named_scratch_shapes, collective_axes)
+
+
+def run_state(fn):
+    """JAX's ``pl.run_state``: ``run_state(fn)(init)`` runs ``fn`` on Refs holding
+    ``init`` (a pytree) and returns their final values.
+
+    Inside a Mosaic GPU kernel, ``pallas_core.gpu.ACC.init(x)`` makes a ``wgmma``
+    accumulator starting at ``x`` (waited for before the values are returned);
+    in the GPU interpret mode this is what runs there (docs/pallas_core.md
+    section 16). Elsewhere JAX's own, which the interpreter discharges.
+    """
+    def run(init):
+        ctx = context._CURRENT.get()
+        if ctx is None:
+            from jax.experimental import pallas as jpl
+            return jpl.run_state(fn)(init)
+        return ctx.run_state(fn, init)
+    return run

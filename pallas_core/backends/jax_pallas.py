@@ -7,6 +7,12 @@ own, so kernels are written once for every backend. On ``pallas_triton``,
 whose lowering does no bounds checks, operands whose blocks can overhang the
 array get edge-masked Refs (:mod:`pallas_core.backends.edge_masks`). JAX picks its lowering
 from the type of the compiler params, so each backend passes its own.
+
+On ``mosaic_gpu`` the call runs where :mod:`pallas_core.gpu.target` says: JAX's
+Mosaic GPU lowering on an sm_90+ GPU, and on a host without a GPU JAX's GPU
+interpret mode (the grid translated as JAX's lowering translates it,
+:mod:`pallas_core.gpu.grid_call`) while still lowering for ``cuda`` as JAX's
+Mosaic GPU kernel.
 """
 from __future__ import annotations
 
@@ -43,6 +49,13 @@ class JaxPallasContext(context.KernelContext):
         types = [_scratch(s, self.backend) for s in scratch_shapes]
         return _jpl().run_scoped(body, *types)
 
+    def run_scoped_named(self, body, scratch_shapes, named, collective_axes):
+        if collective_axes and self.backend != "mosaic_gpu":
+            return super().run_scoped_named(body, scratch_shapes, named, collective_axes)
+        types = [_scratch(s, self.backend) for s in scratch_shapes]
+        named = {k: _scratch(v, self.backend) for k, v in named.items()}
+        return _jpl().run_scoped(body, *types, collective_axes=collective_axes, **named)
+
 
 def _memory_space(space, backend, origin):
     if space is None:
@@ -54,8 +67,7 @@ def _memory_space(space, backend, origin):
         return {"VMEM": pltpu.VMEM, "SMEM": pltpu.SMEM, "HBM": pltpu.HBM,
                 "ANY": _jpl().ANY}[space.name]
     if backend == "mosaic_gpu" and space.backend == "gpu":
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-        return plgpu.SMEM
+        return space.to_jax()  # pallas_core.gpu.SMEM / GMEM
     raise ValueError(f"{origin}: memory space {space!r} does not exist on backend {backend!r}.")
 
 
@@ -64,6 +76,9 @@ def _scratch(s: ScratchShape, backend):
     if backend == "pallas_triton":
         raise ValueError("scratch_shapes / run_scoped: the pallas_triton backend has no "
                          "scratch memory; carry values in the kernel instead.")
+    if backend == "mosaic_gpu":
+        from pallas_core.gpu import memory as gpu_memory
+        return gpu_memory.to_jax_type(s, "scratch_shapes")
     if is_semaphore(s.memory_space):
         if backend != "mosaic_tpu":
             raise NotImplementedError(f"scratch_shapes: semaphores exist on the interpret and "
@@ -97,8 +112,13 @@ def _block_spec(m: BlockMapping, backend):
         p = m.pipeline_mode
         revisit = None if p.revisit is None else jpl.RevisitMode(p.revisit.value)
         pipeline_mode = jpl.Buffered(p.buffer_count, use_lookahead=p.use_lookahead, revisit=revisit)
+    space = _memory_space(m.memory_space, backend, m.origin)
+    if backend == "mosaic_gpu":  # pallas_core.gpu.BlockSpec's transforms ride on its memory space
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        return plgpu.BlockSpec(tuple(block), m.index_map, memory_space=space,
+                               transforms=getattr(m.memory_space, "transforms", ()))
     return jpl.BlockSpec(tuple(block), m.index_map, pipeline_mode=pipeline_mode,
-                         memory_space=_memory_space(m.memory_space, backend, m.origin))
+                         memory_space=space)
 
 
 def _compiler_params(call, backend):
@@ -107,9 +127,10 @@ def _compiler_params(call, backend):
         from jax.experimental.pallas import tpu as pltpu
         return pltpu.CompilerParams(dimension_semantics=call.semantics, **p.tpu)
     if backend == "mosaic_gpu":
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-        semantics = tuple("sequential" if s == "arbitrary" else s for s in call.semantics)
-        return plgpu.CompilerParams(dimension_semantics=semantics, **p.gpu)
+        from pallas_core.gpu import params as gpu_params
+        fields = dict(p.gpu)
+        fields.pop("max_concurrent_steps", None)
+        return gpu_params.to_jax(fields, call.semantics, mosaic_gpu_steps(call))
     if backend == "pallas_triton":
         # Passed explicitly: on CUDA JAX otherwise picks Mosaic GPU (docs/design.md §3.4).
         from jax.experimental.pallas import triton as pltriton
@@ -137,6 +158,58 @@ def _reading_scalar_refs(m: BlockMapping, grid_rank: int) -> BlockMapping:
             return index_map(*args[:grid_rank])
 
     return dataclasses.replace(m, index_map=with_refs)
+
+
+def mosaic_gpu_steps(call) -> int:
+    """The pipeline depth of a ``mosaic_gpu`` call (``max_concurrent_steps``).
+
+    JAX's Mosaic GPU pipeline gives each step the next of ``max_concurrent_steps``
+    SMEM slots, outputs included, and stores an output block from the slot of
+    the step that last wrote it: an output block revisited on consecutive
+    sequential steps (a reduction accumulating into it) would start each step
+    in a different slot. Such calls get one slot (the default otherwise is 2);
+    asking for more is an error.
+
+    Raises:
+      ValueError: ``max_concurrent_steps > 1`` given with an output block revisited
+        along a sequential axis.
+    """
+    from pallas_core import grid_analysis
+    given = call.params.gpu.get("max_concurrent_steps")
+    sequential = {a for a, s in enumerate(call.semantics) if s != "parallel"}
+    revisiting = []
+    for m in call.out_mappings:
+        table = grid_analysis.block_index_table(m, call.grid)
+        if table is None or grid_analysis.revisited_axes(table, call.grid) & sequential:
+            revisiting.append(m.origin)
+    if not revisiting:
+        return 2 if given is None else given
+    if given is not None and given > 1:
+        raise ValueError(
+            f"pallas_call {call.name!r} on mosaic_gpu: {', '.join(revisiting)} revisit their blocks "
+            f"along a sequential grid axis, which JAX's Mosaic GPU pipeline keeps in one SMEM slot "
+            f"only with max_concurrent_steps=1 (got {given}); leave it unset or accumulate in "
+            "scratch.")
+    return 1
+
+
+def _mosaic_gpu_run(call, args, fn):
+    """``fn(*args)`` (JAX's lowering), or on a host without a GPU the interpret mode with
+    ``fn`` as the ``cuda`` branch (:mod:`pallas_core.gpu.target`)."""
+    from pallas_core.gpu import grid_call, runner, target
+    choice = target.choose(None, f"pallas_call {call.name!r} on mosaic_gpu")
+    if choice.kind == target.MOSAIC:
+        return list(fn(*args))
+    jax_params = _compiler_params(call, "mosaic_gpu")
+    steps = jax_params.max_concurrent_steps
+
+    def make(interpret_params):
+        if interpret_params is None:
+            return lambda *a: list(fn(*a))
+        return grid_call.interpreted_call(call, jax_params, steps, interpret_params)
+
+    return list(runner.run(choice, make, args, owner=call,
+                           what=f"pallas_call {call.name!r} on mosaic_gpu"))
 
 
 def run(call, args, backend):
@@ -182,6 +255,8 @@ def run(call, args, backend):
         cost_estimate=_cost_estimate(call.cost_estimate),
         metadata=call.metadata,
     )
+    if backend == "mosaic_gpu":
+        return _mosaic_gpu_run(call, args, fn)
     return list(fn(*args))
 
 
@@ -190,8 +265,10 @@ _TRAITS = (
     # scalar prefetch into SMEM (vector memory is not read as scalars).
     BackendTraits("mosaic_tpu", hardware="tpu", tile=(8, 128), scalar_memory=TPU_SMEM, dynamic_grid=True,
                   through_jax=True),
-    # Mosaic GPU: no op has kernels for it; its lowering reports its own block
-    # limits. Sequential axes are pipelined in order; no scalar prefetch.
+    # Mosaic GPU: its lowering reports its own block limits (TMA boxes, swizzles).
+    # Sequential axes are pipelined in order (an output revisited along them gets one
+    # pipeline slot: mosaic_gpu_steps); no scalar prefetch. Runs interpreted on a
+    # host without a GPU (pallas_core.gpu.target).
     BackendTraits("mosaic_gpu", hardware="gpu", scalar_prefetch=False, through_jax=True),
     # JAX's Triton lowering: power-of-two tensors only, every grid point
     # concurrent (no accumulation across grid steps), no scalar prefetch.

@@ -8,7 +8,10 @@ ignores; ``-quick`` suffix for ``--quick``; or ``--out``). Exit status 0 on
 success, 1 if any implementation failed, no case matched ``--filter`` or
 cases were left not run.
 
-Cases run headline first (:func:`benchmarks.suite.run_order`).
+Cases run headline first (:func:`benchmarks.suite.run_order`); ``--headline``
+runs only those. Each case prints its steps' seconds (inputs, compile,
+reference, check, warm-up, timing; :class:`benchmarks.harness.StepTimes`),
+which ``results.json`` keeps in ``meta.case_seconds``.
 ``--budget-s`` stops starting cases after that many seconds, ``results.json``
 is rewritten after every case and SIGTERM ends the run with its report, and
 ``--resume`` continues an earlier run (:mod:`benchmarks.checkpoint`): how a
@@ -45,7 +48,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from benchmarks import checkpoint, harness, tables
 from benchmarks.provenance import git_commit, source_fingerprint
 from benchmarks.plots import write_plots
-from benchmarks.suite import collect_cases, run_order
+from benchmarks.suite import collect_cases, headline, run_order
 from ops.tuning import cache as tuning_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="One tiny case per op, few samples, one static compile: a smoke test.")
     parser.add_argument("--filter", default=None, metavar="SUBSTR",
                         help="Only cases whose name (op/variant/shape/dtype/pass) contains SUBSTR.")
+    parser.add_argument("--headline", action="store_true",
+                        help="Only the headline cases (HEADLINE_CASES in benchmarks/suite.py; with "
+                             "--quick, the first quick case of each headline op), every column.")
     parser.add_argument("--iters", type=int, default=None,
                         help="Timed samples per implementation (default: 20 on CPU, 50 elsewhere).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the random inputs.")
@@ -248,6 +254,8 @@ def main(argv=None) -> int:
     on_cpu = platform == "cpu"
     timed = not on_cpu or args.time_interpreters
     selected = collect_cases(platform, args.quick, args.filter)
+    if args.headline:
+        selected = headline(selected, args.quick)
     if not selected:
         console.print(f"No benchmark case matches --filter {args.filter!r}.")
         return 1
@@ -274,6 +282,7 @@ def main(argv=None) -> int:
         console.print("Measuring ceilings ...")
         ceilings = harness.measure_ceilings(device)
     meta = {**info, "date": now.isoformat(timespec="seconds"), "jax_version": jax.__version__,
+            "headline": args.headline,
             "git_commit": git_commit(), "source_fingerprint": source_fingerprint(),
             "python": sys.version.split()[0], "ceilings": ceilings,
             "timed": timed, "header": header, "warmup": warmup, "iters": iters,

@@ -42,8 +42,13 @@ class Budget:
         return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
 
 
-class Stopped(Exception):
-    """Raised inside the run when SIGTERM arrives (see :func:`stop_on_sigterm`)."""
+class Stopped(BaseException):
+    """Raised inside the run when SIGTERM arrives (see :func:`stop_on_sigterm`).
+
+    A BaseException, as KeyboardInterrupt is: the ``except Exception`` that records
+    one implementation's failure and goes on (a case's row, a tuning candidate's
+    verdict) must not swallow it, or a stopped run would carry on until killed.
+    """
 
 
 @contextlib.contextmanager

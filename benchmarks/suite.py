@@ -53,6 +53,18 @@ def headline_rank(name: str) -> int | None:
     return next((i for i, prefix in enumerate(HEADLINE_CASES) if name.startswith(prefix)), None)
 
 
+def headline(cases: list[harness.Case], quick: bool = False) -> list[harness.Case]:
+    """The headline cases among ``cases``, in :data:`HEADLINE_CASES` order. ``quick`` cases
+    are small and named otherwise: there, each op of the headline its first case."""
+    if not quick:
+        return [c for c in run_order(cases) if headline_rank(c.name) is not None]
+    ops = list(dict.fromkeys(prefix.split("/")[0] for prefix in HEADLINE_CASES))
+    first = {}
+    for c in cases:
+        first.setdefault(c.op, c)
+    return [first[op] for op in ops if op in first]
+
+
 def run_order(cases: list[harness.Case]) -> list[harness.Case]:
     """``cases`` in the order to run them: headline cases by :func:`headline_rank`, then
     the others one op at a time in turn (each op's cases keep their registered order)."""

@@ -49,6 +49,12 @@ class JaxPallasContext(context.KernelContext):
         types = [_scratch(s, self.backend) for s in scratch_shapes]
         return _jpl().run_scoped(body, *types)
 
+    def run_state(self, fn, init):
+        if self.backend == "mosaic_gpu":  # pallas_core.gpu.ACC.init(x) as JAX's accumulator
+            from pallas_core.gpu.kernel_context import jax_initial_values
+            init = jax_initial_values(init)
+        return super().run_state(fn, init)
+
     def run_scoped_named(self, body, scratch_shapes, named, collective_axes):
         if collective_axes and self.backend != "mosaic_gpu":
             return super().run_scoped_named(body, scratch_shapes, named, collective_axes)

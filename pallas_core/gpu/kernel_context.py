@@ -81,7 +81,7 @@ class MosaicGPUContext(context.KernelContext):
 
     def run_state(self, fn, init):
         if not self.interpret:
-            return _jpl().run_state(fn)(_jax_initial_values(init))
+            return _jpl().run_state(fn)(jax_initial_values(init))
         return _run_state_interpreted(fn, init)
 
 
@@ -96,7 +96,7 @@ def _is_acc(x) -> bool:
     return isinstance(x, (memory.ACC, plgpu.ACC))
 
 
-def _jax_initial_values(init):
+def jax_initial_values(init):
     return jax.tree.map(lambda x: x.to_jax() if isinstance(x, memory.ACC) else x, init,
                         is_leaf=_is_acc)
 

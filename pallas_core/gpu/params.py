@@ -48,7 +48,8 @@ class CompilerParams:
         stores by one thread look synchronous (see JAX's docstring for when it
         is safe).
       reduction_scratch_bytes: SMEM reserved for cross-warp reductions.
-      profile_space, profile_dir: Mosaic GPU's in-kernel profiler (both or neither).
+      profile_space, profile_dir: Mosaic GPU's in-kernel profiler (both or neither);
+        profile_trace_scope: ``plgpu.TraceScope.WARPGROUP`` (JAX's default) or ``WARP``.
       lowering_semantics: ``LoweringSemantics.Lane`` (JAX's default) or
         ``LoweringSemantics.Warpgroup``.
 
@@ -64,6 +65,7 @@ class CompilerParams:
     profile_space: int = 0
     profile_dir: str = ""
     lowering_semantics: Any = None
+    profile_trace_scope: Any = None
 
     def __post_init__(self):
         if self.dimension_semantics is not None:
@@ -95,10 +97,14 @@ class CompilerParams:
     replace = dataclasses.replace
 
     def _fields_for_jax(self) -> dict:
-        return dict(approx_math=self.approx_math, unsafe_no_auto_barriers=self.unsafe_no_auto_barriers,
-                    reduction_scratch_bytes=self.reduction_scratch_bytes,
-                    profile_space=self.profile_space, profile_dir=self.profile_dir,
-                    lowering_semantics=self.lowering_semantics)
+        fields = dict(approx_math=self.approx_math,
+                      unsafe_no_auto_barriers=self.unsafe_no_auto_barriers,
+                      reduction_scratch_bytes=self.reduction_scratch_bytes,
+                      profile_space=self.profile_space, profile_dir=self.profile_dir,
+                      lowering_semantics=self.lowering_semantics)
+        if self.profile_trace_scope is not None:
+            fields["profile_trace_scope"] = self.profile_trace_scope
+        return fields
 
     def _resolve(self) -> ResolvedParams:
         gpu = self._fields_for_jax()

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_core.backends import BACKENDS
+
 BASELINE = "xla"
 PASSES = ("fwd", "fwd+bwd")
 
@@ -57,7 +59,7 @@ MAX_CALLS_PER_SAMPLE = 100
 # Keys of every row that run_case returns (the results.json schema).
 ROW_KEYS = ("op", "case", "variant", "shape", "dtype", "pass", "implementation", "ceiling", "median_ms",
             "p10_ms", "p90_ms", "runs", "compile_ms", "tflops", "gbps", "speedup_vs_xla",
-            "ceiling_rate", "cache_resident", "fraction_of_ceiling", "max_rel_error", "peak_bytes",
+            "vs_best_other", "ceiling_rate", "cache_resident", "fraction_of_ceiling", "max_rel_error", "peak_bytes",
             "error", "device_kind", "platform")
 # Keys only in the rows of cases that ask for them; none today (peak_bytes is in every row).
 OPTIONAL_ROW_KEYS = ()
@@ -624,7 +626,9 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
     implementation's own compile in the parallel compile), the rates and
     their ceiling (:func:`rate_against_ceiling`: tflops, gbps, ceiling_rate,
     cache_resident, fraction_of_ceiling), speedup_vs_xla (the baseline's
-    median over this row's; 1.0 for the baseline), max_rel_error (vs the
+    median over this row's; 1.0 for the baseline), vs_best_other (ours against
+    the fastest implementation of the case that is not ours,
+    :func:`vs_best_other`), max_rel_error (vs the
     float64 reference, :func:`prepare_case`), peak_bytes (the compiled
     executable's temporary plus output bytes, :func:`compiled_peak_bytes`),
     error (None, or why the implementation failed: a failure is recorded
@@ -662,7 +666,26 @@ def run_case(case: Case, *, key, ceilings: Mapping[str, Any], warmup: int, iters
         row.update(rate_against_ceiling(case, timing["median_ms"] * 1e-3, ceilings, device))
         row["speedup_vs_xla"] = baseline_ms / timing["median_ms"] if baseline_ms else None
         rows.append(row)
+    for row, ratio in zip(rows, vs_best_other(rows)):
+        row["vs_best_other"] = ratio
     return rows
+
+
+def ours(implementation: str) -> bool:
+    """Whether an implementation runs this project's kernels (a pallas_core backend); the
+    others (xla, cudnn, jax_pallas, ...) are what a user has without us."""
+    return implementation in BACKENDS
+
+
+def vs_best_other(rows: Sequence[Mapping[str, Any]]) -> list[float | None]:
+    """Per row of one case: for ours (:func:`ours`), the fastest timed other
+    implementation's median over this row's (above 1: ours is faster); None for the
+    others, for untimed or failed rows and where nothing else was timed."""
+    others = [r["median_ms"] for r in rows if not ours(r["implementation"])
+              and r.get("median_ms") and not r.get("error")]
+    best = min(others, default=None)
+    return [best / r["median_ms"] if best and ours(r["implementation"]) and r.get("median_ms")
+            and not r.get("error") else None for r in rows]
 
 
 def check_case(case: Case, *, key, device: jax.Device | None = None,

@@ -11,14 +11,20 @@ Timed rows (GPU / TPU, or ``--time-interpreters``): compute-bound cases
 dashed line; memory-bound ones (``"copy"``) plot GB/s with each case's own
 ceiling (a copy moving the case's bytes, ``ceiling_rate``) as a black tick
 across its bars; cases whose bytes fit in the last-level cache are labelled
-``(in cache)``. Untimed rows (a host without a GPU) plot each
-implementation's error against the float64 reference, on a log scale.
+``(in cache)``. Each timed bar of ours (a pallas_core backend) is labelled
+with its rate and, in brackets, its ``vs best other``: the fastest
+implementation of the case that is not ours over ours
+(:func:`benchmarks.harness.vs_best_other`; above 1x ours is faster). Untimed
+rows (a host without a GPU) plot each implementation's error against the
+float64 reference, on a log scale.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from benchmarks.harness import vs_best_other
 
 MAX_WIDTH_PX = 1600
 MAX_HEIGHT_PX = 1200
@@ -72,6 +78,18 @@ def _panel_title(kind: str, group: Sequence[Mapping]) -> str:
     return f"{ops}: {'compute' if kind == 'matmul' else 'memory'}-bound, {unit} (higher is better)"
 
 
+def _vs_best_other(rows: Sequence[Mapping]) -> dict[int, float | None]:
+    """``id(row)`` -> the row's ``vs_best_other`` (recorded, else computed per case)."""
+    cases: dict[str, list[Mapping]] = {}
+    for r in rows:
+        cases.setdefault(_case_label(r), []).append(r)
+    out = {}
+    for group in cases.values():
+        for r, ratio in zip(group, vs_best_other(group)):
+            out[id(r)] = r.get("vs_best_other", ratio)
+    return out
+
+
 def write_plots(out_dir: Path, meta: Mapping, rows: Sequence[Mapping]) -> list[dict]:
     """Writes one ``results-<family>.png`` per op family into ``out_dir`` (a
     ``results-empty.png`` saying so when nothing succeeded).
@@ -108,21 +126,23 @@ def _draw(path: Path, meta: Mapping, parts: list[tuple[str, list[Mapping]]]) -> 
                         fontsize=_FONT)
         axes[0][0].set_axis_off()
     for ax, (kind, group) in zip((a[0] for a in axes), parts):
+        ratios = _vs_best_other(group)
         cases = list(dict.fromkeys(_case_label(r) for r in group))
         impls = list(dict.fromkeys(r["implementation"] for r in group))
         height = 0.8 / len(impls)
         key = _ERROR[0] if kind == "error" else _UNITS[kind][0]
         values = []
         for i, impl in enumerate(impls):
-            ys, xs = [], []
+            ys, xs, vs = [], [], []
             for r in group:
                 if r["implementation"] == impl:
                     ys.append(cases.index(_case_label(r)) + (i - (len(impls) - 1) / 2) * height)
                     xs.append(max(r[key], _FLOOR) if kind == "error" else r[key])
+                    vs.append(None if kind == "error" else ratios[id(r)])
             values += xs
             drawn_bars = ax.barh(ys, xs, height, label=impl)
             if len(group) <= 40:
-                ax.bar_label(drawn_bars, labels=[_value_label(kind, x) for x in xs],
+                ax.bar_label(drawn_bars, labels=[_value_label(kind, x, v) for x, v in zip(xs, vs)],
                              fontsize=_FONT - 2, padding=2)
             elif kind == "error":  # too many bars to label each: still say which are exact
                 ax.bar_label(drawn_bars, labels=[_value_label(kind, x) if x <= _FLOOR else ""
@@ -134,7 +154,8 @@ def _draw(path: Path, meta: Mapping, parts: list[tuple[str, list[Mapping]]]) -> 
             ax.set_xlabel(_ERROR[1], fontsize=_FONT)
         else:
             ax.set_xlim(0, 1.15 * max(values + limit))
-            ax.set_xlabel(f"{_UNITS[kind][1]} (higher is better)", fontsize=_FONT)
+            ax.set_xlabel(f"{_UNITS[kind][1]} (higher is better); [Nx] on our bars: vs best other "
+                          "(the fastest implementation that is not ours, over ours)", fontsize=_FONT)
         ax.set_yticks(range(len(cases)), cases, fontsize=_FONT - 1)
         ax.tick_params(axis="x", labelsize=_FONT - 1)
         ax.invert_yaxis()  # first case on top, as in the table
@@ -148,10 +169,10 @@ def _draw(path: Path, meta: Mapping, parts: list[tuple[str, list[Mapping]]]) -> 
     return dict(path=path, title=title, panels=drawn, size_px=size)
 
 
-def _value_label(kind: str, x: float) -> str:
+def _value_label(kind: str, x: float, vs_other: float | None = None) -> str:
     if kind == "error":
         return "exact" if x <= _FLOOR else f"{x:.2g}"
-    return f"{x:.3g}"
+    return f"{x:.3g}" + ("" if vs_other is None else f" [{vs_other:.2f}x]")
 
 
 def _draw_ceiling(ax, kind: str, group: Sequence[Mapping], cases: list[str], meta: Mapping) -> list:

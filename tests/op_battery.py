@@ -13,7 +13,10 @@ inputs with the argument each error must name. A test class then subclasses
 
 and pytest runs, for every implementation of the spec (the kernels on
 ``interpret``, our Triton lowering on ``triton`` in Triton's CPU interpreter
-where the family runs it, and ``xla``):
+where the family runs it, and ``xla``), each with its own capability flags (an
+implementation whose registered ``supported(call)`` refuses a case skips it,
+with the reason: :class:`ops._op.Implementation`) and tolerances
+(:attr:`OpSpec.tolerances`):
 
 - ``test_matches_reference[impl-case-dtype]``: one ``jax.jit`` compile of the
   outputs and of the vector-Jacobian product with fixed, non-uniform
@@ -40,6 +43,12 @@ where the family runs it, and ``xla``):
   kernel was traced first (``pallas_core.call.build_call`` is replaced by one
   that fails the test); an unknown and an unavailable implementation name
   are added to every spec's list.
+- ``test_on_gpu[impl-case-dtype]`` (marked ``gpu``: run by ``pytest -m gpu``
+  on a machine with one, skipped elsewhere): every case and dtype on every
+  implementation the op has registered for a GPU (:func:`gpu_implementations`:
+  ``triton``, ``pallas_triton``, ``cudnn`` for attention, ``mosaic_gpu`` once
+  registered), jitted, against the reference as above, where the
+  implementation's ``supported`` takes the case on the device.
 
 Each case costs an interpreter compile, so cases are few and small: list
 the cases a family needs (a cross product of every option and dtype is
@@ -60,6 +69,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_core as pl
+from ops import _op, _resolve
 from tests.op_test_case import weights_like
 from tests.tolerances import BACKWARD, FORWARD, assert_close, for_dtype
 
@@ -137,6 +148,8 @@ class OpSpec:
         fallback of ``test_eager`` and added to the bad inputs (None: neither).
       xla_is_reference: the ``xla`` implementation is the reference itself.
       eager_case: the name of the eager case (None: the first case).
+      tolerances: per implementation, ``(forward, backward)`` tolerances replacing
+        the spec's for it (another library's kernels, say).
     """
     name: str
     op: Callable[..., Any]
@@ -153,6 +166,8 @@ class OpSpec:
     unavailable: str | None = "mosaic_gpu"
     xla_is_reference: bool = True
     eager_case: str | None = None
+    tolerances: Mapping[str, tuple[Mapping[Any, float], Mapping[Any, float]]] = dataclasses.field(
+        default_factory=dict)
 
     def case(self, name: str | None = None) -> Case:
         if name is None:
@@ -175,14 +190,38 @@ class OpSpec:
         seed = sum(map(ord, f"{self.name}/{case.name}"))
         return tuple(self.make_inputs(np.random.default_rng(seed), dtype, **case.inputs))
 
-    def call(self, case: Case, implementation) -> Callable[..., Any]:
-        """``op`` on ``implementation`` with the case's options (and tiles off ``xla``)."""
+    def call(self, case: Case, implementation, tiles: bool = True) -> Callable[..., Any]:
+        """``op`` on ``implementation`` with the case's options (and, on our kernels,
+        with ``tiles``, its tiles)."""
         names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
         kwargs = dict(case.options)
-        if names[-1] != "xla":
+        if tiles and names[-1] in pl.BACKENDS:
             kwargs.update(self.tiles.get(names[-1], {}))
             kwargs.update(case.tiles)
         return lambda *args: self.op(*args, implementation=implementation, **kwargs)
+
+    def tolerance(self, implementation, dtype) -> tuple[float, float]:
+        """The forward and backward tolerances of ``implementation`` at ``dtype``."""
+        name = implementation if isinstance(implementation, str) else implementation[-1]
+        forward, backward = self.tolerances.get(name, (self.forward, self.backward))
+        return for_dtype(forward, dtype), for_dtype(backward, dtype)
+
+    def registered(self) -> _op.Op:
+        """The registered op the spec's op calls (its first, for a composite)."""
+        case = self.case(self.eager_case)
+        return _resolve.capture_call(self.call(case, "xla"), self.inputs(case, self.dtypes[0])).op
+
+    def unsupported(self, case: Case, implementation: str, args, target=None,
+                    tiles: bool = True) -> str | None:
+        """Why ``implementation`` cannot run ``case`` (its registered ``supported`` on the
+        checked call; ``target`` instead of this process's device), None where it can."""
+        call = _resolve.capture_call(self.call(case, implementation, tiles), args)
+        if target is not None:
+            call = dataclasses.replace(call, target=target)
+        found = call.op.implementations.get(implementation)
+        if found is None:
+            return f"{call.op.name} has no implementation {implementation!r}"
+        return found.why_not(call)
 
     def ref(self, case: Case) -> Callable[..., Any]:
         return lambda *args: self.reference(*upcast(args), **case.options)
@@ -261,24 +300,39 @@ def assert_matches(actual, expected, tol, what):
         assert_close(a, e, tol, name)
 
 
-def check_call(spec: OpSpec, case: Case, implementation, dtype, *, jit: bool) -> None:
-    """The op on ``implementation`` against the reference: outputs and gradients."""
+def gpu_implementations(spec: OpSpec) -> list[str]:
+    """The implementations the op has registered for a GPU (those the default may
+    choose there, XLA aside), in registration order."""
+    return [name for name, impl in spec.registered().implementations.items()
+            if name != "xla" and "gpu" in impl.platforms]
+
+
+def check_call(spec: OpSpec, case: Case, implementation, dtype, *, jit: bool,
+               tiles: bool = True) -> None:
+    """The op on ``implementation`` against the reference: outputs and gradients; a case
+    the implementation's registered ``supported`` refuses is skipped, saying why.
+    ``tiles``: pass the case's tiles (those it was written for) to our kernels."""
     args = spec.inputs(case, dtype)
+    name = implementation if isinstance(implementation, str) else implementation[-1]
+    why = None if name == "xla" else spec.unsupported(case, name, args, tiles=tiles)
+    if why is not None:
+        pytest.skip(f"{name} cannot run {case.name}: {why}")
+    forward, backward = spec.tolerance(implementation, dtype)
     argnums = _differentiated(spec, args)
     structure = jax.eval_shape(spec.call(case, "xla"), *args)
     out_dtypes = jax.tree.map(lambda s: s.dtype, structure)
     wrap = jax.jit if jit else (lambda f: f)
-    out, grads = wrap(outputs_and_grads(spec.call(case, implementation), args, argnums,
+    out, grads = wrap(outputs_and_grads(spec.call(case, implementation, tiles), args, argnums,
                                         case.grads))(*args)
     want, want_grads = jax.jit(outputs_and_grads(spec.ref(case), upcast(args), argnums,
                                                  case.grads, out_dtypes))(*upcast(args))
     assert jax.tree.structure(out) == jax.tree.structure(structure), spec.name
     for o, s in zip(jax.tree.leaves(out), jax.tree.leaves(structure)):
         assert (o.shape, o.dtype) == (s.shape, s.dtype), (spec.name, o.shape, o.dtype, s)
-    assert_matches(out, want, for_dtype(spec.forward, dtype), f"{spec.name} {case.name}")
+    assert_matches(out, want, forward, f"{spec.name} {case.name}")
     for i, g, w in zip(argnums, grads, want_grads):
         assert (g.shape, g.dtype) == (args[i].shape, args[i].dtype), (spec.name, i)
-        assert_matches(g, w, for_dtype(spec.backward, dtype), f"{spec.name} {case.name} d{i}")
+        assert_matches(g, w, backward, f"{spec.name} {case.name} d{i}")
 
 
 class _KernelTraced(AssertionError):
@@ -316,6 +370,11 @@ class OpBattery:
         elif metafunc.function.__name__ == "test_bad_input":
             bad = spec.all_bad_inputs()
             metafunc.parametrize("bad", bad, ids=[b.name for b in bad])
+        elif metafunc.function.__name__ == "test_on_gpu":
+            params = [(impl, case, dtype) for case in spec.cases
+                      for impl in gpu_implementations(spec) for dtype in case.dtypes or spec.dtypes]
+            metafunc.parametrize("implementation, case, dtype", params,
+                                 ids=[f"{i}-{c.name}-{dtype_name(d)}" for i, c, d in params])
 
     def test_matches_reference(self, implementation, case, dtype):
         check_call(self.spec, case, implementation, dtype, jit=True)
@@ -332,6 +391,12 @@ class OpBattery:
         args = spec.inputs(case, dtype)
         jax.tree.map(np.testing.assert_array_equal, spec.call(case, "xla")(*args),
                      spec.reference(*args, **case.options))
+
+    @pytest.mark.gpu
+    def test_on_gpu(self, implementation, case, dtype):
+        # The case's tiles were chosen for the implementations it lists; others take their own.
+        check_call(self.spec, case, implementation, dtype, jit=True,
+                   tiles=implementation in self.spec.runs_on(case))
 
     def test_bad_input(self, bad, monkeypatch):
         import pallas_core.call

@@ -192,6 +192,31 @@ ATTENTION = OpSpec(
     xla_is_reference=False, eager_case="causal_lengths")
 
 
+def _output_only(q, k, v, bias=None, arrays=None, **kwargs):
+    return ops.dot_product_attention(q, k, v, bias, **(arrays or {}), **kwargs)
+
+
+def _output_only_reference(q, k, v, bias, arrays, **kwargs):
+    return _output_only(q, k, v, bias, arrays, implementation="xla", **kwargs)
+
+
+# The calls every GPU implementation takes, cuDNN's included (16-bit, one head dim that is a
+# multiple of 8, T == S, no logsumexp returned): the plain and causal products the default
+# routes to cuDNN where it measures fastest, checked against the reference on the GPU
+# (test_on_gpu). On this host only XLA runs them (the options above cover the kernels).
+ATTENTION_OUTPUT = OpSpec(
+    name="dot_product_attention_output", op=_output_only, reference=_output_only_reference,
+    make_inputs=_battery_inputs, grad_argnums=(0, 1, 2), implementations=("xla",),
+    cases=[_case(*options, dtypes=(jnp.bfloat16, jnp.float16), b=2, t=130, s=130, n=4, k=2, h=64)
+           for options in ((), ("causal",))],
+    xla_is_reference=False, unavailable=None)
+
+
+class TestDotProductAttentionOutput(OpBattery):
+    """Attention's output alone on shapes every GPU implementation takes (cuDNN's too)."""
+    spec = ATTENTION_OUTPUT
+
+
 class TestDotProductAttention(OpBattery):
     """The reference is the op's own XLA path in float32 (jax.nn's math with the
     fully-masked-row convention); test_matches_jax_nn holds that to jax.nn."""

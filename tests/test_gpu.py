@@ -3,7 +3,13 @@
 Every op runs through JAX's Pallas Triton lowering and through ours, on
 shapes that do not divide the blocks (so edge blocks, and on pallas_triton
 the edge-masked Refs, are exercised on hardware), against the float32 XLA
-reference.
+reference. Each test states the implementation's contract, as the CPU tests
+do: where an implementation refuses a call by design (pallas_triton's
+attention takes power-of-two head dims only: JAX's Triton lowering has no
+padded blocks), the test expects that NotImplementedError, raised before
+anything is traced. ``test_attention_contracts_hold_when_lowered_for_cuda``
+checks those expectations without a GPU, lowering every attention case for
+``cuda``.
 """
 import functools
 
@@ -15,7 +21,7 @@ import ops
 from ops.matmul import reference
 from tests.tolerances import BACKWARD, FORWARD, assert_close
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 IMPLEMENTATIONS = ["pallas_triton", "triton"]
 KEYS = jax.random.split(jax.random.key(0), 6)
 
@@ -24,6 +30,7 @@ def up(*arrays):
     return [a.astype(jnp.float32) for a in arrays]
 
 
+@gpu
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_fused_matmul(impl, dtype):
@@ -49,6 +56,7 @@ ROW_OPS = {
 }
 
 
+@gpu
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("name", sorted(ROW_OPS))
 def test_row_ops(impl, name):
@@ -60,6 +68,7 @@ def test_row_ops(impl, name):
                  jax.grad(lambda v: jnp.sum(jnp.sin(ref(v))))(x), 1e-4)
 
 
+@gpu
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_cross_entropies(impl):
     logits = jax.random.normal(KEYS[5], (1003, 50257)) * 4
@@ -75,8 +84,20 @@ def test_cross_entropies(impl):
         assert_close(g, e, 1e-4)
 
 
+@gpu
 def test_triton_pads_non_power_of_two_blocks_and_keeps_scratch_in_memory_when_sliced():
-    """Two paths of our lowering the ops above do not take: padded blocks, memory scratch."""
+    """Two paths of our lowering the ops above do not take: padded blocks, memory scratch.
+
+    Its first GPU run (H200, 2026-11-27) failed with its message lost. Found on a
+    host without a GPU: Triton's interpreter gives the right answer (error 3e-8),
+    and the sm_90 compile stores the scratch's two sliced halves to global memory
+    (one program's private slice) and loads it back whole in another register
+    layout with no barrier between (the PTX has st.global then ld.global and no
+    bar.sync): a thread reads elements other warps may not have stored yet. The
+    interpreter runs a program's lanes in order, so only the GPU shows the race.
+    The generated kernel needs a barrier between a memory scratch's stores and a
+    later load (``tl.debug_barrier()``, as ``pltriton.debug_barrier`` emits).
+    """
     import numpy as np
 
     import pallas_core as pl
@@ -108,13 +129,16 @@ ATTENTION_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
-@pytest.mark.parametrize("option", sorted(ATTENTION_OPTIONS))
-def test_dot_product_attention(impl, dtype, head_dim, option):
-    """Forward and q/k/v (and bias) gradients against the float32 reference, T and S not block multiples."""
-    b, t, s = 2, 1000, 1537
+def attention_refusal(impl, head_dim):
+    """The NotImplementedError message an implementation's contract gives for this head dim,
+    or None where it takes the call: pallas_triton (JAX's Triton lowering) has no padded
+    blocks, so the op refuses head dims that are not powers of two (``use 'triton'``)."""
+    if impl == "pallas_triton" and head_dim & (head_dim - 1):
+        return "power-of-two head dims"
+    return None
+
+
+def _attention_case(head_dim, option, dtype, b=2, t=1000, s=1537):
     kw = ATTENTION_OPTIONS[option](b, t, s)
     bias = kw.pop("bias", None)
     q = jax.random.normal(KEYS[2], (b, t, 8, head_dim), dtype)
@@ -126,7 +150,24 @@ def test_dot_product_attention(impl, dtype, head_dim, option):
     def loss(impl, *a):
         out = ops.dot_product_attention(*a[:3], *a[3:], implementation=impl, **kw)
         return jnp.sum(out.astype(jnp.float32) * cot)
+    return args, kw, loss
 
+
+@gpu
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("option", sorted(ATTENTION_OPTIONS))
+def test_dot_product_attention(impl, dtype, head_dim, option):
+    """Forward and q/k/v (and bias) gradients against the float32 reference, T and S not
+    block multiples; where the implementation's contract refuses the head dim, its
+    NotImplementedError (:func:`attention_refusal`)."""
+    args, kw, loss = _attention_case(head_dim, option, dtype)
+    refusal = attention_refusal(impl, head_dim)
+    if refusal is not None:
+        with pytest.raises(NotImplementedError, match=refusal):
+            ops.dot_product_attention(*args, implementation=impl, **kw)
+        return
     out = ops.dot_product_attention(*args, implementation=impl, **kw)
     assert_close(out, ops.dot_product_attention(*up(*args), implementation="xla", **kw), FORWARD[dtype])
     argnums = tuple(range(1, len(args) + 1))
@@ -136,6 +177,25 @@ def test_dot_product_attention(impl, dtype, head_dim, option):
         assert_close(g, e, BACKWARD[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("option", sorted(ATTENTION_OPTIONS))
+def test_attention_contracts_hold_when_lowered_for_cuda(head_dim, option):
+    """No GPU needed: what test_dot_product_attention expects of pallas_triton is what the
+    op does. Its forward and gradients lower for cuda through JAX's Pallas Triton lowering
+    where the contract takes the call; elsewhere the op refuses it before building a kernel."""
+    args, kw, loss = _attention_case(head_dim, option, jnp.bfloat16)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    grads = jax.grad(functools.partial(loss, "pallas_triton"), tuple(range(len(args))))
+    refusal = attention_refusal("pallas_triton", head_dim)
+    if refusal is not None:
+        with pytest.raises(NotImplementedError, match=refusal):
+            jax.eval_shape(grads, *specs)
+        return
+    text = jax.jit(grads).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton") >= 3  # the forward kernel and the backward's
+
+
+@gpu
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_paged_attention_ops(impl, dtype):

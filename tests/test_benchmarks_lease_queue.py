@@ -55,3 +55,20 @@ def test_a_cpu_run_checks_without_timing_and_writes_its_files(tmp_path):
     assert rows[-1]["outcomes"] == ["not timed", "not timed"]
     assert all(r["max_rel_error"] < 1e-5 for r in rows[:2])
     assert "| matmul-tile-128x256 |" in (tmp_path / "queue.md").read_text()
+
+
+def test_each_arm_traces_its_own_settings():
+    """A config arm's tiles and a TMA arm's descriptors reach the generated kernel."""
+    import pallas_core as pl
+
+    def source(experiment, i):
+        arm = next(e for e in QUEUE if e["name"] == experiment)["arms"][i]
+        case = lease_queue.resolve_case(arm["case"], "gpu", quick=True)
+        args = jax.eval_shape(case.make_inputs, jax.random.key(0))
+        with lease_queue.arm_settings(arm, case):
+            return "\n".join(pl.triton.source(case.implementations[arm["implementation"]], *args))
+
+    assert "tl.arange(0, 256)" not in source("matmul-tile-128x256", 0)
+    assert "tl.arange(0, 256)" in source("matmul-tile-128x256", 1)
+    assert "make_tensor_descriptor" not in source("tma-matmul-fwd", 0)
+    assert "make_tensor_descriptor" in source("tma-matmul-fwd", 1)

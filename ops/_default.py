@@ -57,9 +57,10 @@ _AD_TRACERS = ("JVPTracer", "LinearizeTracer")
 
 def differentiated(x) -> bool:
     """Whether ``x`` is being differentiated: a tracer of ``jax.jvp`` / ``jax.grad`` /
-    ``jax.vjp``, also under ``jax.vmap`` (a batching tracer is looked through). A
-    function jitted *inside* the differentiated one traces its body before autodiff
-    sees it: there this says False (a choice made for the forward pass alone)."""
+    ``jax.vjp``, also under ``jax.vmap`` (a batching tracer is looked through) and
+    inside ``lax.scan``. A function jitted or rematerialized (``jax.checkpoint``)
+    *inside* the differentiated one traces its body before autodiff sees it: there
+    this says False (a choice made for the forward pass alone)."""
     for _ in range(16):  # tracers nest (vmap over grad ...); a bounded walk
         if not isinstance(x, jax.core.Tracer):
             return False
@@ -165,7 +166,8 @@ def choose(op, call) -> Choice:
                       reason="on a CPU the kernel backends only interpret: XLA" + passed)
     if match is not None and first in match.entry.names:
         entry = match.entry
-        times = ", ".join(f"{n} {t:.4g} ms" for n, t in entry.ranking)
+        times = ", ".join(f"{n} {t:.4g} ms" for n, t in entry.ranking) + (
+            f" (summed over {len(entry.cases)} cases)" if len(entry.cases) > 1 else "")
         where = "this call" if match.exact else (
             "the nearest measured call (" + ", ".join(match.differences) + ")")
         return Choice(**base, rule="measured" if match.exact else "nearest measured",

@@ -59,21 +59,32 @@ In the op's module (its own folder for a family), at import time::
         @classmethod
         def candidates(cls, problem, device): ...
 
+    def _my_op_on(impl, x, explicit):     # the checked call on one implementation
+        if impl == "xla":
+            return my_op_reference(x)
+        config = OP.select(OP.problem(x.shape, x.dtype), impl, explicit)
+        ...                                # the kernels (pallas_calls) with config
+
     OP = register(Op(
         name="my_op", dims=("rows", "features"),
         configs={b: MyConfig for b in ("interpret", "triton", "pallas_triton", "mosaic_tpu")},
-        reference=my_op_reference, check=_check,
+        reference=my_op_reference, check=_check, entry=_my_op_on,
+        problem_of=lambda x, **_: (x.shape, x.dtype, None),  # what the default's rankings key
+        supported={"pallas_triton": _powers_of_two},         # why it cannot run a call, or None
+        function=my_op,
         tuning=Tuning(example=_example, shapes=((4096, 4096),), quick=((256, 1024),))))
 
-with ``entry=_my_op_on`` (the checked call on one implementation, ``"xla"``
-included), ``problem_of=`` (the call's dims, dtype and variant, which the
-measured rankings of the default are keyed by) and ``supported=`` (per
-implementation, why it cannot run a call, before anything is traced) among
-its arguments; in the op's public function, after its checks::
+and in the public function, after its checks::
 
-    return OP.run(implementation, x=x, features=features, ...)   # the entry's arguments
-    ...
-    config = OP.select(OP.problem((rows, features), x.dtype), impl, explicit)   # in the entry
+    return OP.run(implementation, x=x, explicit=explicit)   # the entry's arguments
+
+Another backend's kernels, in a module of their own, register with no edit
+above (and the default picks them where the rankings measure them fastest)::
+
+    register_implementation("my_op", Implementation(
+        "mosaic_gpu", run=lambda call: my_op_wgmma(call.args["x"]), config=MyWgmmaConfig,
+        supported=lambda call: None if call.target.sm == "sm_90" else "needs sm_90 (wgmma)",
+        platforms=("gpu",)))
 
 The op's package ``__init__`` imports the module and ``ops/__init__.py``
 imports the package, so ``import ops`` (or anything under it) registers every

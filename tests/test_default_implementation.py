@@ -348,3 +348,49 @@ def test_resolve_implementation_answers_for_the_default_only():
         ops.resolve_implementation("conv", np.ones((2, 2)))
     with pytest.raises(ValueError, match="device_kind"):
         ops.resolve_implementation("softmax", np.ones((2, 2)), device_kind="")
+
+
+# --------------------------------------------------------------------------
+# The tools that write rankings (benchmarks/tune.py)
+# --------------------------------------------------------------------------
+
+def _result_rows(case: str, times: dict, errors: dict | None = None) -> list[dict]:
+    return ([{"case": case, "implementation": n, "median_ms": t, "error": None}
+             for n, t in times.items()]
+            + [{"case": case, "implementation": n, "median_ms": None, "error": e}
+               for n, e in (errors or {}).items()])
+
+
+def test_rankings_from_a_benchmark_run():
+    """Each case keyed by the problem the op itself sees; cases with one key summed;
+    implementations that are not an op's (jax_pallas) left out; failures kept."""
+    from benchmarks import tune
+    matmul = "fused_matmul/{}/8192x8192x8192/bfloat16/fwd"
+    attention = "dot_product_attention/causal+gqa8/4x4096x4096x32x4x64/bfloat16/fwd+bwd"
+    rows = (_result_rows(matmul.format("plain"), {"xla": 1.0, "triton": 2.0, "pallas_triton": 3.0})
+            + _result_rows(matmul.format("bias+gelu_exact"), {"xla": 2.0, "triton": 1.5})
+            + _result_rows(attention, {"xla": 9.0, "cudnn": 1.0, "pallas_triton": 2.0,
+                                       "jax_pallas": 0.5}, {"triton": "NotImplementedError: x"}))
+    document = {"meta": {"platform": "gpu", "device_kind": H200}, "rows": rows}
+    entries = {e.op: e for e in tune.rankings_from_results(document, source="run", log=lambda m: 0)}
+    mm = entries["fused_matmul"]
+    assert (mm.bucket, mm.pass_, mm.ranking) == ((8192,) * 3, "fwd", (("xla", 3.0), ("triton", 3.5)))
+    assert len(mm.cases) == 2
+    att = entries["dot_product_attention"]
+    assert att.bucket == (4096, 4096, 64) and att.pass_ == "fwd+bwd"
+    assert dict(att.variant)["causal"] and dict(att.variant)["group"] == 8
+    assert att.names == ("cudnn", "pallas_triton", "xla")
+    assert att.failed == (("triton", "NotImplementedError: x"),)
+
+
+def test_the_tuner_ranks_what_may_be_a_default_here():
+    """On this host only XLA may be a default: one entry per pass the op has, keyed by
+    the call the tuner's example makes."""
+    from benchmarks import tune
+    from ops.tuning import search
+    (problem,) = [p for p in search.quick_problems() if p.op == "layer_norm"]
+    entries = tune.rank_problem(problem, device_kind="cpu", platform="cpu", iters=2, source="t",
+                                log=lambda m: 0)
+    assert [e.pass_ for e in entries] == ["fwd", "fwd+bwd"]
+    for e in entries:
+        assert e.names == ("xla",) and e.bucket == problem.op_problem().bucket

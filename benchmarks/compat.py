@@ -21,10 +21,11 @@ Checks per item and implementation:
   rule for is listed with its kernel and source line, and generation goes on
   past it (its value stands in as a placeholder), so one trace lists every
   such primitive, not only the first;
-* ``pallas_triton`` and ``jax_pallas`` (JAX's Pallas Triton lowering): the call
-  is lowered for ``cuda`` (``jit(f).trace(...).lower(lowering_platforms=
-  ("cuda",))``); when that fails, every primitive in its kernels that JAX's
-  Triton lowering has no rule for is listed too.
+* ``pallas_triton``, ``jax_pallas`` (JAX's Pallas Triton lowering) and
+  ``mosaic_gpu`` (JAX's Mosaic GPU lowering): the call is lowered for ``cuda``
+  (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``); when that
+  fails, every primitive in its kernels that JAX's Triton lowering has no rule
+  for is listed too.
 
 Writes ``compat.json`` (versions, commit, every item's verdict, seconds) and
 ``compat.txt`` (the same as text) to ``--out``, printing each verdict as it is
@@ -52,7 +53,7 @@ from benchmarks import provenance
 
 # Implementations whose Triton source we generate, and those lowered for cuda through JAX.
 SOURCE_IMPLEMENTATIONS = ("triton",)
-CUDA_LOWERED_IMPLEMENTATIONS = ("pallas_triton", "jax_pallas")
+CUDA_LOWERED_IMPLEMENTATIONS = ("pallas_triton", "mosaic_gpu", "jax_pallas")
 _MODULES = ("jax", "jaxlib", "triton", "jax_triton", "flax", "numpy")
 
 
@@ -205,8 +206,9 @@ def op_items(quick_only: bool = True, ops_filter: str | None = None) -> list[dic
         shapes = op.tuning.quick or (() if quick_only and not op.tuning.shapes else op.tuning.shapes[:1])
         if not shapes or (ops_filter and ops_filter not in op.name):
             continue
+        available = getattr(op, "implementations", None) or op.configs
         for impl in (*SOURCE_IMPLEMENTATIONS, *CUDA_LOWERED_IMPLEMENTATIONS):
-            if impl not in op.configs:
+            if impl not in available:
                 continue
             problem = search.Problem(op.name, tuple(shapes[0]), "bfloat16", impl)
             for label in ("forward", "training")[:1 if op.tuning.training is None else 2]:

@@ -15,19 +15,21 @@
 #             Pallas Triton path lowered for cuda under this machine's JAX, every unsupported
 #             primitive listed with its kernel; the versions (COMPAT_S, 60)
 #   smoke     python -m benchmarks.smoke: one small case per op family, every implementation,
-#             against float64; each verdict written as it is known (SMOKE_S, 110)
+#             against float64; each verdict written as it is known (SMOKE_S, 100)
 #   headline  python -m benchmarks --headline: the headline cases, every column (xla, cudnn,
-#             jax_pallas, ours) (HEADLINE_S, 150)
+#             jax_pallas, ours) (HEADLINE_S, 170)
 #   queue     python -m benchmarks.lease_queue: the A/B experiments of benchmarks/lease_queue.json,
 #             arms side by side, judged against their predictions (QUEUE_S, 100)
-#   tune      python -m benchmarks.tune on the headline ops' shapes (TUNE_OPS; TUNE_S, 60);
+#   tune      python -m benchmarks.tune on the headline ops' shapes (TUNE_OPS; TUNE_S, 50);
 #             the later steps run with its winners
-#   tma       tests/test_tma_launch.py (TMA_S, 60)
+#   tma       tests/test_tma_launch.py (TMA_S, 40)
 #   tests     pytest -m gpu (TESTS_S, 90; TEST_WORKERS processes, 4)
 #   bench     python -m benchmarks --resume: the rest of the suite, with what is left
 #   lm        python -m benchmarks.lm (LM_S, 150)
 # SESSION_BUDGET_S (540) bounds the whole call: a step gets its budget or what is left,
-# less RESERVE_S (20) for the later ones' reports, and no step starts with under 15 s.
+# less RESERVE_S (20) for the later ones' reports, and no step starts with under 15 s;
+# a step that ends early leaves its time to the next. With the defaults the decisions
+# (compat to tune) take at most 480 s, and the rest gets what they leave.
 # Every step prints its seconds; steps.txt lists them all.
 # Nothing is lost when a step is cut: the Python steps write each verdict or case as it
 # is known and end with their report on SIGTERM; pytest is stopped with SIGINT (its
@@ -134,7 +136,7 @@ if has_step compat; then
 fi
 
 if has_step smoke; then
-  limit=$(budget "${SMOKE_S:-110}")
+  limit=$(budget "${SMOKE_S:-100}")
   run_step smoke "$limit" TERM "$out/smoke.log" \
     "$py" -m benchmarks.smoke --out "$out" --budget-s "$(( limit > 40 ? limit - 20 : 15 ))"
 fi
@@ -142,7 +144,7 @@ fi
 bench_args=(--out "$out/bench" --no-static "${quick[@]}")
 if [[ -n "${FILTER:-}" ]]; then bench_args+=(--filter "$FILTER"); fi
 if has_step headline; then
-  limit=$(budget "${HEADLINE_S:-150}")
+  limit=$(budget "${HEADLINE_S:-170}")
   headline_args=("${bench_args[@]}")
   if [[ -n "${RESUME:-}" ]]; then headline_args+=(--resume "$RESUME"); fi
   # --budget-s stops starting cases; the margin is for the last case and the report.
@@ -157,7 +159,7 @@ if has_step queue; then
 fi
 
 if has_step tune; then
-  limit=$(budget "${TUNE_S:-60}")
+  limit=$(budget "${TUNE_S:-50}")
   tune_args=(--out "$out/tuned_configs.json" --report "$out/tune_report.json"
              --ops "${TUNE_OPS:-fused_matmul,dot_product_attention,gated_linear_unit}"
              --budget-s "$(( limit > 40 ? limit - 25 : 10 ))" --max-candidates "${TUNE_CANDIDATES:-6}"
@@ -172,7 +174,7 @@ fi
 pytest_args=(-m gpu -v -rfE -p no:cacheprovider -o addopts= -p benchmarks.live_failures
              --live-failures "$out/pytest_failures.txt")
 if has_step tma; then
-  run_step tma "$(budget "${TMA_S:-60}")" INT "$out/tma_launch.txt" \
+  run_step tma "$(budget "${TMA_S:-40}")" INT "$out/tma_launch.txt" \
     "$py" -m pytest "${pytest_args[@]}" tests/test_tma_launch.py
 fi
 

@@ -87,8 +87,9 @@ def test_heuristic_and_candidates(name, backend):
         assert here.kind == KIND
         assert op.select(problem, backend) == cls.from_tuned(first.tuned(), problem, here)
         assert op.select(problem, backend, explicit=heuristic) is heuristic
-    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
-        op.config_type("mosaic_gpu")
+    if "mosaic_gpu" not in op.implementations:  # an op whose Mosaic GPU kernels are not built
+        with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+            op.config_type("mosaic_gpu")
 
 
 @pytest.mark.parametrize("name", OPS)

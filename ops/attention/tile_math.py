@@ -39,9 +39,38 @@ def rem(a, b):
     return lax.rem(a, jnp.int32(b)) if isinstance(b, int) else lax.rem(a, b)
 
 
-def positions(first, block: int, shape, axis: int):
+@dataclasses.dataclass(frozen=True)
+class RegisterLayout:
+    """How a kernel's tile values are laid out, as far as the per-tile math cares: how
+    it makes index tiles (:meth:`iota`) and broadcasts a per-row or per-column
+    statistic against a tile (:meth:`expand`).
+
+    The default (:data:`PLAIN`) is jnp's: ``lax.broadcasted_iota`` and ``[:, None]``.
+    A Mosaic GPU kernel, whose register values carry a ``wgmma`` layout that a
+    reshape cannot change, gives its own (``ops.attention.mosaic_gpu_tiles``):
+    iotas made in the accumulator's layout and ``broadcast_in_dim`` from the
+    row / column layout.
+    """
+
+    def iota(self, shape, axis: int):
+        """int32 indices ``0 .. shape[axis] - 1`` along ``axis`` of a ``shape`` tile."""
+        return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+    def expand(self, x, like, axis: int):
+        """``x`` broadcasting against the 2-D tile ``like``: a 1-D statistic of its
+        rows (``axis=0``) or of its columns (``axis=1``) gains the other axis; a
+        2-D one (``[rows, 1]`` / ``[1, cols]`` columns and rows) is kept."""
+        if x.ndim == 1 < like.ndim:
+            return x[:, None] if axis == 0 else x[None, :]
+        return x
+
+
+PLAIN = RegisterLayout()
+
+
+def positions(first, block: int, shape, axis: int, layout: RegisterLayout = PLAIN):
     """Absolute int32 positions along ``axis`` of a ``shape`` tile that is block ``first``."""
-    return first * block + lax.broadcasted_iota(jnp.int32, shape, axis)
+    return first * block + layout.iota(shape, axis)
 
 
 def zero_rows_past(x, first, block: int, limit: int, axis: int = 0):
@@ -77,8 +106,8 @@ class ScoreMath:
 class Tile:
     """What one (query block, key/value block) pair needs, already read from refs."""
 
-    q: jax.Array  # [bq, H]
-    k: jax.Array  # [bk, H]
+    q: jax.Array | None  # [bq, H] (None where the caller gives the products)
+    k: jax.Array | None  # [bk, H]
     i: jax.Array  # query block index
     j: jax.Array  # key/value block index
     head: jax.Array  # b * N + n, for dropout
@@ -89,10 +118,11 @@ class Tile:
     transposed: bool = False  # the tile's products are k q^T, [bk, bq] (see backward_tile)
     q_pos: jax.Array | None = None  # int32 query positions of the tile's rows when they are not
     # block i's (split-KV decode packs the query heads of a GQA group as rows)
+    layout: RegisterLayout = PLAIN  # how index tiles are made and statistics broadcast
 
 
 def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk: int, *,
-                bound_q: bool = False, masked: bool = True, scaled: bool = True):
+                bound_q: bool = False, masked: bool = True, scaled: bool = True, products=None):
     """``(s2, capped)``: masked logits in log2 units ``[bq, bk]`` (-inf where not visible)
     and ``tanh(scores / cap)`` for the soft cap's derivative (None without one).
     ``spec`` is the call's positional and segment masking (None only with
@@ -108,9 +138,16 @@ def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk
     factor ``scale * log2(e)`` into its next operation (the forward pass's
     max subtraction: one fused multiply-add per score instead of a multiply and
     a subtraction).
+
+    ``products``: the float32 products ``q k^T`` (``k q^T`` transposed) when the
+    caller formed them itself (a Mosaic GPU kernel's ``wgmma``); None: formed
+    here from ``tile.q`` and ``tile.k``.
     """
     t = tile.transposed
-    s = dot(tile.k, tile.q, 1, 1) if t else dot(tile.q, tile.k, 1, 1)
+    if products is not None:
+        s = products
+    else:
+        s = dot(tile.k, tile.q, 1, 1) if t else dot(tile.q, tile.k, 1, 1)
     capped = None
     if score.softcap is not None:
         capped = jnp.tanh(s * (score.scale / score.softcap))
@@ -124,8 +161,9 @@ def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk
     vis = None
     if masked:
         shape, q_axis = ((bk, bq), 1) if t else ((bq, bk), 0)
-        q_pos = positions(tile.i, bq, shape, q_axis) if tile.q_pos is None else tile.q_pos
-        k_pos = positions(tile.j, bk, shape, 1 - q_axis)
+        q_pos = (positions(tile.i, bq, shape, q_axis, tile.layout) if tile.q_pos is None
+                 else tile.q_pos)
+        k_pos = positions(tile.j, bk, shape, 1 - q_axis, tile.layout)
         vis = visible(spec, q_pos, k_pos, tile.q_seg, tile.k_seg, bound_k=spec.S % bk != 0)
         if bound_q and spec.T % bq:
             vis = (q_pos < spec.T) if vis is None else vis & (q_pos < spec.T)
@@ -154,8 +192,9 @@ def dropout_keep(score: ScoreMath, tile: Tile, seed, bq: int, bk: int):
     if score.dropout_rate == 0.0:
         return None
     shape, q_axis = ((bk, bq), 1) if tile.transposed else ((bq, bk), 0)
-    return dropout_lib.keep_mask(seed, tile.head, positions(tile.i, bq, shape, q_axis),
-                                 positions(tile.j, bk, shape, 1 - q_axis), score.dropout_rate)
+    return dropout_lib.keep_mask(seed, tile.head, positions(tile.i, bq, shape, q_axis, tile.layout),
+                                 positions(tile.j, bk, shape, 1 - q_axis, tile.layout),
+                                 score.dropout_rate)
 
 
 def _apply_dropout(score: ScoreMath, x, keep):
@@ -164,10 +203,22 @@ def _apply_dropout(score: ScoreMath, x, keep):
     return jnp.where(keep, x * (1.0 / (1.0 - score.dropout_rate)), 0.0)
 
 
-def _rows_column(x, like):
-    """A per-row statistic as a column broadcasting against ``like`` ``[rows, cols]``:
-    1-D ``[rows]`` statistics (the loop strategy's carries) gain a trailing axis."""
-    return x[:, None] if x.ndim == 1 < like.ndim else x
+def online_softmax(m, l, s, c: float, layout: RegisterLayout = PLAIN):
+    """The statistics step of the online softmax (FA-2 Algorithm 1, lines 8-10) on
+    logits ``s`` ``[rows, cols]`` (log2 units once multiplied by ``c``; -inf where
+    masked): ``(m_new, l_new, p, alpha)``, the new running max and sum, the
+    unnormalised probabilities ``exp2(s * c - m_new)`` and the factor ``alpha``
+    that rescales what was accumulated before. ``m`` and ``l`` are ``[rows]``
+    vectors or ``[rows, 1]`` columns (see :func:`forward_update`). The row max is
+    taken on the raw products and then scaled (``c`` is positive, so the order is
+    the same), and ``c`` meets the max subtraction in one multiply-add."""
+    row_max = jnp.max(s, axis=1, keepdims=m.ndim == 2)
+    m_new = jnp.maximum(m, row_max * c if c != 1.0 else row_max)
+    shift = logsumexp_shift(m_new)
+    p = jnp.exp2((s * c if c != 1.0 else s) - layout.expand(shift, s, 0))
+    alpha = jnp.exp2(m - shift)
+    l = l * alpha + jnp.sum(p, axis=1, keepdims=m.ndim == 2)
+    return m_new, l, p, alpha
 
 
 def forward_update(score: ScoreMath, spec: MaskSpec | None, carry, tile: Tile, v, seed, bq: int,
@@ -185,28 +236,22 @@ def forward_update(score: ScoreMath, spec: MaskSpec | None, carry, tile: Tile, v
     """
     m, l, acc = carry
     s, _ = logits_log2(score, spec, tile, bq, bk, masked=masked, scaled=False)
-    c = log2_factor(score, tile)
-    row_max = jnp.max(s, axis=1, keepdims=m.ndim == 2)
-    m_new = jnp.maximum(m, row_max * c if c != 1.0 else row_max)
-    shift = logsumexp_shift(m_new)
-    p = jnp.exp2((s * c if c != 1.0 else s) - _rows_column(shift, s))
-    alpha = jnp.exp2(m - shift)
-    l = l * alpha + jnp.sum(p, axis=1, keepdims=m.ndim == 2)
+    m_new, l, p, alpha = online_softmax(m, l, s, log2_factor(score, tile), tile.layout)
     p = _apply_dropout(score, p, dropout_keep(score, tile, seed, bq, bk))
-    acc = acc * _rows_column(alpha, acc) + dot(p.astype(v.dtype), v, 1, 0)
+    acc = acc * tile.layout.expand(alpha, acc, 0) + dot(p.astype(v.dtype), v, 1, 0)
     return m_new, l, acc
 
 
-def forward_finish(m, l, acc):
+def forward_finish(m, l, acc, layout: RegisterLayout = PLAIN):
     """``(out, lse)``: a row that saw no key gets 0 and -inf (``lse`` shaped as ``m``)."""
     seen = l > 0
-    out = acc / _rows_column(jnp.where(seen, l, 1.0), acc)
+    out = acc / layout.expand(jnp.where(seen, l, 1.0), acc, 0)
     lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
     return out, lse
 
 
 def backward_tile(score: ScoreMath, spec: MaskSpec | None, tile: Tile, v, do, lse, delta, seed,
-                  bq: int, bk: int, masked: bool = True):
+                  bq: int, bk: int, masked: bool = True, products=None, dp=None):
     """``(p_dropped, dscores, dbias)`` of one tile (FA-2 Algorithm 2, lines 11-14;
     ``spec`` as :func:`logits_log2`'s).
 
@@ -220,13 +265,21 @@ def backward_tile(score: ScoreMath, spec: MaskSpec | None, tile: Tile, v, do, ls
     rows every 16-bit product runs on Hopper's ``wgmma`` (a ``[32, 128]``
     tile has M = 32 and lowers to ``mma.sync``), and ``dv += p^T dO``,
     ``dk += ds^T q`` take the tiles as they are.
+
+    ``products`` and ``dp``: the float32 products ``q k^T`` and ``dO v^T`` (both
+    transposed with ``tile.transposed``) when the caller formed them itself (a
+    Mosaic GPU kernel's ``wgmma``; ``v`` and ``do`` are then unused); ``lse`` and
+    ``delta`` may then be 1-D per-query vectors, broadcast by ``tile.layout``.
     """
-    s2, capped = logits_log2(score, spec, tile, bq, bk, bound_q=True, masked=masked)
-    p = jnp.exp2(s2 - logsumexp_shift(lse * LOG2E))
+    q_axis = 1 if tile.transposed else 0
+    s2, capped = logits_log2(score, spec, tile, bq, bk, bound_q=True, masked=masked,
+                             products=products)
+    p = jnp.exp2(s2 - tile.layout.expand(logsumexp_shift(lse * LOG2E), s2, q_axis))
     keep = dropout_keep(score, tile, seed, bq, bk)
-    dp = dot(v, do, 1, 1) if tile.transposed else dot(do, v, 1, 1)
+    if dp is None:
+        dp = dot(v, do, 1, 1) if tile.transposed else dot(do, v, 1, 1)
     dp = _apply_dropout(score, dp, keep)
-    dbias = p * (dp - delta)
+    dbias = p * (dp - tile.layout.expand(delta, dp, q_axis))
     dscores = dbias if capped is None else dbias * (1.0 - capped * capped)
     return _apply_dropout(score, p, keep), dscores, dbias
 

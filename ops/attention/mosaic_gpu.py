@@ -1,0 +1,238 @@
+"""``ops.dot_product_attention(..., implementation="mosaic_gpu")``: FlashAttention-3-class
+kernels on Hopper, written on pallas_core's Mosaic GPU surface (:mod:`pallas_core.gpu`).
+
+The kernels (FlashAttention-3, Shah et al. 2024, sections 3.1-3.3):
+
+* forward (:mod:`ops.attention.mosaic_gpu_forward`): a TMA producer warpgroup
+  feeding a ring of shared-memory key/value stages, two compute warpgroups on
+  ``wgmma`` with raised registers and a ping-pong schedule, the online softmax
+  of :mod:`ops.attention.tile_math` on the accumulator registers (float32
+  statistics, ``exp2`` with the scale folded into one multiply-add), the
+  causal walk split into unmasked blocks and a masked diagonal with fully
+  masked blocks never loaded, the logsumexp residual;
+* backward (:mod:`ops.attention.mosaic_gpu_backward`): ``delta = rowsum(dO *
+  O)`` in XLA, then a dQ kernel and a dK/dV kernel of the same shape (a
+  producer streaming the walked operands, compute warpgroups owning their
+  rows), every product on ``wgmma``, no atomics: bit-for-bit deterministic.
+
+The same kernels run everywhere ``pallas_core.gpu.kernel`` runs them: on an
+sm_90+ GPU through JAX's Mosaic GPU lowering; on a host without a GPU in
+JAX's GPU interpret mode (races detected), each also lowered for ``cuda``;
+an older GPU is refused before anything is traced (NotImplementedError naming
+sm_90, so ``implementation=("mosaic_gpu", "triton")`` falls back).
+
+What it takes (:func:`supported` names the rest before tracing, so a
+sequence of implementations falls back): float16 / bfloat16; head dims
+multiples of 16 up to 256 (query/key and value apart, MLA's 192 / 128
+included) whose tiles fit the shared memory; causal, local windows, sequence
+lengths, segment ids, a logit soft cap, sinks (with their gradient), GQA /
+MQA. Not (yet): a bias, a mask array, dropout, explicit ``block_sizes`` other
+than a :class:`~ops.attention.mosaic_gpu_config.MosaicGPUConfig`.
+
+Shapes need not divide the tiles: TMA loads past an array read zeros and its
+stores past it are dropped, and the per-tile mask drops keys past ``S``. TMA
+needs each array's sequence dim to be a multiple of 8 rows (it tiles the
+whole array), so a query or key/value length that is not is padded in XLA
+(one copy of q, k, v, out); the logsumexp is written in whole tiles and
+sliced.
+
+Static view (the Mosaic GPU module read back by ``plgpu.mosaic_modules`` on a
+host without a GPU, B=2, T=S=8192, 16 heads of 128, bfloat16, causal, the
+heuristic's 64 x 128 tiles and 2 stages; no PTX/SASS here: jaxlib's CUDA
+plugin compiles the module on the GPU): per key/value step each compute
+warpgroup issues 16 ``wgmma.mma_async`` (8 ``m64n128k16`` for ``q k^T``, 8 for
+``p v``), 66 ``ex2.approx`` per thread (the 64 x 128 tile's 64 and the two
+rescale factors), two schedule meetings and four barrier operations; the
+producer issues two TMA tile loads per step; there are 3 TMA load sites (q,
+k, v), one TMA tile store (out) and a bulk store (logsumexp), and two
+``setmaxregister`` (232 up for the compute warpgroups, 40 down for the
+producer). Shared memory 163 KiB. Predicted on an H100/H200 (989 TFLOP/s dense
+bf16): the products are 16 ``wgmma`` per 2 x 64 x 128 x 128 x 2 flops, the
+exp2 work 64 per thread on the MUFU (16 ops/clk/SM: 8192 exp2 per tile pair
+against 2 x 2 x 64 x 128 x 128 = 4.2 MFLOP on the tensor cores at about 1024
+dense flops/clk/SM per... i.e. the softmax costs about 1/2 of the matmul time
+unhidden, hidden by the ping-pong): forward about 600 TFLOP/s full and 540
+causal at head dim 128 (FlashAttention-3's published 648 / 616 at 16k with the
+same schedule, less what our pipeline leaves: no intra-warpgroup overlap of
+softmax and ``q k^T``, the output through shared memory), about 1.1-1.2x
+cuDNN's measured 471 causal on the H200; at head dim 64 about 400 (the
+softmax is then as long as the products); forward+backward about 0.9x cuDNN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ops import _op
+from ops._partitioning import run as partitioned
+from ops.attention import attention as attention_op
+from ops.attention import mosaic_gpu_backward, mosaic_gpu_forward
+from ops.attention.block_sizes import BlockSizes
+from ops.attention.config import AttentionProblem, Backend, Config, ScoreMath
+from ops.attention.masking import MaskSpec, fold_lengths
+from ops.attention.mosaic_gpu_config import MosaicGPUConfig, fits
+from pallas_core.gpu import target
+
+_OP = "dot_product_attention"
+NAME = "mosaic_gpu"
+_DTYPES = ("float16", "bfloat16")
+MAX_HEAD_DIM = 256
+# Of the 232 registers a compute warpgroup's thread gets, what the dK/dV accumulators may
+# take: the two [block_kv_dkv, block_q_dkv] float32 products and their 16-bit copies need
+# the rest (at 64 x 64: 32 + 32 + 16 + 16).
+MAX_DKDV_ACCUMULATOR_REGISTERS = 160
+
+
+def _why_not_device(call: _op.Call) -> str | None:
+    """An older GPU than sm_90 (or not CUDA): why not; a host without a GPU runs the
+    interpret mode."""
+    if call.target.platform != "gpu":
+        return None
+    try:
+        target.check_gpu(target.default_device(), "implementation='mosaic_gpu'")
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def supported(call: _op.Call) -> str | None:
+    """None when the Mosaic GPU kernels can run ``call`` (a checked attention call),
+    else why not (every reason, before anything is traced)."""
+    why = _why_not_device(call)
+    if why is not None:
+        return why
+    a = call.args["args"]
+    q, k, v = a["q"], a["k"], a["v"]
+    reasons = []
+    if np.dtype(q.dtype).name not in _DTYPES:
+        reasons.append(f"dtype {np.dtype(q.dtype).name} (wgmma takes {' or '.join(_DTYPES)} here)")
+    H, Hv = q.shape[-1], v.shape[-1]
+    if H % 16 or Hv % 16 or H > MAX_HEAD_DIM or Hv > MAX_HEAD_DIM:
+        reasons.append(f"head dims H={H}, Hv={Hv} (multiples of 16 up to {MAX_HEAD_DIM}: "
+                       "wgmma's K step and its widest accumulator)")
+    features = {"bias": a["bias"] is not None, "a mask array": a["mask"] is not None,
+                "dropout": call.args["dropout_rate"] > 0}
+    reasons += [f"{name} (not built for mosaic_gpu yet)" for name, present in features.items()
+                if present]
+    blocks = call.args["block_sizes"]
+    if blocks is not None and not isinstance(blocks, MosaicGPUConfig):
+        reasons.append("block_sizes other than an ops.attention.mosaic_gpu_config."
+                       "MosaicGPUConfig (tiles for the other kernels)")
+    if not reasons and 0 not in q.shape and 0 not in k.shape:
+        tiles = _tiles(call)
+        kernels = ("forward",) if call.pass_ == "fwd" else ("forward", "dq", "dkdv")
+        if not fits(tiles, H, Hv, np.dtype(q.dtype).itemsize, a["segments"], kernels):
+            reasons.append(f"head dims H={H}, Hv={Hv} with tiles {tiles} (over the shared "
+                           "memory of a thread block)")
+        elif (call.pass_ != "fwd" and mosaic_gpu_backward.dkdv_accumulator_registers(
+                tiles, H, Hv) > MAX_DKDV_ACCUMULATOR_REGISTERS):
+            reasons.append(f"the backward at head dims H={H}, Hv={Hv}: the dK/dV kernel's two "
+                           f"float32 accumulators of {tiles.dkdv_kv} key rows would take "
+                           f"{mosaic_gpu_backward.dkdv_accumulator_registers(tiles, H, Hv)} of a "
+                           f"thread's registers (at most {MAX_DKDV_ACCUMULATOR_REGISTERS} leave "
+                           "room for the tile products)")
+    return None if not reasons else "; ".join(reasons)
+
+
+def _tiles(call: _op.Call) -> MosaicGPUConfig:
+    """The call's config: ``block_sizes`` when it is one, else the tuning cache's entry,
+    else the heuristic (:meth:`ops._op.Op.select`)."""
+    explicit = call.args["block_sizes"]
+    explicit = explicit if isinstance(explicit, MosaicGPUConfig) else None
+    a = call.args["args"]
+    variant, _ = attention_op._variant(a, call.args["is_causal"], float(call.args["dropout_rate"]))
+    q, v = a["q"], a["v"]
+    problem = call.op.problem((q.shape[1], a["k"].shape[1], max(q.shape[-1], v.shape[-1])),
+                              q.dtype, variant)
+    return call.op.select(problem, NAME, explicit)
+
+
+def run(call: _op.Call):
+    """The checked call on the Mosaic GPU kernels (see the module docstring)."""
+    a = call.args["args"]
+    q, k, v = a["q"], a["k"], a["v"]
+    if 0 in q.shape or 0 in k.shape:  # nothing for a kernel to do: the reference is exact
+        return call.op.entry("xla", **call.args)
+    T, S = q.shape[1], k.shape[1]
+    spec = MaskSpec(T=T, S=S, causal=bool(call.args["is_causal"]), left=a["left"],
+                    right=a["right"], segments=a["segments"])
+    q_seg, kv_seg = fold_lengths(a["q_seg"], a["kv_seg"], a["q_len"], a["kv_len"], T, S)
+    tiles = _tiles(call)
+    cfg = Config(
+        backend=Backend(NAME),
+        problem=AttentionProblem(spec=spec, batch=q.shape[0], heads=q.shape[2],
+                                 kv_heads=k.shape[2], head_dim=q.shape[3],
+                                 value_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1]),
+        score=ScoreMath(scale=a["scale"], softcap=a["cap"], sinks=a["sinks"] is not None),
+        blocks=BlockSizes(tiles.block_q, tiles.block_kv).resolved())
+    out, lse = _flash(q, k, v, q_seg, kv_seg, a["sinks"], (cfg, tiles))
+    lse = jnp.transpose(lse[..., 0], (0, 2, 1))
+    if a["unbatched"]:
+        out, lse = out[0], lse[0]
+    if call.args["return_residual"]:
+        return out, jax.lax.stop_gradient(lse)
+    return out
+
+
+# --------------------------------------------------------------------------
+# custom_vjp: residuals q, k, v, out, lse (float32 [B, N, T, 1], as the other
+# implementations keep it); the block-range tables are rebuilt in the backward
+# --------------------------------------------------------------------------
+
+def _local(static, q, k):
+    cfg, tiles = static
+    return attention_op._local_config(cfg, q, k), tiles
+
+
+def _partitioned_forward(static, q, k, v, q_seg, kv_seg, sinks):
+    cfg, _ = static
+
+    def local(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, *, reduced):
+        c, tiles = _local(static, q, k)
+        return mosaic_gpu_forward.forward(c, tiles, q, k, v, q_seg, kv_seg, sinks)
+
+    dims = attention_op._dims(cfg, None, None)
+    return partitioned(_OP, local, (q, k, v, None, None, q_seg, kv_seg, None, sinks),
+                       dims.operands, (dims.out, dims.lse), gather=dims.gather)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, sinks, static):
+    return _partitioned_forward(static, q, k, v, q_seg, kv_seg, sinks)
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, static):
+    out, lse = _partitioned_forward(static, q, k, v, q_seg, kv_seg, sinks)
+    return (out, lse), (q, k, v, q_seg, kv_seg, sinks, out, lse)
+
+
+def _flash_bwd(static, saved, cotangents):
+    q, k, v, q_seg, kv_seg, sinks, out, lse = saved
+    cfg, _ = static
+    do = cotangents[0]
+    dsinks = None if sinks is None else attention_op._sinks_grad(sinks, out, lse, do)
+
+    def local(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, do, *, reduced):
+        c, tiles = _local(static, q, k)
+        return mosaic_gpu_backward.backward(c, tiles, q, k, v, q_seg, kv_seg, out, lse, do)
+
+    dims = attention_op._dims(cfg, None, None)
+    dq, dk, dv = partitioned(
+        _OP, local, (q, k, v, None, None, q_seg, kv_seg, None, out, lse, do),
+        (*dims.operands[:8], dims.out, dims.lse, dims.out), dims.operands[:3],
+        gather=dims.gather, out_like=(0, 1, 2))
+    return dq, dk, dv, None, None, dsinks
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+IMPLEMENTATION = _op.register_implementation(
+    _OP, _op.Implementation(NAME, run, config=MosaicGPUConfig, supported=supported,
+                            platforms=("gpu",)))
+
+__all__ = ["IMPLEMENTATION", "MosaicGPUConfig", "run", "supported"]

@@ -1,0 +1,184 @@
+"""The tiles of the Mosaic GPU attention kernels: :class:`MosaicGPUConfig`, its heuristic,
+the tuner's candidates and the shared-memory budget that bounds them.
+
+A config is what ``implementation="mosaic_gpu"`` of :func:`ops.dot_product_attention`
+runs with (``block_sizes=`` takes one), registered with the op layer
+(:mod:`ops._op`) so the tuning cache stores it and the tuner searches its
+:meth:`MosaicGPUConfig.candidates`.
+
+Shared memory, per thread block (sm_90 gives a block up to 227 KiB), 16-bit
+operands (:func:`smem_bytes`):
+
+* forward: the query tiles of the compute warpgroups ``cw x block_q x H``
+  (the output tiles reuse them when ``Hv == H``, else ``cw x block_q x Hv``
+  more), and ``max_concurrent_steps`` stages of one key tile ``block_kv x H``
+  and one value tile ``block_kv x Hv``; the float32 logsumexp ``cw x block_q``
+  and, with segment ids, the int32 ids of the query rows and of each stage's keys;
+* dQ: query, dO tiles per warpgroup and stages of key/value tiles
+  ``block_kv_dq`` rows long;
+* dK/dV: key, value tiles per warpgroup (``block_kv_dkv`` rows) and stages of
+  query, dO tiles ``block_q_dkv`` rows long with their float32 logsumexp and delta.
+
+At head dim 128 (bfloat16, 2 compute warpgroups of 64 query rows): 32 KiB of
+query tiles and 64 KiB per stage of 128-row key/value tiles, so 2 stages (163
+KiB as the lowering counts; 3 would need 227.1 KiB); at head dim 64, 4 stages
+of 128-row tiles (147 KiB); at 256, 2 stages of 64-row tiles (195 KiB); MLA's
+192 / 128 (its output tiles apart from the query tiles), 3 stages of 64-row
+tiles (203 KiB; 128-row tiles do not fit even 2 stages).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import pallas_core as pl
+from ops import _op
+
+SMEM_BYTES = 227 * 1024  # what one thread block may allocate on sm_90
+_BARRIER_BYTES = 8
+# What Mosaic GPU's lowering adds to a kernel's own scratch: its cross-warp reduction
+# scratch (CompilerParams.reduction_scratch_bytes, 2 KiB by default) and alignment
+# (the lowering's own count came out 2560 bytes above the buffers at every size tried).
+_RESERVED_BYTES = 2048 + 1024
+# Rows of the tiles a warpgroup holds (wgmma's M is 64 per warpgroup).
+_ROW_QUANTUM = 64
+MAX_STAGES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGPUConfig(_op.KernelConfig):
+    """Tiles of the Mosaic GPU attention kernels (``implementation="mosaic_gpu"``).
+
+    Attributes:
+      block_q: query rows per compute warpgroup in the forward and dQ kernels
+        (a multiple of 64: ``wgmma``'s M per warpgroup); a thread block owns
+        ``compute_wgs * block_q`` query rows.
+      block_kv: key/value rows per pipeline step of the forward kernel (a
+        multiple of 64, at most 256: the ``N`` of the ``q k^T`` ``wgmma``).
+      max_concurrent_steps: shared-memory stages of the key/value ring (at least
+        2, at most :data:`MAX_STAGES`): how far the TMA producer runs ahead.
+      compute_wgs: compute (consumer) warpgroups per thread block, 1 or 2; with 2
+        their softmax and matrix products alternate (a ping-pong schedule).
+      block_kv_dq: key/value rows per step of the dQ kernel (None: 64).
+      block_kv_dkv: key/value rows per compute warpgroup of the dK/dV kernel (None: 64).
+      block_q_dkv: query rows per step of the dK/dV kernel (None: 64).
+    """
+
+    block_q: int = _op.tunable(64)
+    block_kv: int = _op.tunable(128)
+    max_concurrent_steps: int = _op.tunable(2)
+    compute_wgs: int = _op.tunable(2)
+    block_kv_dq: int | None = _op.tunable(None)
+    block_kv_dkv: int | None = _op.tunable(None)
+    block_q_dkv: int | None = _op.tunable(None)
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
+            value = getattr(self, name)
+            if value is None and name not in ("block_q", "block_kv"):
+                continue
+            if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                    or value <= 0 or value % _ROW_QUANTUM or value > 256):
+                raise ValueError(f"MosaicGPUConfig: {name} must be a multiple of {_ROW_QUANTUM} "
+                                 f"up to 256 (wgmma's rows per warpgroup), got {value!r}.")
+        steps = self.max_concurrent_steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not (
+                2 <= steps <= MAX_STAGES):
+            raise ValueError(f"MosaicGPUConfig: max_concurrent_steps must be an int in [2, "
+                             f"{MAX_STAGES}], got {steps!r}.")
+        if self.compute_wgs not in (1, 2) or isinstance(self.compute_wgs, bool):
+            raise ValueError(f"MosaicGPUConfig: compute_wgs must be 1 or 2, got "
+                             f"{self.compute_wgs!r}.")
+
+    @property
+    def dq_kv(self) -> int:
+        return self.block_kv_dq or 64
+
+    @property
+    def dkdv_kv(self) -> int:
+        return self.block_kv_dkv or 64
+
+    @property
+    def dkdv_q(self) -> int:
+        return self.block_q_dkv or 64
+
+    @classmethod
+    def heuristic(cls, problem: _op.Problem, device: _op.Device) -> "MosaicGPUConfig":
+        """64 query rows per warpgroup, 2 compute warpgroups, and the longest key/value
+        tile (128, else 64) with the most stages (up to 4) the forward's shared memory
+        holds at the problem's head dims (:func:`smem_bytes`); the backward's tiles 64.
+        In the interpret mode (no GPU) the same: the kernels run as they would on one."""
+        _, S, head_dim = problem.shape
+        itemsize = np.dtype(problem.dtype).itemsize
+        segments = _segments(problem)
+        for bk in (128, 64):
+            for stages in (4, 3, 2):
+                config = cls(64, bk, stages)
+                if smem_bytes(config, "forward", head_dim, head_dim, itemsize,
+                              segments) <= SMEM_BYTES:
+                    return config
+        return cls(64, 64, 2)
+
+    @classmethod
+    def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["MosaicGPUConfig", ...]:
+        """Key/value tiles of 64, 128 and 256 rows (no longer than the keys rounded up to
+        64), 2 to 4 stages, one or two compute warpgroups of 64 query rows, every one
+        whose forward, dQ and dK/dV kernels fit the shared memory
+        (:func:`smem_bytes`); the backward's tiles 64 or 128 key rows for dQ."""
+        T, S, head_dim = problem.shape
+        itemsize = np.dtype(problem.dtype).itemsize
+        segments = _segments(problem)
+        longest = max(64, pl.cdiv(S, 64) * 64)
+        out = []
+        for bk in (64, 128, 256):
+            if bk > longest and bk != 64:
+                continue
+            for stages in (2, 3, 4):
+                for wgs in (2, 1):
+                    for bk_dq in (64, 128):
+                        config = cls(64, bk, stages, wgs, block_kv_dq=bk_dq)
+                        if fits(config, head_dim, head_dim, itemsize, segments):
+                            out.append(config)
+        return tuple(out) or (cls.heuristic(problem, device),)
+
+
+def _segments(problem: _op.Problem) -> bool:
+    variant = problem.variant_dict()
+    return bool(variant.get("segments") or variant.get("q_lengths") or variant.get("kv_lengths"))
+
+
+def smem_bytes(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, itemsize: int,
+               segments: bool = False) -> int:
+    """The shared memory one thread block of ``kernel`` ("forward", "dq" or "dkdv")
+    allocates with ``config`` at head dims ``head_dim`` (query/key) and ``v_dim``
+    (value/output), 16-bit operands of ``itemsize`` bytes (see the module docstring)."""
+    cw, st = config.compute_wgs, config.max_concurrent_steps
+    if kernel == "forward":
+        bq, bk = config.block_q, config.block_kv
+        total = cw * bq * head_dim * itemsize + (cw * bq * v_dim * itemsize if v_dim != head_dim else 0)
+        total += st * bk * (head_dim + v_dim) * itemsize + cw * bq * 4
+        total += (cw * bq * 4 + st * bk * 4) if segments else 0
+        barriers = cw + 4 * st + 1
+    elif kernel == "dq":
+        bq, bk = config.block_q, config.dq_kv
+        total = cw * bq * (head_dim + v_dim) * itemsize + 2 * cw * bq * 4
+        total += st * bk * (head_dim + v_dim) * itemsize
+        total += (cw * bq * 4 + st * bk * 4) if segments else 0
+        barriers = cw + 4 * st + 1
+    elif kernel == "dkdv":
+        bq, bk = config.dkdv_q, config.dkdv_kv
+        total = cw * bk * (head_dim + v_dim) * itemsize
+        total += st * bq * (head_dim + v_dim) * itemsize + 2 * st * bq * 4
+        total += (cw * bk * 4 + st * bq * 4) if segments else 0
+        barriers = cw + 4 * st + 1
+    else:
+        raise ValueError(f"kernel: expected 'forward', 'dq' or 'dkdv', got {kernel!r}.")
+    return total + barriers * _BARRIER_BYTES + _RESERVED_BYTES
+
+
+def fits(config: MosaicGPUConfig, head_dim: int, v_dim: int, itemsize: int, segments: bool,
+         kernels=("forward", "dq", "dkdv")) -> bool:
+    """Whether every one of ``kernels`` fits :data:`SMEM_BYTES` with ``config``."""
+    return all(smem_bytes(config, k, head_dim, v_dim, itemsize, segments) <= SMEM_BYTES
+               for k in kernels)

@@ -458,6 +458,11 @@ def _host_callback(jaxpr) -> str | None:
     return None if eqn is None else eqn.primitive.name
 
 
+def _has_ordered_effects(closed) -> bool:
+    from jax._src import effects  # JAX's registry of effect types that order
+    return any(effects.ordered_effects.contains(e) for e in closed.effects)
+
+
 def _partitioned_call(rule: Rule, local):
     def unpartitioned(*blocks):
         return local(*blocks, reduced={})
@@ -468,6 +473,11 @@ def _partitioned_call(rule: Rule, local):
         # and the kernels close over some (NaN fills, index tables): trace once
         # here and pass them in as leading, replicated operands.
         closed = jax.make_jaxpr(unpartitioned)(*blocks)
+        if _has_ordered_effects(closed):
+            # Ordered effects (the GPU interpret mode's callbacks, on a host without a
+            # GPU): custom_partitioning's lowering threads no effect tokens, so the
+            # kernels run as they are (they run on one device there anyway).
+            return tuple(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *blocks))
         call_site = _jax_internals.current_traceback()
         callback = _host_callback(closed.jaxpr)
         consts = [jax.numpy.asarray(c) for c in closed.consts]

@@ -12,7 +12,10 @@ last grid axis with a scratch accumulator (interpret, mosaic_tpu, triton, where
 our Triton lowering runs that axis as a loop inside each program, pipelined
 like Triton's tutorial matmul: sm_90 cp.async, num_stages=3, wgmma), or as a
 ``fori_loop`` over ``pl.ds`` slices of full-K blocks (pallas_triton); this
-module supplies the epilogue.
+module supplies the epilogue. ``implementation="mosaic_gpu"`` runs the same
+custom_vjp and partitioning on the warp-specialized Mosaic GPU core instead
+(:mod:`ops.matmul.mosaic_gpu`, which registers it and hands its products in
+as ``_Config.kernels``).
 
 Backward (``jax.custom_vjp``): ``dz = g * act'(z)`` by one elementwise kernel
 that also emits per-row-block partial sums for ``dbias``; then
@@ -47,6 +50,7 @@ from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.activations import resolve_activation
 from ops.matmul import tiled
 from ops.matmul.config import MatmulConfig, check_block_sizes
+from ops.matmul.mosaic_gpu_config import MosaicMatmulConfig
 from ops.matmul.tiled import default_block_sizes
 from pallas_core.triton import backend as triton_backend
 
@@ -69,13 +73,18 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation: str | None
         measured implementation that can run the call, which
         ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
         on a TPU; docs/design.md §5.2), "xla", "interpret", "triton" (pallas_core's own Triton
-        lowering), "pallas_triton" (JAX's) or "mosaic_tpu". "mosaic_gpu"
-        raises NotImplementedError (it needs a wgmma kernel). Or a sequence of
+        lowering), "pallas_triton" (JAX's), "mosaic_tpu" or "mosaic_gpu" (the
+        warp-specialized sm_90 kernels of :mod:`ops.matmul.mosaic_gpu`: bfloat16 /
+        float16, activations its lowering takes; NotImplementedError otherwise,
+        :func:`ops.matmul.mosaic_gpu.supported`). Or a sequence of
         these tried in order, each that raises NotImplementedError skipped
         (:mod:`ops._implementation`).
       block_sizes: optional ``(block_m, block_n, block_k)`` tile sizes (a
         :class:`~ops.matmul.config.MatmulConfig` with the heuristic's launch
-        parameters and walk), or a ``MatmulConfig`` itself; None takes the tuning cache's entry for the device, dtype
+        parameters and walk), or a ``MatmulConfig`` itself, or for "mosaic_gpu" a
+        :class:`~ops.matmul.mosaic_gpu_config.MosaicMatmulConfig` (a config of one
+        implementation's kernels makes the others raise NotImplementedError); None
+        takes the tuning cache's entry for the device, dtype
         and shape bucket (:mod:`ops.tuning`), else picks them by shape, dtype
         and backend (:func:`default_block_sizes`); see :func:`select_tiles`. The backward
         pass reuses them by role.
@@ -111,15 +120,19 @@ def _check(x, w, bias, activation, implementation, block_sizes):
     return act, _check_block_sizes(block_sizes)
 
 
-def _fused_matmul_on(impl, x, w, bias, act, blocks):
-    """The checked call on one implementation (see :func:`fused_matmul`)."""
+def _fused_matmul_on(impl, x, w, bias, act, blocks, kernels=None):
+    """The checked call on one implementation (see :func:`fused_matmul`); ``kernels``:
+    another core's products (:class:`_Config`), None for the tiled core's."""
     if impl == "xla" or x.size == 0 or w.size == 0:
         # Nothing to multiply (M, K or N zero): XLA's answer is exact, bias + activation of
         # zeros for K = 0, with its gradients.
         return reference(x, w, bias, act)
+    if kernels is None and isinstance(blocks, MosaicMatmulConfig):
+        raise NotImplementedError(f"{_OP}: block_sizes is a MosaicMatmulConfig, the tiles of "
+                                  f"implementation='mosaic_gpu', not of {impl!r}.")
     lead = x.shape[:-1]
     x2 = reshape(x, (-1, x.shape[-1]))
-    config = _Config(backend=impl, block_sizes=blocks)
+    config = _Config(backend=impl, block_sizes=blocks, kernels=kernels)
     out = _fused_matmul(x2, w, bias, config, act)
     return reshape(out, (*lead, w.shape[1]))
 
@@ -130,6 +143,9 @@ def _problem_of(x, w, **_):
 
 
 def _check_block_sizes(block_sizes):
+    if isinstance(block_sizes, MosaicMatmulConfig):
+        block_sizes.check(_OP)
+        return block_sizes
     return check_block_sizes(block_sizes, _OP)
 
 
@@ -153,8 +169,15 @@ def reference(x, w, bias=None, activation: Callable | None = None):
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
+    """What the custom_vjp carries: the implementation, the caller's tiles and, where the
+    products run on another core than :mod:`ops.matmul.tiled`, that core's kernels
+    (``forward(x, w, bias, activation, want_preact=, out_dtype=) -> tuple`` and
+    ``backward(x, w, z, bias, g, activation) -> (dx, dw, dbias)``, hashable:
+    :class:`ops.matmul.mosaic_gpu.FusedKernels`)."""
+
     backend: str
-    block_sizes: tuple[int, int, int] | None = None
+    block_sizes: "tuple[int, int, int] | MatmulConfig | MosaicMatmulConfig | None" = None
+    kernels: object = None
 
 
 def _epilogue(acc, refs: tiled.TileRefs, *, has_bias, want_preact, activation):
@@ -310,12 +333,11 @@ def _partitioned_forward(x, w, bias, config: _Config, activation, *, want_preact
     def local(x, w, bias, *, reduced):
         if not reduced_axes(reduced, "k"):
             return _forward(x, w, bias, config, activation, want_preact=want_preact)
-        tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
-                             config.block_sizes)
-        partial = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
-                               walk=tiles.walk, out_dtype=jnp.float32, num_warps=tiles.num_warps,
-                               num_stages=tiles.num_stages, group_size=tiles.group_size,
-                               epilogue_subtile=tiles.epilogue_subtile)
+        if config.kernels is not None:
+            (partial,) = config.kernels.forward(x, w, None, None, want_preact=False,
+                                                out_dtype=jnp.float32)
+        else:
+            partial = _partial_product(x, w, config)
         z = psum(partial, reduced, "k")
         if bias is not None:
             z = z + bias.astype(jnp.float32)
@@ -326,8 +348,20 @@ def _partitioned_forward(x, w, bias, config: _Config, activation, *, want_preact
                ("m n", "m n") if want_preact else ("m n",), reduce=("k",))
 
 
+def _partial_product(x, w, config: _Config):
+    """``x @ w`` in float32 without the epilogue (one device's share of a split K)."""
+    tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
+                         config.block_sizes)
+    return _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
+                        walk=tiles.walk, out_dtype=jnp.float32, num_warps=tiles.num_warps,
+                        num_stages=tiles.num_stages, group_size=tiles.group_size,
+                        epilogue_subtile=tiles.epilogue_subtile)
+
+
 def _forward(x, w, bias, config: _Config, activation, *, want_preact: bool) -> tuple:
     """One device: ``(act(x @ w + bias),)``, with ``z = x @ w + bias`` too if ``want_preact``."""
+    if config.kernels is not None:
+        return config.kernels.forward(x, w, bias, activation, want_preact=want_preact)
     tiles = select_tiles(x.shape[0], w.shape[1], x.shape[1], x.dtype, config.backend,
                          config.block_sizes)
     outs = _matmul_call(x, w, ca=1, cb=0, blocks=tiles.blocks, backend=config.backend,
@@ -340,6 +374,8 @@ def _forward(x, w, bias, config: _Config, activation, *, want_preact: bool) -> t
 
 def _backward(x, w, z, bias, g, config: _Config, activation):
     """One device: ``(dx, dw, dbias float32 or None)``."""
+    if config.kernels is not None:
+        return config.kernels.backward(x, w, z, bias, g, activation)
     m, k = x.shape
     n = w.shape[1]
     # The backward kernels reuse the forward's tiles by role; their warps and
@@ -447,6 +483,4 @@ OP = _op.register(_op.Op(
     reference=reference, check=_check, entry=_fused_matmul_on, problem_of=_problem_of,
     function=fused_matmul,
     tuning=_op.Tuning(example=_example, shapes=((4096,) * 3, (8192,) * 3), quick=((512,) * 3,),
-                      order=10, training=_training),
-    missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has no "
-    "generic dot_general)"))
+                      order=10, training=_training)))

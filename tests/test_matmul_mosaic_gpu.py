@@ -1,0 +1,246 @@
+"""The warp-specialized Mosaic GPU matmul core (ops/matmul/mosaic_gpu_core.py) and the ops on it,
+``implementation="mosaic_gpu"``, on a host without a GPU.
+
+Every kernel here runs in JAX's GPU interpret mode with race detection on (a race
+fails the call: pallas_core.gpu's default off a GPU) and is lowered for ``cuda``
+before it runs (pallas_core.gpu.runner), against float64 references on fresh random
+inputs whose shapes divide no tile; the lowered Mosaic GPU modules are read back
+(``plgpu.mosaic_modules``) for the instructions the design promises. About 4 s per
+kernel here (tracing, the cuda lowering and the interpreter): the sweeps are
+``@pytest.mark.slow``.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+from ops import _op
+from ops.activations import ACTIVATIONS, resolve_activation
+from ops.matmul import mosaic_gpu_core as core
+from ops.matmul.mosaic_gpu_config import MosaicMatmulConfig
+from pallas_core import gpu as plgpu
+from pallas_core.gpu import target
+from tests.tolerances import BACKWARD, FORWARD, assert_close, for_dtype
+
+f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+
+
+def _normal(key, shape, dtype, scale=1.0):
+    return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale).astype(dtype)
+
+
+def _operands(m, n, k, dtype, seed=0):
+    x = _normal(seed, (m, k), dtype)
+    w = _normal(seed + 1, (k, n), dtype, 1 / np.sqrt(k))
+    b = _normal(seed + 2, (n,), dtype)
+    return x, w, b
+
+
+def _act64(name):
+    """The activation in float64 numpy (JAX's meaning of the name)."""
+    from scipy.special import erf
+    return {None: lambda z: z, "relu": lambda z: np.maximum(z, 0), "silu": lambda z: z / (1 + np.exp(-z)),
+            "gelu": lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3))),
+            "gelu_exact": lambda z: 0.5 * z * (1 + erf(z / np.sqrt(2))),
+            "softplus": lambda z: np.logaddexp(z, 0), "sigmoid": lambda z: 1 / (1 + np.exp(-z)),
+            "tanh": np.tanh, "relu6": lambda z: np.clip(z, 0, 6)}[name]
+
+
+# --- the core ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lhs_t, rhs_t, wgm", [
+    pytest.param(False, False, 1, marks=pytest.mark.slow), (True, False, 2),
+    pytest.param(False, True, 2, marks=pytest.mark.slow)])
+def test_core_transposed_operands_on_edge_tiles(lhs_t, rhs_t, wgm):
+    """A @ B with either operand read in place transposed, the consumers split both ways, on
+    136 x 200 x 130 (no dim divides the 128 x 128 x 64 block; K = 130 is padded to 192 for
+    TMA's tiling, M = 136 and N = 200 run past the arrays' edges), two persistent programs."""
+    m, n, k = 136, 200, 130
+    a, b = _normal(0, (m, k), jnp.bfloat16), _normal(1, (k, n), jnp.bfloat16)
+    lhs = core.Operand(a.T, transposed=True) if lhs_t else core.Operand(a)
+    rhs = core.Operand(b.T, transposed=True) if rhs_t else core.Operand(b)
+    (out,), _ = core.matmul([lhs], [rhs], m=m, n=n, k=k,
+                            config=MosaicMatmulConfig(128, 128, 64, warpgroups_m=wgm))
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert_close(out, f64(a) @ f64(b), for_dtype(FORWARD, jnp.bfloat16), "core")
+
+
+def test_core_vectors_and_row_outputs():
+    """Column vectors into the tile epilogue (two outputs), a row epilogue reducing each
+    warpgroup tile to per-row maxima ([column blocks, M]), float16."""
+    m, n, k = 72, 200, 64
+    a, b, c = _normal(2, (m, k), jnp.float16), _normal(3, (k, n), jnp.float16), _normal(4, (n,), jnp.float16)
+
+    def epilogue(tile):
+        z = tile.accs[0] + tile.col(0).astype(jnp.float32)
+        return jnp.maximum(z, 0.0), z
+
+    def row_max(tile):
+        return (jnp.where(tile.col_ids() < n, tile.accs[0], -jnp.inf).max(axis=1),)
+
+    (out, z), (mx,) = core.matmul([core.Operand(a)], [core.Operand(b)], m=m, n=n, k=k,
+                                  config=MosaicMatmulConfig(64, 128, 64), num_tile_outputs=2,
+                                  epilogue=epilogue, cols=[c], num_row_outputs=1,
+                                  row_epilogue=row_max)
+    ref = f64(a) @ f64(b)
+    tol = for_dtype(FORWARD, jnp.float16)
+    assert_close(z, ref + f64(c), tol, "z")
+    assert_close(out, np.maximum(ref + f64(c), 0), tol, "relu")
+    assert mx.shape == (4, m)
+    expected = np.stack([ref[:, j * 64:(j + 1) * 64].max(axis=1) for j in range(4)])
+    np.testing.assert_allclose(f64(mx), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lowered_module_is_the_warp_specialized_design():
+    """What the cuda lowering emits for the forward at 256 x 512 x 256 on 128 x 256 x 64
+    blocks: per K step and consumer 8 wgmma m64n128k16 (one wait), TMA loads and stores,
+    mbarriers, register reallocation."""
+    x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    config = MosaicMatmulConfig(128, 256, 64, num_stages=4)
+    (module,) = plgpu.mosaic_modules(
+        lambda x, w: ops.fused_matmul(x, w, activation="gelu", implementation="mosaic_gpu",
+                                      block_sizes=config), x, w)
+    count = lambda op: len(re.findall(re.escape(op), module))  # noqa: E731
+    assert count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8
+    assert count("nvvm.cp.async.bulk.tensor.shared.cluster.global") >= 2  # the two operand loads
+    assert count("nvvm.cp.async.bulk.tensor.global.shared.cta") == 4  # 64 x 64 epilogue stores
+    assert count("nvvm.setmaxregister") == 2
+    for op in ("nvvm.wgmma.wait.group.sync.aligned", "nvvm.mbarrier.arrive.expect_tx",
+               "nvvm.mbarrier.try_wait.parity", "nvvm.cp.async.bulk.wait_group"):
+        assert op in module, op
+
+
+# --- fused_matmul ------------------------------------------------------------------------------
+
+def _fused_ref(x, w, b, act):
+    z = f64(x) @ f64(w) + (0 if b is None else f64(b))
+    return _act64(act)(z)
+
+
+@pytest.mark.parametrize("act, dtype", [("gelu", jnp.bfloat16), ("softplus", jnp.float16)])
+def test_fused_matmul_forward(act, dtype):
+    x, w, b = _operands(136, 200, 130, dtype, seed=5)
+    out = jax.jit(lambda x, w, b: ops.fused_matmul(x, w, b, activation=act,
+                                                   implementation="mosaic_gpu"))(x, w, b)
+    assert out.dtype == dtype
+    assert_close(out, _fused_ref(x, w, b, act), for_dtype(FORWARD, dtype), f"fused {act}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_fused_matmul_every_activation(act):
+    x, w, b = _operands(72, 136, 64, jnp.bfloat16, seed=6)
+    out = ops.fused_matmul(x, w, b, activation=act, implementation="mosaic_gpu")
+    assert_close(out, _fused_ref(x, w, b, act if act != "swish" else "silu"),
+                 for_dtype(FORWARD, jnp.bfloat16), act)
+
+
+def _grads(fn, x, w, b, g):
+    out, pullback = jax.vjp(fn, x, w, b)
+    return out, pullback(g)
+
+
+@pytest.mark.parametrize("act, dtype, bias, config", [
+    ("gelu_exact", jnp.bfloat16, True, None),
+    (None, jnp.float16, False, MosaicMatmulConfig(128, 64, 64, warpgroups_m=2, num_stages=2)),
+])
+def test_fused_matmul_gradients(act, dtype, bias, config):
+    """dx and dw on the core (w and x read transposed), dbias, against jax.grad of the float32
+    reference; 136 x 200 x 130 divides no block."""
+    x, w, b = _operands(136, 200, 130, dtype, seed=7)
+    b = b if bias else None
+    g = _normal(10, (136, 200), dtype)
+    fn = lambda x, w, b: ops.fused_matmul(x, w, b, activation=act, implementation="mosaic_gpu",  # noqa: E731
+                                          block_sizes=config)
+    out, grads = _grads(fn, x, w, b, g)
+    up = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+    ref = lambda x, w, b: ops.matmul.reference(x, w, b, resolve_activation(act, "t"))  # noqa: E731
+    want, want_grads = _grads(ref, up(x), up(w), up(b), up(g))
+    assert_close(out, want, for_dtype(FORWARD, dtype), "out")
+    for name, got, exp in zip(("dx", "dw", "dbias"), grads, want_grads):
+        if exp is None:
+            assert got is None
+            continue
+        assert got.dtype == dtype
+        assert_close(got, exp, for_dtype(BACKWARD, dtype), name)
+
+
+# --- what the op refuses, and falls back from -----------------------------------------------
+
+def _reason(call_fn, *args, platform="cpu"):
+    call = _op_call(call_fn, *args)
+    if platform != "cpu":
+        call = type(call)(call.op, call.args, _op.Target(platform, "NVIDIA A100-SXM4-80GB"), call.pass_)
+    return call.op.implementations["mosaic_gpu"].why_not(call)
+
+
+def _op_call(fn, *args):
+    from ops import _resolve
+    return _resolve.capture_call(fn, args)
+
+
+def test_supported_says_why_before_tracing(monkeypatch):
+    x, w, b = _operands(16, 64, 64, jnp.bfloat16)
+    plain = lambda **kw: (lambda x, w: ops.fused_matmul(x, w, implementation="mosaic_gpu", **kw))  # noqa: E731
+    assert _reason(plain(), x, w) is None
+    assert "float32" in _reason(plain(), x.astype(jnp.float32), w.astype(jnp.float32))
+    assert "'sqrt'" in _reason(plain(activation=lambda z: jnp.sqrt(jnp.abs(z))), x, w)
+    assert "MatmulConfig" in _reason(plain(block_sizes=ops.matmul.config.MatmulConfig(64, 64, 64)), x, w)
+    assert "multiple of 64" in _reason(plain(block_sizes=(64, 64, 32)), x, w)
+
+    class A100:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100-SXM4-80GB", "8.0"
+
+    monkeypatch.setattr(target, "default_device", lambda: A100())
+    assert "sm_90" in _reason(plain(), x, w, platform="gpu")
+
+
+def test_options_not_built_fall_back():
+    """float32 operands and an activation with no Mosaic GPU rule run on the next
+    implementation of the sequence; alone, mosaic_gpu raises NotImplementedError."""
+    x, w, b = _operands(16, 64, 64, jnp.float32)
+    out = ops.fused_matmul(x, w, b, activation="relu", implementation=("mosaic_gpu", "xla"))
+    np.testing.assert_allclose(f64(out), _fused_ref(x, w, b, "relu"), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="mosaic_gpu.*float32"):
+        ops.fused_matmul(x, w, implementation="mosaic_gpu")
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    odd = lambda z: jnp.sqrt(jnp.abs(z))  # noqa: E731
+    out = ops.fused_matmul(xb, wb, activation=odd, implementation=("mosaic_gpu", "xla"))
+    assert_close(out, np.sqrt(np.abs(f64(xb) @ f64(wb))), for_dtype(FORWARD, jnp.bfloat16), "sqrt")
+
+
+@pytest.mark.parametrize("config, words", [
+    (MosaicMatmulConfig(96, 128, 64), "multiple of 64"),
+    (MosaicMatmulConfig(128, 512, 64, warpgroups_m=2), "up to 256"),
+    (MosaicMatmulConfig(128, 128, 64, warpgroups_m=3), "warpgroups_m"),
+    (MosaicMatmulConfig(128, 128, 64, epilogue_m=48), "epilogue tile"),
+    (MosaicMatmulConfig(128, 128, 64, band_m=4, band_n=4), "at most one"),
+    (MosaicMatmulConfig(128, 128, 64, num_stages=1), "num_stages"),
+])
+def test_bad_configs_are_named(config, words):
+    x, w, _ = _operands(16, 64, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"block_sizes.*{words}|{words}.*"):
+        ops.fused_matmul(x, w, implementation="mosaic_gpu", block_sizes=config)
+
+
+def test_config_over_shared_memory_is_refused():
+    x, w, _ = _operands(16, 64, 64, jnp.bfloat16)
+    config = MosaicMatmulConfig(256, 256, 256, num_stages=4, warpgroups_m=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        ops.fused_matmul(x, w, implementation="mosaic_gpu", block_sizes=config)
+
+
+def test_registered_with_the_op_layer_and_the_tuner():
+    impl = _op.get("fused_matmul").implementations["mosaic_gpu"]
+    assert impl.config is MosaicMatmulConfig and impl.platforms == ("gpu",)
+    problem = _op.get("fused_matmul").problem((8192, 8192, 8192), jnp.bfloat16)
+    device = _op.Device("mosaic_gpu")
+    assert MosaicMatmulConfig.heuristic(problem, device) == MosaicMatmulConfig(128, 256, 64)
+    candidates = MosaicMatmulConfig.candidates(problem, device)
+    assert len(set(candidates)) == len(candidates) > 4
+    for c in candidates:
+        c.check("candidates")

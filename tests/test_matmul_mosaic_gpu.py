@@ -244,3 +244,55 @@ def test_registered_with_the_op_layer_and_the_tuner():
     assert len(set(candidates)) == len(candidates) > 4
     for c in candidates:
         c.check("candidates")
+
+
+# --- gated_linear_unit --------------------------------------------------------------------------
+
+def _glu_grads(weights_form, act, dtype, m, n, k, seed):
+    x = _normal(seed, (m, k), dtype)
+    gate, up = (_normal(seed + i, (k, n), dtype, 1 / np.sqrt(k)) for i in (1, 2))
+    w = (gate, up) if weights_form == "pair" else jnp.stack([gate, up], axis=1)
+    g = _normal(seed + 3, (m, n), dtype)
+    fn = lambda x, w: ops.gated_linear_unit(x, w, activation=act, implementation="mosaic_gpu")  # noqa: E731
+    out, pullback = jax.vjp(fn, x, w)
+    grads = pullback(g)
+    up32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
+    ref = lambda x, w: ops.gated_linear_unit(x, w, activation=act, implementation="xla")  # noqa: E731
+    want, ref_pullback = jax.vjp(ref, up32(x), up32(w))
+    want_grads = ref_pullback(up32(g))
+    assert out.dtype == dtype
+    assert_close(out, want, for_dtype(FORWARD, dtype), f"glu {weights_form}")
+    for i, (got, exp) in enumerate(zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))):
+        assert got.dtype == dtype
+        assert_close(got, exp, for_dtype(BACKWARD, dtype), f"glu {weights_form} grad {i}")
+
+
+@pytest.mark.parametrize("form, act, dtype, n", [
+    ("pair", "silu", jnp.bfloat16, 192),
+    # N = 200 is no multiple of the 64-column epilogue tile: the stacked pre-activations are
+    # stored as two arrays (stacked by XLA) instead of in place; gelu (tanh form).
+    pytest.param("stacked", "gelu", jnp.float16, 200, marks=pytest.mark.slow),
+    ("stacked", None, jnp.bfloat16, 192),
+])
+def test_gated_linear_unit_forward_and_gradients(form, act, dtype, n):
+    """Two accumulators per consumer on a shared x tile (forward), the pair's dx with two
+    products into one accumulator and (dgate, dup) with two, the stacked form's [M, 2N]
+    views; 136 rows and K = 130 divide no tile, N = 192 leaves a consumer's columns past
+    N (its stores skipped where the up half follows in the same array)."""
+    _glu_grads(form, act, dtype, 136, n, 130, seed=20)
+
+
+def test_glu_backward_alone_on_mosaic_gpu():
+    """ops.decoder.glu.glu_backward (the benchmarks' "bwd" pass) on the Mosaic GPU kernels."""
+    from ops.decoder.glu import glu_backward
+    from ops.decoder.reference import glu_preactivations
+    m, n, k = 72, 128, 64
+    x = _normal(30, (m, k), jnp.bfloat16)
+    w = jnp.stack([_normal(31 + i, (k, n), jnp.bfloat16, 1 / np.sqrt(k)) for i in range(2)], axis=1)
+    z = jnp.stack([a.astype(jnp.bfloat16) for a in glu_preactivations(x, w)], axis=1)
+    g = _normal(33, (m, n), jnp.bfloat16)
+    dx, dw = glu_backward(x, w, z, g, activation="silu", implementation="mosaic_gpu")
+    want_dx, want_dw = glu_backward(x, w, z, g, activation="silu", implementation="xla")
+    tol = for_dtype(BACKWARD, jnp.bfloat16)
+    assert_close(dx, f64(want_dx), tol, "dx")
+    assert_close(dw, f64(want_dw), tol, "dw")

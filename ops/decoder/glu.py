@@ -32,6 +32,12 @@ kernel with two accumulators sharing the x tile (the forward's shape): the
 same tiles and work per step as the stacked form's matmuls, with no
 concatenation. ``act'`` comes from JAX autodiff of the activation, traced
 inside the kernel.
+
+``implementation="mosaic_gpu"`` runs the same checks, custom_vjp and partitioning
+with the products on the warp-specialized Mosaic GPU core instead
+(:mod:`ops.matmul.mosaic_gpu_glu`, handed in as ``_Kernel.products``): two
+accumulators per consumer warpgroup on a shared x tile, the pre-activations stored
+in place in the stacked form, ``dz`` by one XLA fusion, ``dx`` / ``dw`` as above.
 """
 from __future__ import annotations
 
@@ -45,12 +51,16 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._op import Device, Op, Problem, Tuning, Variant, fit, register, vjp_training
+from ops._op import (Call, Device, Implementation, Op, Problem, Tuning, Variant, fit, register,
+                     register_implementation, vjp_training)
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops.activations import resolve_activation
 from ops.decoder.reference import gated_linear_unit_reference, glu_backward_reference
 from ops.matmul import tiled
 from ops.matmul.config import MatmulConfig, check_block_sizes
+from ops.matmul import mosaic_gpu
+from ops.matmul.mosaic_gpu_config import MosaicMatmulConfig
+from ops.matmul.mosaic_gpu_glu import GluKernels, MosaicGluConfig
 
 _OP = "gated_linear_unit"
 
@@ -81,8 +91,11 @@ def gated_linear_unit(x, weights, *, activation=None, implementation=None,
       implementation: None (the default: "xla" on a CPU; on a GPU the fastest
         measured implementation that can run the call, which
         ``ops.resolve_implementation`` names with its measurement; "mosaic_tpu"
-        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton", "pallas_triton" or
-        "mosaic_tpu", or a
+        on a TPU; docs/design.md §5.2), "xla", "interpret", "triton", "pallas_triton",
+        "mosaic_tpu" or "mosaic_gpu" (sm_90 warp-specialized kernels,
+        :mod:`ops.matmul.mosaic_gpu_glu`: bfloat16 / float16, activations Mosaic GPU's
+        lowering takes, a ``MosaicGluConfig`` as block_sizes; NotImplementedError
+        otherwise), or a
         sequence of these tried in order (:mod:`ops._implementation`).
         With stacked weights ``mosaic_tpu`` needs ``block_n`` to divide N (its
         heuristic finds one when N <= 512 or N is a multiple of 128) and raises
@@ -151,6 +164,9 @@ def _check(x, weights, activation, block_sizes):
         raise ValueError(f"{_OP}: x must have rank >= 1 [..., K], got a scalar.")
     weights = _check_weights(x, weights)
     act = resolve_activation(activation, _OP)
+    if isinstance(block_sizes, MosaicMatmulConfig):  # implementation="mosaic_gpu"'s tiles
+        block_sizes.check(_OP)
+        return act, block_sizes, weights
     explicit = check_block_sizes(block_sizes, _OP, GluConfig)
     if isinstance(explicit, tuple):
         explicit = GluConfig(*explicit)
@@ -172,12 +188,16 @@ def _problem_of(x, weights, **_):
     return _problem_dims(math.prod(x.shape[:-1]), n, k, x.dtype, weights)
 
 
-def _entry(impl, x, weights, act, explicit, backward=None):
+def _entry(impl, x, weights, act, explicit, backward=None, products=None):
     """The checked call on one implementation: the forward, or with ``backward =
-    (preactivations, g)`` :func:`glu_backward`'s."""
+    (preactivations, g)`` :func:`glu_backward`'s; ``products``: another core's
+    (:class:`_Kernel`), None for the tiled walks here."""
+    if products is None and isinstance(explicit, MosaicMatmulConfig):
+        raise NotImplementedError(f"{_OP}: block_sizes is a {type(explicit).__name__}, the "
+                                  f"tiles of implementation='mosaic_gpu', not of {impl!r}.")
     if backward is None:
-        return _glu_on(impl, x, weights, act, explicit)
-    return _glu_backward_on(impl, x, weights, act, explicit, *backward)
+        return _glu_on(impl, x, weights, act, explicit, products)
+    return _glu_backward_on(impl, x, weights, act, explicit, *backward, products=products)
 
 
 def _dims(weights) -> tuple[int, int]:
@@ -187,7 +207,7 @@ def _dims(weights) -> tuple[int, int]:
     return weights.shape[0], weights.shape[2]
 
 
-def _glu_on(impl, x, weights, act, explicit):
+def _glu_on(impl, x, weights, act, explicit, products=None):
     """The checked call on one implementation."""
     k, n = _dims(weights)
     if impl == "xla" or x.size == 0 or k * n == 0:
@@ -195,7 +215,7 @@ def _glu_on(impl, x, weights, act, explicit):
         return gated_linear_unit_reference(x, weights, act)
     x2 = reshape(x, (-1, k))
     config = OP.select(_problem(x2.shape[0], n, k, x.dtype, weights), impl, explicit)
-    out = _glu(x2, weights, _Kernel(impl, config, act))
+    out = _glu(x2, weights, _Kernel(impl, config, act, products))
     return reshape(out, (*x.shape[:-1], n))
 
 
@@ -244,7 +264,7 @@ def glu_backward(x, weights, preactivations, g, *, activation=None, implementati
                   backward=(preactivations, g))
 
 
-def _glu_backward_on(impl, x, weights, act, explicit, preactivations, g):
+def _glu_backward_on(impl, x, weights, act, explicit, preactivations, g, products=None):
     """:func:`glu_backward`'s checked call on one implementation."""
     k, n = _dims(weights)
     lead = tuple(x.shape[:-1])
@@ -254,7 +274,7 @@ def _glu_backward_on(impl, x, weights, act, explicit, preactivations, g):
     x2 = reshape(x, (-1, k))
     config = OP.select(_problem(x2.shape[0], n, k, x.dtype, weights), impl, explicit)
     zs = tuple(reshape(p.astype(x.dtype), (x2.shape[0], *p.shape[len(lead):])) for p in pres)
-    dx, dw = _glu_bwd(_Kernel(impl, config, act), (x2, weights, zs),
+    dx, dw = _glu_bwd(_Kernel(impl, config, act, products), (x2, weights, zs),
                       reshape(g.astype(x.dtype), (-1, n)))
     return reshape(dx, x.shape), dw
 
@@ -348,9 +368,16 @@ class GluConfig(MatmulConfig):
 
 @dataclasses.dataclass(frozen=True)
 class _Kernel:
+    """One call's kernels: the implementation, its config, the activation and, where the
+    products run on another core than the tiled walks below, that core's
+    (``forward(x, weights, config, activation, want_z=, out_dtype=)`` and
+    ``backward(x, weights, zs, g, config, activation)``:
+    :class:`ops.matmul.mosaic_gpu_glu.GluKernels`)."""
+
     backend: str
     config: GluConfig
     activation: object
+    products: object = None
 
 
 # --------------------------------------------------------------------------
@@ -524,6 +551,9 @@ def _forward_call(x, weights, kernel: _Kernel, *, want_z: bool, out_dtype=None):
     The stacked weights are zero-padded to whole ``block_k`` steps (a copy, made only
     when ``block_k`` does not divide K); a pair is read in place, the contraction's
     edge masked in the kernel."""
+    if kernel.products is not None:
+        return kernel.products.forward(x, weights, kernel.config, kernel.activation,
+                                       want_z=want_z, out_dtype=out_dtype)
     cfg, backend = kernel.config, kernel.backend
     bm, bn, bk = cfg.blocks
     m, k = x.shape
@@ -619,6 +649,8 @@ def _store_outputs(accs, outs):
 
 def _backward(x, weights, zs: tuple, g, kernel: _Kernel):
     """One device: ``(dx, dweights)``, dweights in the form of ``weights``."""
+    if kernel.products is not None:
+        return kernel.products.backward(x, weights, zs, g, kernel.config, kernel.activation)
     m, k = x.shape
     bm, bn, bk = kernel.config.blocks
     dzs = _dz_call(g.astype(x.dtype), zs, kernel)
@@ -751,6 +783,27 @@ OP = register(Op(
     reference=gated_linear_unit_reference, variant=GluVariant, entry=_entry,
     problem_of=_problem_of, function=gated_linear_unit,
     tuning=Tuning(example=_example, shapes=((8192, 14336, 4096), (8192, 8192, 2048)),
-                  quick=((256, 512, 256),), order=10, training=vjp_training(_example)),
-    missing_reason=" (mosaic_gpu needs a Hopper wgmma kernel: JAX's Mosaic GPU lowering has no "
-                   "generic dot_general)"))
+                  quick=((256, 512, 256),), order=10, training=vjp_training(_example))))
+
+
+# --------------------------------------------------------------------------
+# implementation="mosaic_gpu": the products on the warp-specialized Mosaic GPU core
+# --------------------------------------------------------------------------
+
+def _mosaic_supported(call: Call) -> str | None:
+    """None when the Mosaic GPU kernels (:mod:`ops.matmul.mosaic_gpu_glu`) run ``call``, else
+    why not: float32, an activation Mosaic GPU's lowering cannot take, tiles of the other
+    kernels (a ``GluConfig``; a ``(block_m, block_n, block_k)`` tuple becomes one) as
+    ``block_sizes``, a GPU older than sm_90."""
+    a = call.args
+    found = mosaic_gpu.reasons(a["x"].dtype, block_sizes=a["explicit"], activation=a["act"],
+                               call=call)
+    return "; ".join(found) if found else None
+
+
+def _mosaic_run(call: Call):
+    return _entry("mosaic_gpu", **call.args, products=GluKernels(call.args["explicit"]))
+
+
+register_implementation(_OP, Implementation("mosaic_gpu", _mosaic_run, config=MosaicGluConfig,
+                                            supported=_mosaic_supported, platforms=("gpu",)))

@@ -376,7 +376,9 @@ class _Plan:
     num_rows: int  # row vectors
     num_cols: int  # column vectors
     tile_out_dtype: Any
-    num_tile_outputs: int
+    num_tile_outputs: int  # epilogue values per piece
+    num_out_arrays: int
+    stores: tuple  # per epilogue value: (output array, column offset, guarded)
     num_row_outputs: int
     epilogue: Callable | None
     row_epilogue: Callable | None
@@ -437,7 +439,7 @@ def _kernel(*refs, plan: _Plan):
     refs = refs[nl + nr:]
     row_g, refs = refs[:plan.num_rows], refs[plan.num_rows:]
     col_g, refs = refs[:plan.num_cols], refs[plan.num_cols:]
-    out_g, refs = refs[:plan.num_tile_outputs], refs[plan.num_tile_outputs:]
+    out_g, refs = refs[:plan.num_out_arrays], refs[plan.num_out_arrays:]
     rowout_g = refs[:plan.num_row_outputs]
 
     bm, bn, bk = cfg.blocks
@@ -524,15 +526,23 @@ def _kernel(*refs, plan: _Plan):
                         if len(outs) != plan.num_tile_outputs:
                             raise ValueError(f"the epilogue returned {len(outs)} tiles for "
                                              f"{plan.num_tile_outputs} outputs.")
-                        for value, g in zip(outs, out_g):
+                        for value, (j, offset, guarded) in zip(outs, plan.stores):
                             slot = count % 2
                             count += 1
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot is free
-                            out_smem[wg, slot] = value.astype(plan.tile_out_dtype)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
-                                out_smem.at[wg, slot],
-                                g.at[pl.ds(row0 + pi * em, em), pl.ds(col0 + pj * en, en)])
+
+                            def store(value=value, j=j, offset=offset, slot=slot):
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # slot free
+                                out_smem[wg, slot] = value.astype(plan.tile_out_dtype)
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg, slot],
+                                    out_g[j].at[pl.ds(row0 + pi * em, em),
+                                                pl.ds(offset + col0 + pj * en, en)])
+
+                            if guarded:  # the array goes on past n: pieces past it are not stored
+                                pl.when(col0 + pj * en < plan.n)(store)
+                            else:
+                                store()
 
             def compute_context(run):
                 if num_vectors:
@@ -568,6 +578,8 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
            config: MosaicMatmulConfig, products: Sequence[Product] = (Product(0, 0),),
            num_accs: int = 1, out_dtype=None, num_tile_outputs: int = 1,
            epilogue: Callable[[Tile], tuple] | None = store_accumulator,
+           out_shapes: Sequence[tuple[int, int]] | None = None,
+           stores: Sequence[tuple[int, int]] | None = None,
            rows: Sequence = (), cols: Sequence = (), num_row_outputs: int = 0,
            row_epilogue: Callable[[Tile], tuple] | None = None, name: str = "matmul",
            interpret=None):
@@ -579,9 +591,16 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
       config: the block (:class:`~ops.matmul.mosaic_gpu_config.MosaicMatmulConfig`).
       products: which operands multiply into which accumulator per step.
       num_accs: float32 accumulators per consumer warpgroup.
-      out_dtype, num_tile_outputs: the ``[m, n]`` outputs the epilogue returns tiles of.
+      out_dtype, num_tile_outputs: the dtype of the outputs and the number of tiles the
+        epilogue returns for each piece.
       epilogue: ``epilogue(tile) -> tuple`` of ``num_tile_outputs`` values of the
         piece's shape (:class:`Tile`), run on every epilogue tile; None: no tile outputs.
+      out_shapes: the output arrays' shapes (default: ``[m, n]`` for each value).
+      stores: per epilogue value, ``(output array, column offset)`` it is stored in
+        (default: value ``i`` into array ``i`` at offset 0). Where an array is wider
+        than ``n`` (two values side by side in one array), pieces past ``n`` are
+        skipped and ``n`` must be a multiple of the epilogue tile's columns, so no
+        piece crosses into its neighbour's columns.
       rows, cols: one-dimensional arrays (``[m]`` / ``[n]``) the epilogues read, by
         row or by column (loaded by TMA per warpgroup tile).
       num_row_outputs, row_epilogue: ``row_epilogue(tile) -> tuple`` of
@@ -607,6 +626,15 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
     if epilogue is None:
         num_tile_outputs = 0
     config.check(name)
+    out_shapes = [tuple(s) for s in out_shapes] if out_shapes is not None else (
+        [(m, n)] * num_tile_outputs)
+    stores = list(stores) if stores is not None else [(i, 0) for i in range(num_tile_outputs)]
+    if len(stores) != num_tile_outputs:
+        raise ValueError(f"{name}: {len(stores)} stores for {num_tile_outputs} epilogue values.")
+    guarded = [out_shapes[j][1] > n or off > 0 for j, off in stores]
+    if any(guarded) and n % config.epilogue_tile[1]:
+        raise ValueError(f"{name}: outputs wider than n = {n} need n to be a multiple of the "
+                         f"epilogue tile's {config.epilogue_tile[1]} columns.")
     vector_bytes = (sum(np.dtype(r.dtype).itemsize for r in rows) * config.wg_tile[0]
                     + sum(np.dtype(c.dtype).itemsize for c in cols) * config.wg_tile[1]
                     + 4 * num_row_outputs * config.wg_tile[0])
@@ -615,11 +643,12 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
                         vector_bytes=vector_bytes)
     plan = _Plan(config, stages, dtype, m, n, k, tuple((op.transposed, op.offset) for op in lhs),
                  tuple((op.transposed, op.offset) for op in rhs), tuple(products), num_accs,
-                 len(rows), len(cols), out_dtype, num_tile_outputs, num_row_outputs, epilogue,
+                 len(rows), len(cols), out_dtype, num_tile_outputs, len(out_shapes),
+                 tuple((j, off, g) for (j, off), g in zip(stores, guarded)), num_row_outputs,
+                 epilogue,
                  row_epilogue)
-    mp, np_ = tma_shape((m, n), out_dtype)
     col_blocks = pl.cdiv(n, config.wg_tile[1])
-    out_type = ([jax.ShapeDtypeStruct((mp, np_), out_dtype)] * num_tile_outputs
+    out_type = ([jax.ShapeDtypeStruct(tma_shape(s, out_dtype), out_dtype) for s in out_shapes]
                 + [jax.ShapeDtypeStruct((col_blocks, _round_up(m, ROW_ALIGN)), jnp.float32)]
                 * num_row_outputs)
     m_tiles, n_tiles = plan.tiles
@@ -630,6 +659,6 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
     operands = [tma_ready(op.array) for op in (*lhs, *rhs)] + [tma_ready(v) for v in (*rows, *cols)]
     outs = call(*operands)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    tile_outs = [o if o.shape == (m, n) else o[:m, :n] for o in outs[:num_tile_outputs]]
-    row_outs = [o if o.shape[1] == m else o[:, :m] for o in outs[num_tile_outputs:]]
+    tile_outs = [o if o.shape == s else o[:s[0], :s[1]] for o, s in zip(outs, out_shapes)]
+    row_outs = [o if o.shape[1] == m else o[:, :m] for o in outs[len(out_shapes):]]
     return tile_outs, row_outs

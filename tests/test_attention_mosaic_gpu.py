@@ -1,0 +1,388 @@
+"""``ops.dot_product_attention(implementation="mosaic_gpu")`` on a host without a GPU.
+
+The Mosaic GPU kernels (ops/attention/mosaic_gpu*.py) run here in JAX's GPU
+interpret mode with race detection (a race raises ``pallas_core.gpu.RaceError``),
+each also lowered for ``cuda``: outputs, the logsumexp and gradients against a
+float64 reference (written out in the test, jax.vjp for its gradients) on fresh random
+inputs whose lengths do not divide the tiles, bfloat16 and float16, each option
+built; the lowered modules' instructions; the refusals (an option not built, a
+GPU older than sm_90) and the fallback of a sequence of implementations. The
+interpreter costs seconds per kernel: the CI cases combine options, the sweeps
+are ``slow``.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+from ops import _op
+from ops.attention import mosaic_gpu_backward, mosaic_gpu_forward
+from ops.attention.masking import MaskSpec, fold_lengths, visible
+from ops.attention.mosaic_gpu_config import SMEM_BYTES, MosaicGPUConfig, fits, smem_bytes
+from pallas_core import gpu as plgpu
+from pallas_core.gpu import target
+from tests.tolerances import BACKWARD, FORWARD, assert_close, for_dtype
+
+_KEYS = ("query_seq_lengths", "key_value_seq_lengths", "query_segment_ids",
+         "key_value_segment_ids")
+
+
+def _inputs(seed, b, t, s, n, k, h, hv=None, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    hv = hv or h
+    return (jax.random.normal(keys[0], (b, t, n, h), dtype),
+            jax.random.normal(keys[1], (b, s, k, h), dtype),
+            jax.random.normal(keys[2], (b, s, k, hv), dtype),
+            jax.random.normal(keys[3], (b, t, n, hv), dtype))
+
+
+def _segments(seed, b, length, parts=3):
+    ids = jax.random.randint(jax.random.key(seed), (b, length), 0, parts)
+    return jnp.sort(ids, axis=1).astype(jnp.int32)
+
+
+def _attention64(q, k, v, sinks, spec: MaskSpec, scale, cap, q_seg, kv_seg):
+    """``(out [B, T, N, Hv], lse [B, T, N])`` in float64, written out: scores, soft cap,
+    the mask of :func:`ops.attention.masking.visible`, a sink column, softmax (a row that
+    sees nothing: output 0, logsumexp -inf)."""
+    b, t, n, _ = q.shape
+    g = n // k.shape[2]
+    qg = q.reshape(b, t, k.shape[2], g, -1)
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k) * scale
+    if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+    vis = visible(spec, jnp.arange(t)[:, None], jnp.arange(spec.S)[None, :],
+                  None if q_seg is None else q_seg[:, None, None, :, None],
+                  None if kv_seg is None else kv_seg[:, None, None, None, :])
+    s = s if vis is None else jnp.where(vis, s, -jnp.inf)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.reshape(k.shape[2], g)[None, :, :, None, None]
+        top = jnp.maximum(top, sink)
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+    e = jnp.exp(s - top)
+    total = e.sum(-1, keepdims=True) + (0.0 if sinks is None else jnp.exp(sink - top))
+    seen = total > 0
+    p = e / jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)[..., 0]
+    out = jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(b, t, n, v.shape[-1])
+    return out, jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, n)
+
+
+def _reference64(q, k, v, do, sinks=None, *, is_causal=False, local_window_size=None,
+                 logits_soft_cap=None, scale=None, **ids):
+    """``(out, lse, grads)`` in float64 (:func:`_attention64`; grads of q, k, v and, when
+    given, sinks)."""
+    T, S, H = q.shape[1], k.shape[1], q.shape[-1]
+    left = right = None
+    if local_window_size is not None:
+        left, right = ((local_window_size,) * 2 if isinstance(local_window_size, int)
+                       else local_window_size)
+    q_seg, kv_seg = fold_lengths(*(ids.get(name) for name in (
+        "query_segment_ids", "key_value_segment_ids", "query_seq_lengths",
+        "key_value_seq_lengths")), T, S)
+    spec = MaskSpec(T=T, S=S, causal=is_causal, left=left, right=right,
+                    segments=q_seg is not None)
+    with jax.enable_x64(True):
+        up = lambda x: jnp.asarray(np.asarray(x, np.float64))
+
+        def f(q, k, v, *sinks_):
+            return _attention64(q, k, v, sinks_[0] if sinks_ else None, spec, scale or H ** -0.5,
+                                logits_soft_cap, q_seg, kv_seg)
+
+        @jax.jit
+        def run(do, *primals):
+            (out, lse), pullback = jax.vjp(f, *primals)
+            return out, lse, pullback((do, jnp.zeros_like(lse)))
+
+        primals = [up(q), up(k), up(v)] + ([up(sinks)] if sinks is not None else [])
+        out, lse, grads = run(up(do), *primals)
+        return np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
+
+
+def _mosaic(q, k, v, do, sinks=None, block_sizes=None, **kw):
+    """``(out, lse, grads)`` of implementation="mosaic_gpu", jitted (one trace)."""
+
+    def f(q, k, v, *sinks_):
+        return ops.dot_product_attention(q, k, v, implementation="mosaic_gpu",
+                                         sinks=sinks_[0] if sinks_ else None,
+                                         block_sizes=block_sizes, return_residual=True, **kw)
+
+    @jax.jit
+    def run(q, k, v, do, *sinks_):
+        (out, lse), pullback = jax.vjp(f, q, k, v, *sinks_)
+        return out, lse, pullback((do, jnp.zeros_like(lse)))
+
+    return run(q, k, v, do, *([] if sinks is None else [sinks]))
+
+
+def _check(seed, shape, dtype, sinks=False, block_sizes=None, grads=True, **kw):
+    q, k, v, do = _inputs(seed, *shape, dtype=dtype)
+    sink = jax.random.normal(jax.random.key(seed + 1), (q.shape[2],), jnp.float32) if sinks else None
+    want_out, want_lse, want_grads = _reference64(q, k, v, do, sink, **kw)
+    if grads:
+        out, lse, got = _mosaic(q, k, v, do, sink, block_sizes, **kw)
+    else:
+        out, lse = ops.dot_product_attention(q, k, v, implementation="mosaic_gpu",
+                                             sinks=sink, block_sizes=block_sizes,
+                                             return_residual=True, **kw)
+    fwd_tol, bwd_tol = for_dtype(FORWARD, dtype), for_dtype(BACKWARD, dtype)
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    assert_close(out, want_out, fwd_tol, "out")
+    seen = np.isfinite(want_lse)
+    assert (np.isfinite(np.asarray(lse)) == seen).all(), "rows that see no key: -inf"
+    np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], atol=2e-2, rtol=0)
+    if grads:
+        for name, g, want in zip(("dq", "dk", "dv", "dsinks"), got, want_grads):
+            assert g.dtype == (jnp.float32 if name == "dsinks" else q.dtype), name
+            assert_close(g, want, bwd_tol, name)
+
+
+# --- forward and gradients in the interpret mode (CI: options combined) --------------------------
+
+
+def test_causal_gqa_soft_cap_sinks_bfloat16():
+    # B=2, T=S=72 (not a multiple of the 64-row tiles), 4 query heads over 2 key/value heads.
+    _check(0, (2, 72, 72, 4, 2, 64), jnp.bfloat16, sinks=True, is_causal=True,
+           logits_soft_cap=5.0)
+
+
+def test_window_segments_lengths_mla_dims_float16():
+    # T != S, neither a multiple of the tiles; head dims 48 / 32 (a value head dim of its
+    # own, as MLA's 192 / 128), a two-sided window, segment ids with key lengths folded in.
+    b, t, s = 1, 100, 88
+    _check(1, (b, t, s, 2, 1, 48, 32), jnp.float16, local_window_size=(24, 12),
+           query_segment_ids=_segments(3, b, t), key_value_segment_ids=_segments(3, b, s),
+           key_value_seq_lengths=jnp.array([80], jnp.int32))
+
+
+def test_full_attention_one_compute_warpgroup_forward():
+    # One compute warpgroup (no ping-pong), 64-row key tiles, 3 stages; S not a multiple of 8
+    # (TMA tiles whole arrays: k and v are padded in XLA) and a query row set past T.
+    _check(2, (1, 70, 150, 2, 2, 64), jnp.bfloat16, grads=False,
+           block_sizes=MosaicGPUConfig(64, 64, 3, compute_wgs=1))
+
+
+def test_races_are_checked(monkeypatch):
+    """The kernels run under the race detector: drop the wait for the value tile's TMA
+    copy and the forward kernel is caught reading it unordered."""
+    from ops.attention import mosaic_gpu_tiles
+
+    real = mosaic_gpu_tiles.Ring.wait_full
+
+    def skip_values(self, t):
+        if self.buffers[0].shape[-1] == 32:  # the value ring (Hv = 32 here)
+            return None
+        return real(self, t)
+
+    monkeypatch.setattr(mosaic_gpu_tiles.Ring, "wait_full", skip_values)
+    q, k, v, _ = _inputs(4, 1, 64, 64, 1, 1, 64, 32)
+    with pytest.raises(Exception, match="RaceError|race"):
+        jax.block_until_ready(ops.dot_product_attention(q, k, v, implementation="mosaic_gpu"))
+
+
+# --- what the kernels lower to (cuda, from this host) -----------------------------------------------
+
+
+def test_lowered_modules_have_wgmma_tma_barriers_and_register_reallocation():
+    B, T, N, H = 2, 1024, 4, 128
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+
+    def train(q, k, v):
+        out, pullback = jax.vjp(
+            lambda q, k, v: ops.dot_product_attention(q, k, v, is_causal=True,
+                                                      implementation="mosaic_gpu"), q, k, v)
+        return pullback(out)
+
+    fwd, dq, dkdv = plgpu.mosaic_modules(train, q, q, q)
+    # Per key/value step of the heuristic's 64 x 128 tiles: 8 m64n128k16 wgmma for q k^T
+    # and 8 for p v, in each of the three loops (masked, unmasked, masked).
+    assert fwd.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 3 * 16
+    # dQ (64 key rows a step): q k^T and dO v^T 8 each (m64n64k16), ds k 4 (m64n128k16);
+    # dK/dV (64 query rows a step): k q^T and v dO^T 8 each, p^T dO and ds^T q 4 each.
+    assert dq.count("wgmma.mma_async") == 3 * 20
+    assert dkdv.count("wgmma.mma_async") == 3 * 24
+    for module in (fwd, dq, dkdv):
+        assert module.count("nvvm.setmaxregister") == 2  # 232 up (compute), 40 down (TMA)
+        assert "nvvm.cp.async.bulk.tensor.shared.cluster.global" in module  # TMA loads
+        assert re.search(r"cp\.async\.bulk\.tensor\.global\.shared", module)  # TMA stores
+        assert "nvvm.mbarrier.try_wait.parity" in module and "nvvm.mbarrier.arrive" in module
+    assert "ex2.approx" in fwd  # the softmax on exp2
+
+
+@pytest.mark.parametrize("h, hv", [(64, 64), (128, 128), (256, 256), (192, 128)])
+def test_heuristic_tiles_fit_shared_memory_as_the_lowering_counts(h, hv):
+    """The heuristic's forward lowers for cuda within sm_90's 227 KiB (the lowering
+    checks), and the budget it was picked by is no smaller than the lowering's count."""
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+    problem = ops._op.get("dot_product_attention").problem((4096, 4096, max(h, hv)), "bfloat16")
+    tiles = MosaicGPUConfig.heuristic(problem, _op.Device("mosaic_gpu"))
+    predicted = smem_bytes(tiles, "forward", h, hv, 2)
+    assert predicted <= SMEM_BYTES
+    q = jax.ShapeDtypeStruct((1, 256, 2, h), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 256, 2, hv), jnp.bfloat16)
+    f = lambda q, k, v: ops.dot_product_attention(q, k, v, implementation="mosaic_gpu",
+                                                  block_sizes=tiles)
+    old = mosaic_core._SMEM_SIZE_BOUND
+    mosaic_core._SMEM_SIZE_BOUND = 1  # every kernel "too big": the error says its count
+    try:
+        with pytest.raises(ValueError, match=r"smem_bytes=(\d+)") as info:
+            plgpu.mosaic_modules(f, q, q, v)
+    finally:
+        mosaic_core._SMEM_SIZE_BOUND = old
+    counted = int(re.search(r"smem_bytes=(\d+)", str(info.value)).group(1))
+    assert counted <= predicted <= counted + 1024, (tiles, counted, predicted)
+
+
+# --- refusals, fallbacks, configs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(bias=jnp.zeros((1, 1, 8, 8))), "bias"),
+    (dict(mask=jnp.ones((1, 1, 8, 8), bool)), "mask"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
+    (dict(block_sizes=(64, 64)), "block_sizes"),
+])
+def test_options_not_built_fall_back(kw, words):
+    q = jax.random.normal(jax.random.key(5), (1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=words):
+        ops.dot_product_attention(q, q, q, implementation="mosaic_gpu", **kw)
+    got = ops.dot_product_attention(q, q, q, implementation=("mosaic_gpu", "xla"), **kw)
+    want = ops.dot_product_attention(q, q, q, implementation="xla", **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype, h, hv, words", [
+    (jnp.float32, 64, 64, "dtype float32"), (jnp.bfloat16, 24, 24, "head dims"),
+    (jnp.bfloat16, 320, 320, "head dims"), (jnp.float16, 64, 264, "head dims"),
+])
+def test_shapes_not_built_are_named(dtype, h, hv, words):
+    q = jnp.zeros((1, 8, 1, h), dtype)
+    v = jnp.zeros((1, 8, 1, hv), dtype)
+    with pytest.raises(NotImplementedError, match=words):
+        ops.dot_product_attention(q, q, v, implementation="mosaic_gpu")
+
+
+def test_backward_that_would_not_fit_registers_is_refused_under_differentiation():
+    q = jnp.zeros((1, 8, 1, 256), jnp.bfloat16)
+    f = lambda q: ops.dot_product_attention(q, q, q, implementation="mosaic_gpu").sum()
+    with pytest.raises(NotImplementedError, match="dK/dV kernel|shared memory"):
+        jax.grad(f)(q)
+    # The forward alone runs at that head dim (checked abstractly: it lowers).
+    (module,) = plgpu.mosaic_modules(lambda q: ops.dot_product_attention(
+        q, q, q, implementation="mosaic_gpu"), jax.ShapeDtypeStruct((1, 64, 1, 256), jnp.bfloat16))
+    assert "wgmma.mma_async" in module
+
+
+class _Device:
+    platform = "gpu"
+
+    def __init__(self, kind, cc):
+        self.device_kind, self.compute_capability = kind, cc
+
+
+@pytest.mark.parametrize("kind, cc", [("NVIDIA A100-SXM4-80GB", "8.0"),
+                                      ("Tesla V100-SXM2-16GB", "7.0")])
+def test_refuses_gpus_older_than_sm90_before_tracing(monkeypatch, kind, cc):
+    monkeypatch.setattr(target, "default_device", lambda: _Device(kind, cc))
+    monkeypatch.setattr(_op.Target, "current", classmethod(lambda cls: cls("gpu", kind)))
+    traced = []
+    monkeypatch.setattr(mosaic_gpu_forward, "forward", lambda *args: traced.append(args))
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=f"sm_90.*{kind}|{kind}.*sm_90"):
+        ops.dot_product_attention(q, q, q, implementation="mosaic_gpu")
+    assert not traced
+
+
+def test_empty_operands_give_the_reference():
+    q = jnp.zeros((1, 0, 2, 64), jnp.bfloat16)
+    k = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+    assert ops.dot_product_attention(q, k, k, implementation="mosaic_gpu").shape == (1, 0, 2, 64)
+
+
+def test_config_is_checked_and_the_tuner_gets_candidates():
+    for bad in (dict(block_q=32), dict(block_kv=320), dict(max_concurrent_steps=1),
+                dict(compute_wgs=3), dict(block_q_dkv=48)):
+        with pytest.raises(ValueError, match="MosaicGPUConfig"):
+            MosaicGPUConfig(**bad)
+    op = ops._op.get("dot_product_attention")
+    assert op.config_type("mosaic_gpu") is MosaicGPUConfig
+    device = _op.Device("mosaic_gpu")
+    for dims in ((8192, 8192, 128), (8192, 8192, 64), (4096, 4096, 256)):
+        problem = op.problem(dims, "bfloat16", {"causal": True})
+        candidates = MosaicGPUConfig.candidates(problem, device)
+        assert candidates and len(set(candidates)) == len(candidates)
+        head_dim = dims[2]
+        assert all(fits(c, head_dim, head_dim, 2, False) for c in candidates), dims
+    problem = op.problem((8192, 8192, 128), "bfloat16")
+    assert MosaicGPUConfig.heuristic(problem, device) == MosaicGPUConfig(64, 128, 2)
+    assert mosaic_gpu_backward.dkdv_accumulator_registers(MosaicGPUConfig(), 128, 128) == 128
+
+
+# --- slow: the sweeps ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("option", [
+    {}, dict(is_causal=True), dict(local_window_size=40), dict(local_window_size=(0, 30)),
+    dict(logits_soft_cap=3.0), dict(sinks=True),
+    dict(query_seq_lengths=np.array([50, 130], np.int32),
+         key_value_seq_lengths=np.array([0, 90], np.int32)),
+], ids=["plain", "causal", "window", "right_window", "soft_cap", "sinks", "lengths"])
+def test_each_option(dtype, option):
+    option = dict(option)
+    sinks = option.pop("sinks", False)
+    option = {k: (jnp.asarray(v) if k in _KEYS else v) for k, v in option.items()}
+    _check(10, (2, 130, 100, 4, 1, 64), dtype, sinks=sinks, **option)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("h, hv, grads", [(64, 64, True), (128, 128, True), (256, 256, False),
+                                          (192, 128, True)])
+def test_head_dims(h, hv, grads):
+    _check(11, (1, 136, 136, 2, 1, h, hv), jnp.bfloat16, grads=grads, is_causal=True)
+
+
+@pytest.mark.slow
+def test_segment_ids_causal_and_deterministic_gradients():
+    b, t = 2, 192
+    kw = dict(is_causal=True, query_segment_ids=_segments(12, b, t, 4),
+              key_value_segment_ids=_segments(12, b, t, 4))
+    _check(12, (b, t, t, 2, 2, 64), jnp.bfloat16, **kw)
+    q, k, v, do = _inputs(12, b, t, t, 2, 2, 64)
+    first = _mosaic(q, k, v, do, **kw)[2]
+    again = _mosaic(q, k, v, do, **kw)[2]
+    for x, y in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_matches_jax_nn():
+    q, k, v, _ = _inputs(13, 1, 128, 128, 2, 1, 64)
+    for causal in (False, True):
+        want = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                            v.astype(jnp.float32), is_causal=causal)
+        got = ops.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic_gpu")
+        assert_close(got, want, for_dtype(FORWARD, jnp.bfloat16), f"causal={causal}")
+
+
+# --- on a GPU ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_the_gpu():
+    """On an sm_90+ GPU the kernels compile and run for real; an older GPU refuses them."""
+    cc = target.compute_capability(jax.devices()[0])
+    q, k, v, do = _inputs(20, 2, 1000, 1000, 8, 2, 128)
+    if cc is None or cc < target.MIN_COMPUTE_CAPABILITY:
+        with pytest.raises(NotImplementedError, match="sm_90"):
+            ops.dot_product_attention(q, k, v, implementation="mosaic_gpu")
+        return
+    for kw in ({}, dict(is_causal=True), dict(is_causal=True, logits_soft_cap=20.0)):
+        _check(20, (2, 1000, 1000, 8, 2, 128), jnp.bfloat16, **kw)

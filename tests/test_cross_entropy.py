@@ -247,8 +247,9 @@ LCE_BAD = [
              r"block_sizes must be three"),
     BadInput("vocab_chunk", (X, W, LABELS), {"vocab_chunk": 0}, ValueError, "vocab_chunk",
              r"vocab_chunk must be a positive int"),
+    # Mosaic GPU's kernels (ops/matmul/mosaic_gpu_lce.py) take 16-bit operands only.
     BadInput("mosaic_gpu", (X, W, LABELS), {"implementation": "mosaic_gpu"}, NotImplementedError,
-             "implementation", r"no kernel yet"),
+             "implementation", r"mosaic_gpu.*float32"),
 ]
 
 LINEAR_CROSS_ENTROPY = OpSpec(

@@ -296,3 +296,34 @@ def test_glu_backward_alone_on_mosaic_gpu():
     tol = for_dtype(BACKWARD, jnp.bfloat16)
     assert_close(dx, f64(want_dx), tol, "dx")
     assert_close(dw, f64(want_dw), tol, "dw")
+
+
+# --- linear_cross_entropy ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, vocab_chunk", [
+    (dict(logits_soft_cap=5.0, label_smoothing=0.1, z_loss=1e-3), None),
+    # Two full 256-column chunks in XLA's loop and a 88-column tail.
+    pytest.param({}, 256, marks=pytest.mark.slow),
+])
+def test_linear_cross_entropy_forward_and_gradients(options, vocab_chunk):
+    """Statistics by the row epilogue ([column blocks, N], merged by XLA), dz as the tile
+    epilogue of the recomputed logits, dx / dw on the core; N = 136, D = 130, V = 600
+    divide no tile (the last column block is mostly past V); an invalid label gives NaN."""
+    n, d, v = 136, 130, 600
+    x = _normal(40, (n, d), jnp.bfloat16)
+    w = _normal(41, (d, v), jnp.bfloat16, 1 / np.sqrt(d))
+    labels = jax.random.randint(jax.random.key(42), (n,), 0, v).at[3].set(v)
+    fn = lambda x, w: ops.linear_cross_entropy(x, w, labels, implementation="mosaic_gpu",  # noqa: E731
+                                               vocab_chunk=vocab_chunk, **options)
+    ref = lambda x, w: ops.linear_cross_entropy(x, w, labels, implementation="xla", **options)  # noqa: E731
+    g = _normal(43, (n,), jnp.bfloat16).at[3].set(0)
+    out, pullback = jax.vjp(fn, x, w)
+    dx, dw = pullback(g)
+    want, ref_pullback = jax.vjp(ref, x.astype(jnp.float32), w.astype(jnp.float32))
+    want_dx, want_dw = ref_pullback(g.astype(jnp.float32))
+    assert np.isnan(f64(out)[3]) and np.isnan(f64(want)[3])
+    keep = np.arange(n) != 3
+    assert_close(f64(out)[keep], f64(want)[keep], for_dtype(FORWARD, jnp.bfloat16), "loss")
+    tol = for_dtype(BACKWARD, jnp.bfloat16)
+    assert_close(dx, f64(want_dx), tol, "dx")
+    assert_close(dw, f64(want_dw), tol, "dw")

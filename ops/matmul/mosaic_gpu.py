@@ -54,7 +54,6 @@ import jax.numpy as jnp
 
 from ops import _op
 from ops.matmul import mosaic_gpu_core as core
-from ops.matmul.config import MatmulConfig
 from ops.matmul.mosaic_gpu_config import MosaicMatmulConfig
 
 # The module (the package's name ``fused_matmul`` is the function).
@@ -81,7 +80,7 @@ def block_sizes_unsupported(block_sizes) -> str | None:
     a :class:`MosaicMatmulConfig`, None, or three ints that make a valid one."""
     if block_sizes is None or isinstance(block_sizes, MosaicMatmulConfig):
         return None
-    if isinstance(block_sizes, MatmulConfig):
+    if isinstance(block_sizes, _op.KernelConfig):
         return (f"block_sizes is a {type(block_sizes).__name__} (tiles of the Triton, interpret "
                 "and Mosaic TPU kernels); pass a MosaicMatmulConfig")
     try:

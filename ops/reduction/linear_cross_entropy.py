@@ -90,7 +90,9 @@ from ops._checks import check_array, check_matmul_operands
 from ops._implementation import KERNEL_BACKENDS, check_implementation
 from ops._partitioning import psum, reduced_axes, reshape, run
 from ops._tiles import mosaic_tpu_matmul_blocks
-from ops.matmul import tiled
+from ops.matmul import mosaic_gpu, tiled
+from ops.matmul.mosaic_gpu_config import MosaicMatmulConfig
+from ops.matmul.mosaic_gpu_lce import LceKernels, MosaicLceConfig
 from ops.reduction import _rows, lm_loss
 # Named import: the package re-exports the function cross_entropy, which shadows the module.
 from ops.reduction.cross_entropy import check_labels
@@ -166,11 +168,15 @@ def linear_cross_entropy(x, w, labels, *, ignore_index: int | None = None,
 
 
 def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk,
-                             options=lm_loss.LossOptions()):
-    """The checked call on one implementation (see :func:`linear_cross_entropy`)."""
+                             options=lm_loss.LossOptions(), kernels=None):
+    """The checked call on one implementation (see :func:`linear_cross_entropy`);
+    ``kernels``: another core's (:class:`_Config`), None for the tiled core's."""
     if impl == "xla" or x.size == 0:
         # No rows, or a hidden dim of 0 (all logits 0: the loss is log V): XLA's answer.
         return _reference(x, w, labels, options)
+    if kernels is None and isinstance(blocks, MosaicMatmulConfig):
+        raise NotImplementedError(f"{_OP}: block_sizes is a {type(blocks).__name__}, the tiles "
+                                  f"of implementation='mosaic_gpu', not of {impl!r}.")
     lead = x.shape[:-1]
     x2 = reshape(x, (-1, x.shape[-1]))
     labels2 = reshape(labels, (-1, 1)).astype(jnp.int32)
@@ -178,7 +184,8 @@ def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk,
                      vocab_chunk=None if vocab_chunk is None else int(vocab_chunk),
                      soft_cap=options.logits_soft_cap, lse_grad=options.needs_lse_grad,
                      smoothing=options.label_smoothing,
-                     num_classes=w.shape[1] if options.label_smoothing else 0)
+                     num_classes=w.shape[1] if options.label_smoothing else 0,
+                     kernels=kernels)
     out = _linear_cross_entropy(x2, w, labels2, config)
     loss, lse = out if config.lse_grad else (out, None)
     loss = reshape(loss, lead)
@@ -189,7 +196,7 @@ def _linear_cross_entropy_on(impl, x, w, labels, blocks, vocab_chunk,
 def _check_block_sizes(block_sizes):
     if block_sizes is None:
         return None
-    if isinstance(block_sizes, LinearCrossEntropyConfig):
+    if isinstance(block_sizes, (LinearCrossEntropyConfig, MosaicMatmulConfig)):
         block_sizes.check(_OP)
         return block_sizes
     sizes = tuple(block_sizes)
@@ -231,6 +238,8 @@ class _Config:
     lse_grad: bool = False         # lse is an output whose cotangent the dz kernel takes
     smoothing: float = 0.0         # label smoothing a: targets (1 - a) onehot + a / V
     num_classes: int = 0           # V (the whole vocabulary, however w is sharded) for a / V
+    # Another core's kernels (ops.matmul.mosaic_gpu_lce.LceKernels), None: the tiled core's.
+    kernels: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,6 +380,10 @@ def _forward_loop_kernel(x_ref, w_ref, labels_ref, m_ref, s_ref, p_ref, *t_ref, 
 def _forward_call(x2, w, labels2, config: _Config):
     """Per-split statistics ``(max, sum of exp(z - max), picked logit)``, each float32
     ``[splits, rows, 1]``, and with label smoothing the sum of the logits too."""
+    if config.kernels is not None:
+        return config.kernels.forward_stats(x2, w, labels2, _kernels_config(x2, w, config),
+                                            soft_cap=config.soft_cap,
+                                            smoothing=bool(config.smoothing))
     dims = _dims(x2, w, config)
     n = x2.shape[0]
     bm, bv, bd = dims.block_rows, dims.block_v, dims.block_d
@@ -478,6 +491,11 @@ def _chunk_grads(x2, w, labels2, m, log_s, g2, start, size: int, config: _Config
     w_chunk = lax.dynamic_slice_in_dim(w, start, size, axis=1)
     valid = (labels2 >= 0) & (labels2 < w.shape[1])
     local = jnp.where(valid, labels2 - start, -1)
+    if config.kernels is not None:
+        dz = config.kernels.dz(x2, w_chunk, local, m, log_s, g2, _kernels_config(x2, w, config),
+                               soft_cap=config.soft_cap, smoothing=config.smoothing,
+                               num_classes=config.num_classes, g_lse2=g_lse2)
+        return config.kernels.products(x2, w_chunk, dz)
     dz = _dz_call(x2, w_chunk, local, m, log_s, g2, config, g_lse2)
     backend = config.backend
     # dx[N, D] = dz[N, chunk] @ w_chunk[D, chunk]^T
@@ -591,7 +609,11 @@ def _backward(x2, w, labels2, m, log_s, gs, config: _Config):
     n, d = x2.shape
     v = w.shape[1]
     g2, *g_lse2 = (g.astype(jnp.float32).reshape(-1, 1) for g in gs)
-    chunk = _vocab_chunk(n, v, _dims(x2, w, config).block_v, config)
+    if config.kernels is not None:
+        block_v = config.kernels.block_vocab(_kernels_config(x2, w, config))
+    else:
+        block_v = _dims(x2, w, config).block_v
+    chunk = _vocab_chunk(n, v, block_v, config)
     num_full, tail = divmod(v, chunk)
     grads = functools.partial(_chunk_grads, x2, w, labels2, m, log_s, g2, config=config,
                               g_lse2=g_lse2[0] if g_lse2 else None)
@@ -657,6 +679,17 @@ def _tiles_per_split(num_v_tiles: int, backend: str) -> int:
     the interpreter so tests see several splits."""
     cap = 4 if pl.backend_traits(backend).interpreted else 32
     return max(1, min(cap, num_v_tiles))
+
+
+def _kernels_config(x2, w, config: _Config):
+    """The logits tiles' config of another core's kernels (``config.kernels``): the
+    caller's (three ints become that core's config class), else the op's selection."""
+    explicit = config.block_sizes
+    cls = OP.config_type(config.backend)
+    if isinstance(explicit, tuple):
+        explicit = cls(*explicit)
+    return OP.select(OP.problem((x2.shape[0], x2.shape[1], w.shape[1]), x2.dtype),
+                     config.backend, explicit)
 
 
 def _dims(x2, w, config: _Config) -> _Dims:
@@ -763,3 +796,26 @@ OP = _op.register(_op.Op(name=_OP, dims=("rows", "d", "vocab"),
                          problem_of=_problem_of, function=linear_cross_entropy,
                          not_default={"xla": "it forms the N x V logits in memory, which "
                                              "linear_cross_entropy exists to avoid"}))
+
+
+# implementation="mosaic_gpu": the logits tiles on the warp-specialized Mosaic GPU core
+# (ops/matmul/mosaic_gpu_lce.py): statistics by a row epilogue, dz as a tile epilogue.
+
+def _mosaic_supported(call: _op.Call) -> str | None:
+    """None when the Mosaic GPU kernels run ``call``, else why not: float32, a
+    ``LinearCrossEntropyConfig`` (the other kernels' tiles) as ``block_sizes``, a GPU
+    older than sm_90."""
+    a = call.args
+    found = mosaic_gpu.reasons(a["x"].dtype, block_sizes=a["blocks"], call=call)
+    return "; ".join(found) if found else None
+
+
+def _mosaic_run(call: _op.Call):
+    blocks = call.args["blocks"]
+    explicit = MosaicLceConfig(*blocks) if isinstance(blocks, tuple) else blocks
+    return _linear_cross_entropy_on("mosaic_gpu", **call.args, kernels=LceKernels(explicit))
+
+
+_op.register_implementation(_OP, _op.Implementation(
+    "mosaic_gpu", _mosaic_run, config=MosaicLceConfig, supported=_mosaic_supported,
+    platforms=("gpu",)))

@@ -2,7 +2,8 @@
 
 Each case pits our kernels (every implementation in
 :func:`benchmarks.harness.kernel_implementations`: ``triton`` and
-``pallas_triton`` on GPUs, ``interpret`` on CPUs) against the baseline a user
+``pallas_triton`` on GPUs, ``interpret`` on CPUs; and the Mosaic GPU kernels,
+``mosaic_gpu``, :func:`mosaic_gpu_column`) against the baseline a user
 would write without us: ``jax.nn.dot_product_attention(implementation="xla")``
 in the inputs' dtype, jitted, which materialises the ``[B, N, T, S]`` logits
 in float32 (and, for the backward pass, their gradient). On GPUs the cuDNN
@@ -129,6 +130,19 @@ def extra_implementations(platform: str) -> tuple[str, ...]:
     return ("cudnn",) if platform in ("gpu", "cuda") else ()
 
 
+def mosaic_gpu_column(platform: str, shape: Shape, quick: bool = False) -> tuple[str, ...]:
+    """Our Mosaic GPU kernels' column (``implementation="mosaic_gpu"``,
+    :mod:`ops.attention.mosaic_gpu`): on GPUs (an sm_90+ one runs them; an older one's
+    row records its refusal), and in a CPU's full run, where they run in JAX's GPU
+    interpret mode, on the 16-bit shapes they take (not in quick runs: the
+    interpreter takes seconds per kernel)."""
+    if platform in ("gpu", "cuda"):
+        return ("mosaic_gpu",)
+    if platform == "cpu" and not quick and shape.dtype in ("bfloat16", "float16"):
+        return ("mosaic_gpu",)
+    return ()
+
+
 def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     """Every attention case for ``platform``: shapes x passes.
 
@@ -137,7 +151,8 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     ours = harness.kernel_implementations(platform)
     extra = extra_implementations(platform)
     interpret = jax_pallas_ops.interpret_mode(platform, quick)
-    return [make_case(shape, pass_name, ours, extra, jax_pallas_interpret=interpret)
+    return [make_case(shape, pass_name, ours + mosaic_gpu_column(platform, shape, quick), extra,
+                      jax_pallas_interpret=interpret)
             for shape in shapes(platform, quick)
             for pass_name in harness.PASSES]
 

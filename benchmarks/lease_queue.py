@@ -10,7 +10,8 @@ order, this runner
    quick case of the same op, variant and pass instead);
 2. compiles each arm under its settings (``tma``: :func:`pallas_core.triton.enable_tma`;
    ``env``: environment variables; ``config``: a tuning-cache entry for the
-   op's problem, :func:`ops.tuning.cache.override`), with JAX's caches cleared
+   op's problem and, for an op whose configs are keyed by variant (attention's
+   causal, ...), the entry's ``variant``, :func:`ops.tuning.cache.override`), with JAX's caches cleared
    first so no arm reuses another's trace;
 3. checks each arm once against its case's float64 reference (one reference
    per case, shared by the arms that time it);
@@ -50,7 +51,9 @@ from benchmarks.suite import collect_cases
 QUEUE_FILE = Path(__file__).resolve().parent / "lease_queue.json"
 METRICS = ("speedup", "fraction_of_ceiling")
 # A case's shape -> the op's tuning problem dims (what a config arm's cache entry is for).
-PROBLEM_DIMS = {"fused_matmul": lambda shape: (shape[0], shape[2], shape[1])}  # (M, K, N) -> (m, n, k)
+PROBLEM_DIMS = {"fused_matmul": lambda shape: (shape[0], shape[2], shape[1]),  # (M, K, N) -> (m, n, k)
+                # (B, T, S, N, K, H) -> (T, S, head_dim)
+                "dot_product_attention": lambda shape: (shape[1], shape[2], shape[5])}
 # Cases the queue may name beyond the suite's: op -> make_case(shape, dtype, variant, pass, impls).
 BUILDERS = {"fused_matmul": matmul.make_case}
 ROUNDS = 3
@@ -159,7 +162,8 @@ def arm_settings(arm: Mapping[str, Any], case: harness.Case) -> Iterator[None]:
                 raise ValueError(f"arm {arm['label']!r}: a config for {config['op']!r} on a "
                                  f"{case.op} case (configs: {sorted(PROBLEM_DIMS)}).")
             entry = cache.make_entry(case.op, arm["implementation"], cache.current_device_kind(),
-                                     case.dtype, PROBLEM_DIMS[case.op](case.shape), config["fields"])
+                                     case.dtype, PROBLEM_DIMS[case.op](case.shape), config["fields"],
+                                     variant=config.get("variant"))
             stack.enter_context(cache.override([entry]))
         jax.clear_caches()
         yield

@@ -386,3 +386,42 @@ def test_on_the_gpu():
         return
     for kw in ({}, dict(is_causal=True), dict(is_causal=True, logits_soft_cap=20.0)):
         _check(20, (2, 1000, 1000, 8, 2, 128), jnp.bfloat16, **kw)
+
+
+def test_lease_queue_config_arms_reach_the_kernels(monkeypatch):
+    """Each mosaic-gpu experiment's config arm (a tuning-cache entry with its variant) is
+    the config the kernels are called with on its case (traced abstractly, kernels stubbed)."""
+    from benchmarks import lease_queue
+    seen = []
+
+    def forward(cfg, tiles, q, k, v, *rest):
+        seen.append(tiles)
+        B, T, N, _ = q.shape
+        return (jnp.zeros((B, T, N, v.shape[-1]), q.dtype), jnp.zeros((B, N, T, 1), jnp.float32))
+
+    def backward(cfg, tiles, q, k, v, *rest):
+        seen.append(tiles)
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+
+    monkeypatch.setattr(mosaic_gpu_forward, "forward", forward)
+    monkeypatch.setattr(mosaic_gpu_backward, "backward", backward)
+    experiments = [e for e in lease_queue.load_queue() if e["name"].startswith("mosaic-gpu-")]
+    assert experiments
+    for experiment in experiments:
+        for arm in experiment["arms"]:
+            if arm["implementation"] != "mosaic_gpu":
+                continue
+            case = lease_queue.resolve_case(arm["case"], "gpu", quick=False)
+            args = jax.eval_shape(case.make_inputs, jax.random.key(0))
+            seen.clear()
+            with lease_queue.arm_settings(arm, case):
+                jax.eval_shape(case.implementations["mosaic_gpu"], *args)
+            fields = arm.get("config", {}).get("fields")
+            assert seen and all(t == seen[0] for t in seen), arm["label"]
+            if fields:
+                assert {k: getattr(seen[0], k) for k in fields} == fields, arm["label"]
+            else:
+                assert seen[0] == MosaicGPUConfig.heuristic(
+                    ops._op.get("dot_product_attention").problem(
+                        (case.shape[1], case.shape[2], case.shape[5]), case.dtype),
+                    _op.Device("mosaic_gpu")), arm["label"]

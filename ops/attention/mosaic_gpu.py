@@ -36,27 +36,50 @@ whole array), so a query or key/value length that is not is padded in XLA
 (one copy of q, k, v, out); the logsumexp is written in whole tiles and
 sliced.
 
-Static view (the Mosaic GPU module read back by ``plgpu.mosaic_modules`` on a
-host without a GPU, B=2, T=S=8192, 16 heads of 128, bfloat16, causal, the
-heuristic's 64 x 128 tiles and 2 stages; no PTX/SASS here: jaxlib's CUDA
-plugin compiles the module on the GPU): per key/value step each compute
-warpgroup issues 16 ``wgmma.mma_async`` (8 ``m64n128k16`` for ``q k^T``, 8 for
-``p v``), 66 ``ex2.approx`` per thread (the 64 x 128 tile's 64 and the two
-rescale factors), two schedule meetings and four barrier operations; the
-producer issues two TMA tile loads per step; there are 3 TMA load sites (q,
-k, v), one TMA tile store (out) and a bulk store (logsumexp), and two
-``setmaxregister`` (232 up for the compute warpgroups, 40 down for the
-producer). Shared memory 163 KiB. Predicted on an H100/H200 (989 TFLOP/s dense
-bf16): the products are 16 ``wgmma`` per 2 x 64 x 128 x 128 x 2 flops, the
-exp2 work 64 per thread on the MUFU (16 ops/clk/SM: 8192 exp2 per tile pair
-against 2 x 2 x 64 x 128 x 128 = 4.2 MFLOP on the tensor cores at about 1024
-dense flops/clk/SM per... i.e. the softmax costs about 1/2 of the matmul time
-unhidden, hidden by the ping-pong): forward about 600 TFLOP/s full and 540
-causal at head dim 128 (FlashAttention-3's published 648 / 616 at 16k with the
-same schedule, less what our pipeline leaves: no intra-warpgroup overlap of
-softmax and ``q k^T``, the output through shared memory), about 1.1-1.2x
-cuDNN's measured 471 causal on the H200; at head dim 64 about 400 (the
-softmax is then as long as the products); forward+backward about 0.9x cuDNN.
+Static view, before any GPU run (the Mosaic GPU modules ``plgpu.mosaic_modules``
+reads back on a host without a GPU; PTX and SASS are jaxlib's CUDA plugin's,
+which compiles the module on the GPU, so register counts and spills are not
+known here). B=2, T=S=8192, bfloat16, causal, the heuristic's tiles:
+
+* forward, 16 heads of 128 (64 query rows per compute warpgroup, 128-row
+  key/value tiles, 2 stages, 163 KiB of shared memory): per key/value step
+  each compute warpgroup issues 16 ``wgmma.mma_async`` ``m64n128k16`` (8 for
+  ``q k^T``, 8 for ``p v``) in two commit groups, 66 ``ex2.approx`` per thread
+  (the tile's 64 and two rescale factors), 4 mbarrier waits and 4 arrivals
+  (its two schedule meetings, the key and value stages); the producer 2 TMA
+  tile loads; one ``setmaxregister`` each (232 up, 40 down); no warpgroup
+  ``bar.sync`` in the loop. At 32 heads of 64: 4 stages (147 KiB), 12
+  ``wgmma`` a step (4 ``m64n128k16`` for ``q k^T``, 8 ``m64n64k16`` for ``p v``),
+  the same 66 ``ex2``.
+  A soft cap adds 64 ``tanh.approx.f32`` per thread a step; sinks nothing in
+  the loop (they start the carry).
+* dQ (64 x 64 steps): 20 ``wgmma`` a step (8 + 8 ``m64n64k16`` for ``q k^T``
+  and ``dO v^T``, issued together and waited once, 4 ``m64n128k16`` for
+  ``ds k``), 32 ``ex2`` per thread, 2 TMA loads; dK/dV (64 key rows per
+  warpgroup, 64-row query steps): 24 ``wgmma`` a step (``k q^T``, ``v dO^T``,
+  ``p^T dO``, ``ds^T q``), 32 ``ex2``, 4 TMA loads (q and dO tiles, their
+  logsumexp and delta rows).
+
+Predicted figures (H100/H200: 989 TFLOP/s dense bf16, about 4096 flops per
+clock per SM, and 16 ``ex2`` per clock per SM on the MUFU, FlashAttention-3's
+"3.9 TFLOPS of special functions"): a 64 x 128 tile at head dim 128 is 4.2
+MFLOP, 1024 clocks of the SM's tensor cores, against 512 clocks of ``ex2`` and
+about 256 of float32 work for its softmax; the ping-pong hides one warpgroup's
+softmax under the other's products, so the loop is bound by the tensor cores
+and should reach what FlashAttention-3's schedule reaches, 65-75% of the
+measured matmul ceiling (697 TFLOP/s on the H200): forward about 470 TFLOP/s
+full and 420 causal, 0.9x cuDNN's measured 519 / 471 (this kernel lacks
+FlashAttention-3's overlap of one tile's softmax with the next tile's ``q
+k^T`` inside a warpgroup, section 3.2, and its persistent scheduling). At
+head dim 64 the products halve and the softmax does not: the loop is bound
+by the softmax (2 x 768 clocks per pair of tiles), about 300 TFLOP/s causal,
+0.85x cuDNN's 352. The backward forms ``q k^T`` and ``dO v^T`` in both
+kernels (7 products per tile against the 5 FLOP-counted) with no ping-pong:
+forward+backward about 0.7x cuDNN (300 of its 433 causal at head dim 128). A
+soft cap doubles the MUFU work (``tanh`` and ``exp2``): about 0.85x of the
+same kernel without at head dim 128, 0.65x at 64; sinks cost nothing
+measurable. The lease queue (``benchmarks/lease_queue.json``, experiments
+``mosaic-gpu-*``) times these against cuDNN with the tuner's candidates.
 """
 from __future__ import annotations
 

@@ -166,19 +166,15 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
             t = j - walk.lo
             slot = k_ring.slot(t)
             k_ring.wait_full(t)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
             v_ring.wait_full(t)
 
-            def dov(acc_ref):
-                plgpu.wgmma(acc_ref, do_tile, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
-                return acc_ref[...]
+            def products(s_ref, dp_ref):  # both issued, then one wait
+                plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(dp_ref, do_tile, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                return s_ref[...], dp_ref[...]
 
-            dp = pl.run_scoped(dov, plgpu.ACC((bq, bk), jnp.float32))
+            s, dp = pl.run_scoped(products, plgpu.ACC((bq, bk), jnp.float32),
+                                  plgpu.ACC((bq, bk), jnp.float32))
             v_ring.release(t)
             q_seg = k_seg = None
             if masked and q_ids is not None:
@@ -301,25 +297,21 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, k_smem, v_smem, q_sme
             dk, dv = carry
             slot = q_ring.slot(t)
             q_ring.wait_full(t)
+            do_ring.wait_full(t)
 
-            def kq(acc_ref):
-                plgpu.wgmma(acc_ref, k_tile, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-                return acc_ref[...]
+            def products(s_ref, dp_ref):  # s^T and dp^T, both issued, then one wait
+                plgpu.wgmma(s_ref, k_tile, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                plgpu.wgmma(dp_ref, v_tile, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                return s_ref[...], dp_ref[...]
 
-            s = pl.run_scoped(kq, plgpu.ACC((bk, bq), jnp.float32))  # s^T
+            s, dp = pl.run_scoped(products, plgpu.ACC((bk, bq), jnp.float32),
+                                  plgpu.ACC((bk, bq), jnp.float32))
             lse = plgpu.load(lse_smem.at[slot], (), layout=col_layout())
+            delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout())
             q_seg = k_seg = None
             if masked and k_ids is not None:
                 k_seg = WGMMA.expand(k_ids, s, 0)
                 q_seg = WGMMA.expand(plgpu.load(qseg_smem.at[slot], (), layout=col_layout()), s, 1)
-            do_ring.wait_full(t)
-
-            def vdo(acc_ref):
-                plgpu.wgmma(acc_ref, v_tile, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-                return acc_ref[...]
-
-            dp = pl.run_scoped(vdo, plgpu.ACC((bk, bq), jnp.float32))  # dp^T
-            delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout())
             tile = Tile(q=None, k=None, i=i, j=j, head=None, q_seg=q_seg, k_seg=k_seg,
                         transposed=True, layout=WGMMA)
             p, dscores, _ = backward_tile(score, spec, tile, None, None, lse, delta, None, bq, bk,

@@ -84,40 +84,6 @@ def test_cross_entropies(impl):
         assert_close(g, e, 1e-4)
 
 
-@gpu
-def test_triton_pads_non_power_of_two_blocks_and_keeps_scratch_in_memory_when_sliced():
-    """Two paths of our lowering the ops above do not take: padded blocks, memory scratch.
-
-    Its first GPU run (H200, 2026-11-27) failed with its message lost. Found on a
-    host without a GPU: Triton's interpreter gives the right answer (error 3e-8),
-    and the sm_90 compile stores the scratch's two sliced halves to global memory
-    (one program's private slice) and loads it back whole in another register
-    layout with no barrier between (the PTX has st.global then ld.global and no
-    bar.sync): a thread reads elements other warps may not have stored yet. The
-    interpreter runs a program's lanes in order, so only the GPU shows the race.
-    The generated kernel needs a barrier between a memory scratch's stores and a
-    later load (``tl.debug_barrier()``, as ``pltriton.debug_barrier`` emits).
-    """
-    import numpy as np
-
-    import pallas_core as pl
-
-    def softmax_rows(x_ref, o_ref, scratch_ref):
-        scratch_ref[:, 0:48] = x_ref[:, 48:96]  # sliced: this scratch lives in global memory
-        scratch_ref[:, 48:96] = x_ref[:, 0:48]
-        x = scratch_ref[...]
-        e = jnp.exp(x - x.max(axis=1, keepdims=True))
-        o_ref[...] = e / e.sum(axis=1, keepdims=True)
-
-    x = jax.random.normal(KEYS[4], (1000, 96))
-    spec = pl.BlockSpec((64, 96), lambda i: (i, 0))
-    got = pl.pallas_call(softmax_rows, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(16,),
-                         in_specs=[spec], out_specs=spec, scratch_shapes=[pl.tpu.VMEM((64, 96), jnp.float32)],
-                         backend="triton")(x)
-    want = jax.nn.softmax(jnp.roll(x, 48, axis=1), axis=1)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
 ATTENTION_OPTIONS = {
     "causal_gqa": lambda b, t, s: dict(is_causal=True),
     "lengths_window_softcap": lambda b, t, s: dict(

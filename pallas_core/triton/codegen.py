@@ -38,6 +38,7 @@ values, shapes and masks in :mod:`pallas_core.triton.values`.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from typing import Any
@@ -51,7 +52,8 @@ from pallas_core import _jax_internals, context
 from pallas_core.params import ARBITRARY, PARALLEL
 from pallas_core.primitives import next_power_of_2
 from pallas_core.indexing import indexer_layout, is_slice, is_trivial
-from pallas_core.triton import descriptors, inline_asm, jit_helpers, markers, peeling, program_order
+from pallas_core.triton import (descriptors, inline_asm, jit_helpers, markers, peeling, program_order,
+                                 scratch_barriers)
 from pallas_core.triton.elementwise import ElementwiseWriter
 from pallas_core.triton.values import (INT32_MAX, Val, as_code, axis_index, fit, lane_mask, literal, tl_dtype,
                                        tl_shape)
@@ -158,6 +160,9 @@ class RefView:
     # Per array dim, the end (exclusive, in elements) of what a BoundedSlice block holds, or
     # None: lanes past it are neither read nor written. Empty: no BoundedSlice dim.
     bounds: tuple[str | None, ...] = ()
+    # The index of the scratch buffer this view is in, where it lives in memory (accesses are
+    # ordered by barriers: pallas_core.triton.scratch_barriers); None: an operand or a register.
+    scratch: int | None = None
 
     @property
     def register_name(self) -> str:
@@ -296,6 +301,7 @@ class KernelWriter(ElementwiseWriter):
         self.scopes = descriptors.LoopScopes()  # with tma: where names change (descriptors at an access)
         self.ids: dict[int, str] = {}  # grid axis -> this program's id expression
         self.scalar_refs: list[RefView] = []  # the scalar-prefetch operands' views
+        self.barriers = scratch_barriers.BarrierPlan()  # memory scratch accesses since the last barrier
 
     # ---- small helpers -------------------------------------------------------------
     def fresh(self, prefix="v") -> str:
@@ -336,8 +342,11 @@ class KernelWriter(ElementwiseWriter):
             self.constexpr(f"G{a}", n)
         scratch_refs = [self._scratch_ref(k, s, parallel) for k, s in enumerate(call.scratch_shapes)]
         ids: dict[int, str] = {}
+        loops = []  # the loops the rest of the kernel is written in: their entry states
         if parallel:
             ids.update(self._program_ids(parallel))
+            if self.options.persistent:  # one program's tiles share its memory scratch
+                loops.append(self.barriers.loop_start())
         for ref in scratch_refs:
             if ref.register is not None:  # garbage is unspecified: zeros are as good as anything
                 self.emit(f"{ref.register_name} = tl.full({tl_shape(ref.shape)}, 0, {tl_dtype(ref.dtype)})")
@@ -345,6 +354,7 @@ class KernelWriter(ElementwiseWriter):
             self.emit(f"for i{a} in range(G{a}):")
             self.indent += 1
             ids[a] = f"i{a}"
+            loops.append(self.barriers.loop_start())
         id_vars = jaxpr.invars[:len(grid)]
         n_operands = len(call.in_mappings) + len(call.out_mappings)
         refs = (id_vars, jaxpr.invars[len(grid):len(grid) + n_operands],
@@ -353,6 +363,9 @@ class KernelWriter(ElementwiseWriter):
             self._program_body(closed, refs, ids, range(len(jaxpr.eqns)))
         else:
             self._peeled_loop(closed, refs, ids, arbitrary[-1])
+        for entry in reversed(loops):
+            self._loop_end(entry)
+            self.indent -= 1
         self._check_descriptors()
         header = self._header(n_operands)
         helpers = "".join(jit_helpers.combiner_source(n) for n in sorted(self.combiners))
@@ -421,7 +434,9 @@ class KernelWriter(ElementwiseWriter):
             self._peeled_blocks(closed, refs, {**ids, axis: "0"}, neutral + list(peel.before_values), peel.before)
         self.emit(f"for i{axis} in range(G{axis}):")
         self.indent += 1
+        entry = self.barriers.loop_start()
         self._program_body(closed, refs, {**ids, axis: f"i{axis}"}, peel.loop)
+        self._loop_end(entry)
         self.indent -= 1
         if peel.after:
             self._peeled_blocks(closed, refs, {**ids, axis: f"(G{axis} - 1)"}, neutral + list(peel.after_values),
@@ -500,7 +515,9 @@ class KernelWriter(ElementwiseWriter):
         Triton matmul. One accessed any other way (slices, atomics) lives in
         global memory, one private slice per launched program;
         :func:`generate` finds out which by writing the kernel again after
-        :class:`_ScratchNeedsMemory`.
+        :class:`_ScratchNeedsMemory`. The program's threads reach a memory
+        buffer's elements in different layouts, so its accesses are ordered
+        by barriers where they may race (:meth:`_ordered`).
         """
         rank = len(s.shape)
         names = tuple(self.constexpr(f"S{k}_{d}", s.shape[d]) for d in range(rank))
@@ -510,7 +527,8 @@ class KernelWriter(ElementwiseWriter):
         register = k if rank and k not in self.memory_scratch else None
         return RefView(ptr=ptr, array_shape=tuple(s.shape), dim_names=names,
                        dims=tuple(Range("0", n, 1) for n in s.shape), masked=(False,) * rank,
-                       dtype=np.dtype(s.dtype), wide=False, register=register)
+                       dtype=np.dtype(s.dtype), wide=False, register=register,
+                       scratch=k if register is None else None)
 
     def _index_map(self, m, ids, fn=None) -> list[str]:
         """The block index of ``m`` at grid ids ``ids``, the index map (or ``fn``, a function
@@ -692,10 +710,24 @@ class KernelWriter(ElementwiseWriter):
         return "[" + ", ".join(ref.dims[d].start if isinstance(ref.dims[d], Range) else ref.dims[d]
                                for d in dims) + "]"
 
+    def _ordered(self, ref: RefView, kind: str) -> None:
+        """Before an access of ``kind`` (:mod:`pallas_core.triton.scratch_barriers`) to ``ref``:
+        a barrier where ``ref`` is memory scratch another thread of the program may be
+        writing or reading in an earlier access."""
+        if ref.scratch is not None and self.barriers.access(ref.scratch, kind, _region(ref)):
+            self.emit("tl.debug_barrier()")
+
+    def _loop_end(self, entry) -> None:
+        """At the end of a loop's body (``entry``: the barrier plan's ``loop_start``): a
+        barrier where the next iteration's memory scratch accesses may race this one's."""
+        if self.barriers.loop_end(entry):
+            self.emit("tl.debug_barrier()")
+
     def _load(self, ref: RefView, access: dict | None = None) -> Val:
         """``tl.load`` of a view; ``access`` (a masked load): ``mask``, ``other`` Vals and hints."""
         access = access or {}
         self.reads.add(ref.ptr)
+        self._ordered(ref, scratch_barriers.LOAD)
         if tma := self._descriptor(ref, access):
             name, box, dims = tma
             value = self.assign(f"{name}.load({self._box_offsets(ref, dims)})", box, ref.dtype)
@@ -718,6 +750,7 @@ class KernelWriter(ElementwiseWriter):
     def _store(self, ref: RefView, val: Val, access: dict | None = None) -> None:
         access = access or {}
         self.writes.add(ref.ptr)
+        self._ordered(ref, scratch_barriers.STORE)
         if tma := self._descriptor(ref, access):
             name, box, dims = tma
             value = fit(val, ref.shape, ref.dtype)
@@ -880,6 +913,7 @@ class KernelWriter(ElementwiseWriter):
             return [self._math(name[len(markers.MATH):], eqn, *args)]
         if name == markers.DEBUG_BARRIER:
             self.emit("tl.debug_barrier()")
+            self.barriers.barrier()
             return []
         if name.startswith(markers.ROLL):
             return [self._roll(*markers.parse_roll(name), *args)]
@@ -935,6 +969,7 @@ class KernelWriter(ElementwiseWriter):
         view = self._view(ref, jax.tree.unflatten(get.params["tree"], get.invars[1:]), inner, guarded)
         self.reads.add(view.ptr)
         self.writes.add(view.ptr)
+        self._ordered(view, scratch_barriers.ATOMIC)
         offset, bounds, shape = self._addresses(view)
         masks = [m for m in (bounds, as_code(mask) if mask.expr != "True" else None) if m]
         where = f", mask={' & '.join(masks)}" if masks else ""
@@ -971,7 +1006,9 @@ class KernelWriter(ElementwiseWriter):
     def _p_cond(self, eqn, env, index, *args):
         branches = eqn.params["branches"]
         names = self._bind_outputs(eqn)
+        before, after = self.barriers.save(), []
         for k, branch in enumerate(branches):
+            self.barriers.restore(before)
             if k == 0:
                 cond = f"{as_code(index)} == 0" if len(branches) > 1 else "True"
                 self.emit(f"if {cond}:")
@@ -987,6 +1024,8 @@ class KernelWriter(ElementwiseWriter):
             if len(self.lines) == start:
                 self.emit("pass")
             self.indent -= 1
+            after.append(self.barriers.save())
+        self.barriers.merge(after)
         return [Val(n, v.aval.shape, np.dtype(v.aval.dtype)) for n, v in zip(names, eqn.outvars)]
 
     def _p_scan(self, eqn, env, *args):
@@ -1000,11 +1039,13 @@ class KernelWriter(ElementwiseWriter):
             self.emit(f"{name} = {as_code(value)}")
         self.emit(f"for _ in range({int(p['length'])}):")
         self.indent += 1
+        entry = self.barriers.loop_start()
         avals = [v.aval for v in eqn.outvars]
         current = [Val(n, a.shape, np.dtype(a.dtype)) for n, a in zip(carry, avals)]
         outs = self._inline(p["jaxpr"], list(consts) + current, env)
         for name, out in zip(carry, outs):
             self.emit(f"{name} = {as_code(out)}")
+        self._loop_end(entry)
         self.indent -= 1
         return current
 
@@ -1024,11 +1065,13 @@ class KernelWriter(ElementwiseWriter):
         self.emit(f"{flag} = {as_code(first)}")
         self.emit(f"while {flag}:")
         self.indent += 1
+        entry = self.barriers.loop_start()
         outs = self._inline(p["body_jaxpr"], list(body_consts) + current, env)
         for name, out in zip(carry, outs):
             self.emit(f"{name} = {as_code(out)}")
         (again,) = self._inline(p["cond_jaxpr"], list(cond_consts) + current, env)
         self.emit(f"{flag} = {as_code(again)}")
+        self._loop_end(entry)
         self.indent -= 1
         return current
 
@@ -1052,10 +1095,12 @@ class KernelWriter(ElementwiseWriter):
         current += [Val(n, a.shape, np.dtype(a.dtype)) for n, a in zip(carry, avals[2:])]
         self.emit(f"for {counter} in range({as_code(init[0])}, {upper}):")
         self.indent += 1
+        entry = self.barriers.loop_start()
         outs = self._inline(p["body_jaxpr"], list(body_consts) + current, env)
         for name, out in zip(carry, outs[2:]):
             self.emit(f"{name} = {as_code(out)}")
         self.emit("pass")
+        self._loop_end(entry)
         self.indent -= 1
         final = None
         if eqn.outvars[0] in self.used:  # the counter after the loop: max(lower, upper)
@@ -1126,6 +1171,46 @@ def _is_whole(indexer, shape) -> bool:
         if not isinstance(start, (int, np.integer)) or int(start) != 0 or int(idx.size) != n or int(idx.stride) != 1:
             return False
     return True
+
+
+def _static_int(expr: str) -> int | None:
+    """The value of an index expression made of integer literals, ``+``, ``-`` and ``*``
+    (as :func:`_add` and :func:`_mul` write them), or None where it names anything."""
+    try:
+        tree = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            inner = value(node.operand)
+            return None if inner is None else -inner
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            if a is None or b is None:
+                return None
+            return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
+        return None
+    return value(tree)
+
+
+def _region(ref: RefView) -> scratch_barriers.Region:
+    """Per array dim of a view, the first and last index it may touch (None: unknown,
+    a dynamic index or a gather)."""
+    region = []
+    for dim in ref.dims:
+        if isinstance(dim, Range):
+            start = _static_int(dim.start)
+            end = None if start is None else start + (dim.size - 1) * dim.stride
+            region.append(None if start is None else (min(start, end), max(start, end)))
+        elif isinstance(dim, str):
+            at = _static_int(dim)
+            region.append(None if at is None else (at, at))
+        else:
+            region.append(None)
+    return tuple(region)
 
 
 def generate(call) -> tuple[str, str, dict[str, int], list[str]]:

@@ -327,3 +327,34 @@ def test_linear_cross_entropy_forward_and_gradients(options, vocab_chunk):
     tol = for_dtype(BACKWARD, jnp.bfloat16)
     assert_close(dx, f64(want_dx), tol, "dx")
     assert_close(dw, f64(want_dw), tol, "dw")
+
+
+# --- ragged_dot ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sizes, group_offset, dtype", [
+    # Boundaries cut row tiles 0 and 1 (visited once per group, each storing its rows), an
+    # empty group (no visit; its drhs stored as zeros), rows past the sum (zeros).
+    ([70, 0, 150, 60], None, jnp.bfloat16),
+    # Expert parallelism: this call owns groups 1..2 of 4 (the other rows zero).
+    pytest.param([40, 100, 90, 70], 1, jnp.float16, marks=pytest.mark.slow),
+])
+def test_ragged_dot_forward_and_gradients(sizes, group_offset, dtype):
+    m, k, n = 300, 130, 200
+    g_local = len(sizes) if group_offset is None else 2
+    lhs = _normal(50, (m, k), dtype)
+    rhs = _normal(51, (g_local, k, n), dtype, 1 / np.sqrt(k))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    offset = None if group_offset is None else jnp.int32(group_offset)
+    g = _normal(52, (m, n), dtype)
+    fn = lambda l, r: ops.ragged_dot(l, r, sizes, group_offset=offset,  # noqa: E731
+                                     implementation="mosaic_gpu")
+    ref = lambda l, r: ops.ragged_dot(l, r, sizes, group_offset=offset, precision="highest",  # noqa: E731
+                                      implementation="xla")
+    out, pullback = jax.vjp(fn, lhs, rhs)
+    dlhs, drhs = pullback(g)
+    want, ref_pullback = jax.vjp(ref, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    want_dlhs, want_drhs = ref_pullback(g.astype(jnp.float32))
+    assert_close(out, f64(want), for_dtype(FORWARD, dtype), "ragged_dot")
+    tol = for_dtype(BACKWARD, dtype)
+    assert_close(dlhs, f64(want_dlhs), tol, "dlhs")
+    assert_close(drhs, f64(want_drhs), tol, "drhs")

@@ -298,12 +298,13 @@ def tma_shape(shape: Sequence[int], dtype) -> tuple[int, int]:
 
 
 def tma_ready(array):
-    """``array`` zero-padded to :func:`tma_shape` (itself when it has that shape); one-
-    dimensional arrays to a multiple of 16 bytes."""
+    """``array`` with its last two dims zero-padded to :func:`tma_shape` (itself when they
+    have it); one-dimensional arrays to a multiple of 16 bytes."""
     if array.ndim == 1:
         size = _round_up(max(array.shape[0], 1), 16 // np.dtype(array.dtype).itemsize)
         return array if size == array.shape[0] else jnp.pad(array, (0, size - array.shape[0]))
-    target = tma_shape(array.shape, array.dtype)
+    lead = tuple(array.shape[:-2])
+    target = lead + tma_shape(array.shape[-2:], array.dtype)
     if tuple(array.shape) == target:
         return array
     return jnp.pad(array, [(0, t - s) for s, t in zip(array.shape, target)])
@@ -356,6 +357,44 @@ def fit_stages(config: MosaicMatmulConfig, what: str, **sizes) -> int:
 
 
 # --------------------------------------------------------------------------
+# Walks: which output tile a step of the persistent loop computes
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """Every ``block_m x block_n`` output tile once (a plain product)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Visits:
+    """Row tiles walked through a visit table (the grouped matmul's forward and ``dlhs``,
+    :func:`ops.moe.group_table.row_visits`): visit ``v`` computes rows ``[lo[v], hi[v])``
+    of row tile ``tile[v]`` with right operand ``group[v]`` (every right operand is
+    ``[G, K, N]``, or transposed ``[G, N, K]``); where ``active[v]`` is 0 it stores
+    zeros. A tile a group boundary cuts is visited once per group, each visit storing
+    only its rows (TMA stores of power-of-two row counts: the row range is known only on
+    the device). The tables are the kernel's first operands, int32 ``[num_visits]`` in the
+    order tile, group, lo, hi, active.
+    """
+
+    num_visits: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """One output ``[m, n]`` per group, each a contraction over the group's rows (the
+    grouped matmul's ``drhs``): group ``g`` sums rows ``[begin[g], end[g])`` of the
+    operands' contraction dim (``k`` is the rows' extent), walking only the row tiles
+    that hold them (a dynamic trip count); the right-operand rows outside the group are
+    zeroed in shared memory on the first and last step (each consumer its own columns,
+    so the consumers must split N). Outputs are ``[num_groups, m, n]``; an empty group's
+    is zeros. Tables: int32 ``[num_groups]`` begin, end.
+    """
+
+    num_groups: int
+
+
+# --------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------
 
@@ -382,23 +421,70 @@ class _Plan:
     num_row_outputs: int
     epilogue: Callable | None
     row_epilogue: Callable | None
+    walk: Any = Dense()
 
     @property
-    def tiles(self) -> tuple[int, int]:
-        return pl.cdiv(self.m, self.config.block_m), pl.cdiv(self.n, self.config.block_n)
+    def num_tables(self) -> int:
+        return {Dense: 0, Visits: 5, Groups: 2}[type(self.walk)]
+
+    @property
+    def grid_rows(self) -> int:
+        """Row positions of the persistent loop's (rows, column tiles) space."""
+        m_tiles = pl.cdiv(self.m, self.config.block_m)
+        if isinstance(self.walk, Visits):
+            return self.walk.num_visits
+        if isinstance(self.walk, Groups):
+            return self.walk.num_groups * m_tiles
+        return m_tiles
+
+    @property
+    def n_tiles(self) -> int:
+        return pl.cdiv(self.n, self.config.block_n)
 
 
-def _lhs_view(gmem, transposed, offset, m0, block_m):
+@dataclasses.dataclass
+class _At:
+    """Where one step of the persistent loop is (all traced scalars where dynamic)."""
+
+    m0: Any  # the tile's first row
+    batch: Any = None  # the right operands' group (Visits) / the outputs' group (Groups)
+    k_first: Any = 0  # the first contraction step (Groups: the group's first row tile)
+    k_steps: Any = None  # the contraction steps (None: all)
+    run: Any = None  # False: no product (zeros stored)
+    lo: Any = None  # Visits: the rows stored / Groups: the contraction rows summed
+    hi: Any = None
+
+
+def _locate(plan: _Plan, mi, tables) -> _At:
+    bm, bk = plan.config.block_m, plan.config.block_k
+    if isinstance(plan.walk, Visits):
+        tile, group, lo, hi, active = (t[mi] for t in tables)
+        return _At(tile * bm, batch=group, run=active != 0, lo=lo, hi=hi)
+    if isinstance(plan.walk, Groups):
+        m_tiles = pl.cdiv(plan.m, bm)
+        g, ti = mi // m_tiles, lax.rem(mi, m_tiles)
+        begin, end = tables[0][g], tables[1][g]
+        first = begin // bk
+        steps = jnp.where(end > begin, (jnp.maximum(end, 1) - 1) // bk - first + 1, 0)
+        return _At(ti * bm, batch=g, k_first=first, k_steps=steps, run=steps > 0, lo=begin,
+                   hi=end)
+    return _At(mi * bm)
+
+
+def _lhs_view(gmem, transposed, offset, m0, block_m, batch=None):
     rows = pl.ds(offset + m0, block_m)
     return gmem.at[:, rows] if transposed else gmem.at[rows, :]
 
 
-def _rhs_view(gmem, transposed, offset, n0, block_n):
+def _rhs_view(gmem, transposed, offset, n0, block_n, batch=None):
+    if batch is not None:  # one group's matrix of a [G, ...] operand
+        gmem = gmem.at[batch]
     cols = pl.ds(offset + n0, block_n)
     return gmem.at[cols, :] if transposed else gmem.at[:, cols]
 
 
-def _specs(plan: _Plan):
+def _specs(plan: _Plan, k_first=0):
+    """The operands' BlockSpecs, the contraction walked from step ``k_first`` on."""
     bm, bn, bk = plan.config.blocks
 
     def spec(shape, index_map, minor):
@@ -406,11 +492,11 @@ def _specs(plan: _Plan):
 
     specs = []
     for transposed, _ in plan.lhs:
-        specs.append(spec((bk, bm), lambda kk: (kk, 0), bm) if transposed
-                     else spec((bm, bk), lambda kk: (0, kk), bk))
+        specs.append(spec((bk, bm), lambda kk: (kk + k_first, 0), bm) if transposed
+                     else spec((bm, bk), lambda kk: (0, kk + k_first), bk))
     for transposed, _ in plan.rhs:
-        specs.append(spec((bn, bk), lambda kk: (0, kk), bk) if transposed
-                     else spec((bk, bn), lambda kk: (kk, 0), bn))
+        specs.append(spec((bn, bk), lambda kk: (0, kk + k_first), bk) if transposed
+                     else spec((bk, bn), lambda kk: (kk + k_first, 0), bn))
     return specs
 
 
@@ -430,13 +516,35 @@ def _wg_rhs(smem, transposed, wg_n, cols):
     return smem.at[:, pl.ds(wg_n * cols, cols)] if wg_n is not None else smem
 
 
+def _mask_rows(view, row0, lo, hi):
+    """Zeroes the rows of ``view`` (an SMEM tile whose first row is contraction row
+    ``row0``) outside ``[lo, hi)``, then fences them for ``wgmma``."""
+    rows = row0 + plgpu.broadcasted_iota(jnp.int32, view.shape, 0, layout=plgpu.Layout.WGMMA)
+    values = view[...]
+    view[...] = jnp.where((rows >= lo) & (rows < hi), values, jnp.zeros((), values.dtype))
+    plgpu.commit_smem()
+
+
+def _store_rows(src, dst, start, count, most: int):
+    """TMA stores of rows ``[start, start + count)`` of ``src`` into the same rows of
+    ``dst`` (``count`` known on the device, at most ``most``): one store per set bit of
+    ``count``, each a static power of two of rows (a TMA box has a static shape)."""
+    size = 1 << (most.bit_length() - 1)
+    while size >= 1:
+        def store(size=size, start=start):
+            plgpu.copy_smem_to_gmem(src.at[pl.ds(start, size)], dst.at[pl.ds(start, size)])
+        pl.when((count & size) != 0)(store)
+        start = start + (count & size)
+        size //= 2
+
+
 def _kernel(*refs, plan: _Plan):
     cfg = plan.config
     nl, nr = len(plan.lhs), len(plan.rhs)
     refs = list(refs)
-    lhs_g = refs[:nl]
-    rhs_g = refs[nl:nl + nr]
-    refs = refs[nl + nr:]
+    tables, refs = refs[:plan.num_tables], refs[plan.num_tables:]
+    lhs_g, refs = refs[:nl], refs[nl:]
+    rhs_g, refs = refs[:nr], refs[nr:]
     row_g, refs = refs[:plan.num_rows], refs[plan.num_rows:]
     col_g, refs = refs[:plan.num_cols], refs[plan.num_cols:]
     out_g, refs = refs[:plan.num_out_arrays], refs[plan.num_out_arrays:]
@@ -445,25 +553,30 @@ def _kernel(*refs, plan: _Plan):
     bm, bn, bk = cfg.blocks
     wg_rows, wg_cols = cfg.wg_tile
     em, en = cfg.epilogue_tile
-    m_tiles, n_tiles = plan.tiles
     num_k = max(1, pl.cdiv(plan.k, bk))
     split_m = cfg.warpgroups_m == 2
     wg = lax.axis_index("wg")
     wg_m = wg if split_m else None
     wg_n = None if split_m else wg
-    specs = _specs(plan)
+    visits = isinstance(plan.walk, Visits)
+    groups = isinstance(plan.walk, Groups)
 
-    def make_pipeline(step, context):
+    def make_pipeline(step, context, k_first=0, k_steps=num_k):
         return plgpu.emit_pipeline_warp_specialized(
-            step, grid=(num_k,), memory_registers=PRODUCER_REGISTERS, in_specs=specs,
-            wg_axis="wg", num_compute_wgs=NUM_CONSUMERS, max_concurrent_steps=plan.stages,
-            compute_context=context)
+            step, grid=(k_steps,), memory_registers=PRODUCER_REGISTERS,
+            in_specs=_specs(plan, k_first), wg_axis="wg", num_compute_wgs=NUM_CONSUMERS,
+            max_concurrent_steps=plan.stages, compute_context=context)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the functions do not shape the allocations
-    scratch = dict(pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(*lhs_g, *rhs_g))
+    allocs_of = [_rhs_view(g, t, 0, 0, bn, 0 if visits else None)
+                 for g, (t, _) in zip(rhs_g, plan.rhs)]
+    scratch = dict(pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(*lhs_g,
+                                                                                 *allocs_of))
     if plan.num_tile_outputs:
+        # Visits store rows at any offset: an untiled buffer, sliced by rows.
+        out_transforms = () if visits else _swizzled(en, plan.tile_out_dtype)
         scratch["out_smem"] = plgpu.SMEM((NUM_CONSUMERS, 2, em, en), plan.tile_out_dtype,
-                                         transforms=_swizzled(en, plan.tile_out_dtype))
+                                         transforms=out_transforms)
     num_vectors = plan.num_rows + plan.num_cols
     if num_vectors:
         scratch["row_smem"] = [plgpu.SMEM((NUM_CONSUMERS, wg_rows), g.dtype) for g in row_g]
@@ -476,14 +589,16 @@ def _kernel(*refs, plan: _Plan):
 
     def scope(pipeline_allocs, out_smem=None, row_smem=(), col_smem=(), vector_barrier=None,
               rowout_smem=()):
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        @plgpu.nd_loop((plan.grid_rows * plan.n_tiles,), collective_axes="sm")
         def _tile(info):
             (lin,) = info.index
             minor, width = cfg.band
-            mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), minor, width)
-            m0, n0 = mi * bm, ni * bn
-            row0 = m0 + (wg * wg_rows if split_m else 0)
+            mi, ni = plgpu.planar_snake(lin, (plan.grid_rows, plan.n_tiles), minor, width)
+            at = _locate(plan, mi, tables)
+            n0 = ni * bn
+            row0 = at.m0 + (wg * wg_rows if split_m else 0)
             col0 = n0 + (0 if split_m else wg * wg_cols)
+            col_block = col0 // wg_cols
 
             def load_vectors():
                 for g, s in zip(row_g, row_smem):
@@ -493,12 +608,28 @@ def _kernel(*refs, plan: _Plan):
                     plgpu.copy_gmem_to_smem(g.at[pl.ds(col0, wg_cols)], s.at[wg],
                                             vector_barrier.at[wg])
 
-            def epilogue(accs):
-                values = [acc[...] for acc in accs]
+            def out_view(j, r, c, rows):
+                dst = out_g[j].at[at.batch] if groups else out_g[j]
+                return dst.at[pl.ds(r, rows), pl.ds(c, en)]
+
+            def store_piece(value, j, offset, slot, r, c):
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's last store read it
+                out_smem[wg, slot] = value.astype(plan.tile_out_dtype)
+                plgpu.commit_smem()
+                if not visits:
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_view(j, r, offset + c, em))
+                    return
+                # Only the visit's rows [lo, hi) of this piece: the tile's others are
+                # another visit's (another group's).
+                first = jnp.clip(at.lo - r, 0, em)
+                count = jnp.clip(at.hi - r, 0, em) - first
+                _store_rows(out_smem.at[wg, slot], out_g[j].at[pl.ds(r, em), pl.ds(offset + c, en)],
+                            first, count, em)
+
+            def epilogue(values):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last tile's stores read
                 if num_vectors:
                     plgpu.barrier_wait(vector_barrier.at[wg])
-                col_block = col0 // wg_cols
                 if plan.row_epilogue is not None:
                     whole = Tile(tuple(values), row0, col0,
                                  tuple(plgpu.load(s.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
@@ -515,8 +646,9 @@ def _kernel(*refs, plan: _Plan):
                 for pi in range(wg_rows // em):
                     for pj in range(wg_cols // en):
                         rs, cs = slice(pi * em, (pi + 1) * em), slice(pj * en, (pj + 1) * en)
+                        r, c = row0 + pi * em, col0 + pj * en
                         piece = Tile(
-                            tuple(v[rs, cs] for v in values), row0 + pi * em, col0 + pj * en,
+                            tuple(v[rs, cs] for v in values), r, c,
                             tuple(plgpu.load(s.at[wg], pl.ds(pi * em, em),
                                              layout=plgpu.Layout.WGMMA.reduce(1)) for s in row_smem),
                             tuple(plgpu.load(s.at[wg], pl.ds(pj * en, en),
@@ -529,18 +661,9 @@ def _kernel(*refs, plan: _Plan):
                         for value, (j, offset, guarded) in zip(outs, plan.stores):
                             slot = count % 2
                             count += 1
-
-                            def store(value=value, j=j, offset=offset, slot=slot):
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # slot free
-                                out_smem[wg, slot] = value.astype(plan.tile_out_dtype)
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg, slot],
-                                    out_g[j].at[pl.ds(row0 + pi * em, em),
-                                                pl.ds(offset + col0 + pj * en, en)])
-
+                            store = functools.partial(store_piece, value, j, offset, slot, r, c)
                             if guarded:  # the array goes on past n: pieces past it are not stored
-                                pl.when(col0 + pj * en < plan.n)(store)
+                                pl.when(c < plan.n)(store)
                             else:
                                 store()
 
@@ -550,14 +673,22 @@ def _kernel(*refs, plan: _Plan):
 
                 def with_accs(*accs):
                     run(tuple(accs))
-                    epilogue(accs)
+                    epilogue([acc[...] for acc in accs])
 
                 pl.run_scoped(with_accs, *[plgpu.ACC((wg_rows, wg_cols), jnp.float32)
                                            for _ in range(plan.num_accs)])
 
-            def step(_, *smem_and_accs):
+            def step(indices, *smem_and_accs):
                 *smem, accs = smem_and_accs
                 lhs_s, rhs_s = smem[:nl], smem[nl:]
+                if groups:  # zero the right operands' rows outside the group (first, last step)
+                    (kk,) = indices
+                    row = (at.k_first + kk) * bk
+
+                    @pl.when((kk == 0) | (kk == at.k_steps - 1))
+                    def _():
+                        for b_s in rhs_s:
+                            _mask_rows(b_s.at[:, pl.ds(wg * wg_cols, wg_cols)], row, at.lo, at.hi)
                 for p in plan.products:
                     a = _wg_lhs(lhs_s[p.lhs], plan.lhs[p.lhs][0], wg_m, wg_rows)
                     b = _wg_rhs(rhs_s[p.rhs], plan.rhs[p.rhs][0], wg_n, wg_cols)
@@ -565,9 +696,26 @@ def _kernel(*refs, plan: _Plan):
                 plgpu.wgmma_wait(0)
                 return accs
 
-            views = [_lhs_view(g, t, off, m0, bm) for g, (t, off) in zip(lhs_g, plan.lhs)]
-            views += [_rhs_view(g, t, off, n0, bn) for g, (t, off) in zip(rhs_g, plan.rhs)]
-            make_pipeline(step, compute_context)(*views, allocations=pipeline_allocs)
+            views = [_lhs_view(g, t, off, at.m0, bm) for g, (t, off) in zip(lhs_g, plan.lhs)]
+            views += [_rhs_view(g, t, off, n0, bn, at.batch if visits else None)
+                      for g, (t, off) in zip(rhs_g, plan.rhs)]
+            pipeline = make_pipeline(step, compute_context, at.k_first,
+                                     num_k if at.k_steps is None else at.k_steps)
+            if at.run is None:
+                pipeline(*views, allocations=pipeline_allocs)
+                return
+
+            @pl.when(at.run)
+            def _():
+                pipeline(*views, allocations=pipeline_allocs)
+
+            @pl.when(jnp.logical_not(at.run) & (wg < NUM_CONSUMERS))
+            def _():  # no product: the consumers store zeros (an empty group, a zero segment)
+                if num_vectors:
+                    load_vectors()
+                zeros = plgpu.layout_cast(jnp.zeros((wg_rows, wg_cols), jnp.float32),
+                                          plgpu.Layout.WGMMA)
+                epilogue([zeros] * plan.num_accs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every store has read its slot
 
@@ -581,8 +729,8 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
            out_shapes: Sequence[tuple[int, int]] | None = None,
            stores: Sequence[tuple[int, int]] | None = None,
            rows: Sequence = (), cols: Sequence = (), num_row_outputs: int = 0,
-           row_epilogue: Callable[[Tile], tuple] | None = None, name: str = "matmul",
-           interpret=None):
+           row_epilogue: Callable[[Tile], tuple] | None = None, walk=Dense(), tables=(),
+           name: str = "matmul", interpret=None):
     """The sum over the contraction of each :class:`Product`, handed to the epilogues.
 
     Args:
@@ -607,6 +755,8 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
         ``num_row_outputs`` ``[rows]`` values, run once per warpgroup tile on its
         whole accumulators; output ``r`` is float32 ``[column blocks, m]``, the
         column block being the warpgroup tile's (``n / config.wg_tile[1]`` of them).
+      walk, tables: :class:`Dense` (every tile once), :class:`Visits` or :class:`Groups`
+        (the grouped matmul's walks) with their int32 tables.
       name: the kernel's name.
       interpret: as ``pallas_core.gpu.kernel``'s (None: by the device).
 
@@ -626,6 +776,9 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
     if epilogue is None:
         num_tile_outputs = 0
     config.check(name)
+    if isinstance(walk, Groups) and config.warpgroups_m != 1:
+        raise ValueError(f"{name}: a per-group contraction needs the consumers side by side "
+                         "(warpgroups_m=1): each zeroes its own columns of the shared tile.")
     out_shapes = [tuple(s) for s in out_shapes] if out_shapes is not None else (
         [(m, n)] * num_tile_outputs)
     stores = list(stores) if stores is not None else [(i, 0) for i in range(num_tile_outputs)]
@@ -645,20 +798,24 @@ def matmul(lhs: Sequence[Operand], rhs: Sequence[Operand], *, m: int, n: int, k:
                  tuple((op.transposed, op.offset) for op in rhs), tuple(products), num_accs,
                  len(rows), len(cols), out_dtype, num_tile_outputs, len(out_shapes),
                  tuple((j, off, g) for (j, off), g in zip(stores, guarded)), num_row_outputs,
-                 epilogue,
-                 row_epilogue)
+                 epilogue, row_epilogue, walk)
+    if len(tables) != plan.num_tables:
+        raise ValueError(f"{name}: {type(walk).__name__} takes {plan.num_tables} tables, got "
+                         f"{len(tables)}.")
+    batch = (walk.num_groups,) if isinstance(walk, Groups) else ()
     col_blocks = pl.cdiv(n, config.wg_tile[1])
-    out_type = ([jax.ShapeDtypeStruct(tma_shape(s, out_dtype), out_dtype) for s in out_shapes]
+    out_type = ([jax.ShapeDtypeStruct((*batch, *tma_shape(s, out_dtype)), out_dtype)
+                 for s in out_shapes]
                 + [jax.ShapeDtypeStruct((col_blocks, _round_up(m, ROW_ALIGN)), jnp.float32)]
                 * num_row_outputs)
-    m_tiles, n_tiles = plan.tiles
     call = plgpu.kernel(functools.partial(_kernel, plan=plan), out_shape=out_type,
-                        grid=(num_programs(m_tiles * n_tiles),), grid_names=("sm",),
+                        grid=(num_programs(plan.grid_rows * plan.n_tiles),), grid_names=("sm",),
                         num_threads=NUM_CONSUMERS + 1, thread_name="wg", interpret=interpret,
                         kernel_name=name)
-    operands = [tma_ready(op.array) for op in (*lhs, *rhs)] + [tma_ready(v) for v in (*rows, *cols)]
+    operands = ([t.astype(jnp.int32) for t in tables] + [tma_ready(op.array) for op in (*lhs, *rhs)]
+                + [tma_ready(v) for v in (*rows, *cols)])
     outs = call(*operands)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    tile_outs = [o if o.shape == s else o[:s[0], :s[1]] for o, s in zip(outs, out_shapes)]
+    tile_outs = [o if o.shape[-2:] == s else o[..., :s[0], :s[1]] for o, s in zip(outs, out_shapes)]
     row_outs = [o if o.shape[1] == m else o[:, :m] for o in outs[len(out_shapes):]]
     return tile_outs, row_outs

@@ -34,10 +34,14 @@ from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
-from ops._op import Op, Problem, Tuning, register, vjp_training
+from ops._op import (Call, Implementation, Op, Problem, Tuning, register, register_implementation,
+                     vjp_training)
 from ops._partitioning import block_index, psum, reduced_axes, run
 from ops.matmul import tiled
+from ops.matmul import mosaic_gpu
 from ops.matmul.config import check_block_sizes
+from ops.matmul.mosaic_gpu_config import MosaicMatmulConfig
+from ops.matmul.mosaic_gpu_ragged import MosaicRaggedConfig, RaggedKernels
 from ops.moe import gmm, group_table, tgmm
 from ops.moe.config import RaggedDotConfig
 from ops.moe.reference import ragged_dot_reference
@@ -76,9 +80,11 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         on a TPU; docs/design.md §5.2), "xla" (``jax.lax.ragged_dot``), "interpret", "triton",
         "pallas_triton" (JAX's Triton lowering, which has no scalar prefetch:
         programs per output tile looping over the tile's groups, the tables as
-        ordinary operands, blocks padded to powers of two), "mosaic_tpu";
-        "mosaic_gpu" raises NotImplementedError. Or a sequence of these tried in
-        order (:mod:`ops._implementation`).
+        ordinary operands, blocks padded to powers of two), "mosaic_tpu",
+        "mosaic_gpu" (sm_90 warp-specialized kernels walking the group table,
+        :mod:`ops.matmul.mosaic_gpu_ragged`: bfloat16 / float16, a
+        ``MosaicRaggedConfig`` as block_sizes; NotImplementedError otherwise). Or a
+        sequence of these tried in order (:mod:`ops._implementation`).
       block_sizes: optional ``(block_m, block_n, block_k)`` or a
         :class:`~ops.moe.config.RaggedDotConfig` (tiles, warps, stages, the
         walk); None takes the tuning cache's entry, else the heuristic (by
@@ -171,12 +177,17 @@ def _check_precision(precision):
 
 
 def _check_block_sizes(block_sizes):
+    if isinstance(block_sizes, MosaicMatmulConfig):  # implementation="mosaic_gpu"'s tiles
+        block_sizes.check(_OP)
+        return block_sizes
     sizes = check_block_sizes(block_sizes, _OP, RaggedDotConfig)
     return RaggedDotConfig(*sizes) if isinstance(sizes, tuple) else sizes
 
 
-def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offset, explicit):
-    """The checked call on one implementation."""
+def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offset, explicit,
+                   products=None):
+    """The checked call on one implementation; ``products``: another core's kernels
+    (:class:`_Kernel`), None for the tiled core's."""
     offset = None if group_offset is None else jnp.reshape(
         jnp.asarray(group_offset), ()).astype(jnp.int32)
     if impl == "xla" or lhs.size == 0 or rhs.size == 0:
@@ -186,7 +197,13 @@ def _ragged_dot_on(impl, lhs, rhs, group_sizes, precision, out_dtype, group_offs
     m, k = lhs.shape
     g_local, _, n = rhs.shape
     problem = OP.problem((m, k, n, g_local), lhs.dtype)
+    if products is None and isinstance(explicit, MosaicMatmulConfig):
+        raise NotImplementedError(f"{_OP}: block_sizes is a {type(explicit).__name__}, the "
+                                  f"tiles of implementation='mosaic_gpu', not of {impl!r}.")
     config = OP.select(problem, impl, explicit)
+    if products is not None:
+        kernel = _Kernel(impl, config, np.dtype(out_dtype), "", False, products)
+        return _ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), offset, kernel)
     if config.walk not in (None, gmm.walk(impl)) and not pl.backend_traits(impl).interpreted:
         raise ValueError(f"{_OP}: block_sizes.walk={config.walk!r} cannot run on {impl!r} "
                          f"(it takes {gmm.walk(impl)!r}; the interpreter runs either).")
@@ -215,8 +232,13 @@ class _Kernel:
     out_dtype: np.dtype
     walk: str
     scalar_prefetch: bool = True
+    # Another core's kernels (ops.matmul.mosaic_gpu_ragged.RaggedKernels), None: the tiled core's.
+    products: object = None
 
     def gmm(self, lhs, rhs, visits, *, transpose_rhs, config, out_dtype, name):
+        if self.products is not None:
+            return self.products.gmm(lhs, rhs, visits, transpose_rhs=transpose_rhs, config=config,
+                                     out_dtype=out_dtype, name=name)
         if not self.scalar_prefetch:
             return gmm.gmm_by_tile(lhs, rhs, visits, transpose_rhs=transpose_rhs, config=config,
                                    backend=self.backend, out_dtype=out_dtype, name=name)
@@ -291,24 +313,32 @@ def _ragged_dot_bwd(kernel: _Kernel, residuals, g):
     lhs, rhs, group_sizes, offset = residuals
     dout = g.astype(lhs.dtype)
     c = kernel.config
-    # The forward's warps for both (dlhs's tile is block_m x block_k, drhs's block_k x
-    # block_n; at 4 warps drhs's masked 64 x 128 bfloat16 tiles take 241 registers on
-    # sm_90, at 8 warps 124).
-    c = dataclasses.replace(c, num_warps=c.num_warps or tiled.default_num_warps(c.block_m,
-                                                                                c.block_n))
+    if kernel.products is None:
+        # The forward's warps for both (dlhs's tile is block_m x block_k, drhs's block_k x
+        # block_n; at 4 warps drhs's masked 64 x 128 bfloat16 tiles take 241 registers on
+        # sm_90, at 8 warps 124).
+        c = dataclasses.replace(c, num_warps=c.num_warps or tiled.default_num_warps(c.block_m,
+                                                                                    c.block_n))
 
     def local(lhs, rhs, group_sizes, offset, dout, *, reduced):
         m, g_local = lhs.shape[0], rhs.shape[0]
         sizes, off = _local_groups(group_sizes, offset, reduced, m, g_local)
         f32 = np.dtype(np.float32)
         visits = group_table.row_visits(sizes, g_local, off, m, c.block_m)
+        drhs_dtype = f32 if reduced_axes(reduced, "m") else rhs.dtype
+        # Mosaic GPU's dlhs keeps the forward's block (its row tiles are the visits').
         dlhs = kernel.gmm(dout, rhs, visits, transpose_rhs=True,
-                          config=dataclasses.replace(c, block_n=c.block_k, block_k=c.block_n),
+                          config=c if kernel.products is not None else
+                          dataclasses.replace(c, block_n=c.block_k, block_k=c.block_n),
                           out_dtype=f32 if reduced_axes(reduced, "n", "g") else lhs.dtype,
                           name="ragged_dot_dlhs")
-        drhs = tgmm.tgmm(lhs, dout, sizes, off, g_local, config=c, backend=kernel.backend,
-                         out_dtype=f32 if reduced_axes(reduced, "m") else rhs.dtype,
-                         walk=kernel.walk, scalar_prefetch=kernel.scalar_prefetch)
+        if kernel.products is not None:
+            begins, ends = group_table.group_bounds(sizes, g_local, off, m)
+            drhs = kernel.products.tgmm(lhs, dout, begins, ends, out_dtype=drhs_dtype)
+        else:
+            drhs = tgmm.tgmm(lhs, dout, sizes, off, g_local, config=c, backend=kernel.backend,
+                             out_dtype=drhs_dtype, walk=kernel.walk,
+                             scalar_prefetch=kernel.scalar_prefetch)
         return (_summed(dlhs, reduced, ("n", "g"), lhs.dtype),
                 _summed(drhs, reduced, ("m",), rhs.dtype))
 
@@ -347,6 +377,26 @@ OP = register(Op(
     function=ragged_dot,
     tuning=Tuning(example=_example, shapes=((32768, 4096, 14336, 8), (32768, 14336, 4096, 8),
                                             (131072, 2048, 1024, 64)),
-                  quick=((512, 256, 512, 4),), training=vjp_training(_example)),
-    missing_reason=" (mosaic_gpu: no kernel for it yet)"))
+                  quick=((512, 256, 512, 4),), training=vjp_training(_example))))
+
+
+# implementation="mosaic_gpu": gmm and tgmm as walks of the warp-specialized Mosaic GPU
+# core over the group tables (ops/matmul/mosaic_gpu_ragged.py).
+
+def _mosaic_supported(call: Call) -> str | None:
+    """None when the Mosaic GPU kernels run ``call``, else why not: float32 operands, the
+    other kernels' ``RaggedDotConfig`` (a tuple becomes one) as ``block_sizes``, a GPU older
+    than sm_90."""
+    a = call.args
+    found = mosaic_gpu.reasons(a["lhs"].dtype, block_sizes=a["explicit"], call=call)
+    return "; ".join(found) if found else None
+
+
+def _mosaic_run(call: Call):
+    return _ragged_dot_on("mosaic_gpu", **call.args,
+                          products=RaggedKernels(call.args["explicit"]))
+
+
+register_implementation(_OP, Implementation("mosaic_gpu", _mosaic_run, config=MosaicRaggedConfig,
+                                            supported=_mosaic_supported, platforms=("gpu",)))
 

@@ -168,6 +168,28 @@ def test_full_attention_one_compute_warpgroup_forward():
            block_sizes=MosaicGPUConfig(64, 64, 3, compute_wgs=1))
 
 
+def _against_xla(seed, shape, dtype, grads, **kw):
+    """implementation="mosaic_gpu" against the op's XLA path on float32 inputs (dropout:
+    both draw the same keep bits from the counter hash, so only rounding differs)."""
+    q, k, v, do = _inputs(seed, *shape, dtype=dtype)
+    f = lambda impl: lambda q, k, v: ops.dot_product_attention(q, k, v, implementation=impl, **kw)
+    up = lambda x: x.astype(jnp.float32)
+    want, pullback = jax.vjp(f("xla"), up(q), up(k), up(v))
+    if not grads:
+        assert_close(f("mosaic_gpu")(q, k, v), want, for_dtype(FORWARD, dtype), "out")
+        return
+    got, got_grads = jax.jit(lambda q, k, v, do: (lambda o, pb: (o, pb(do)))(
+        *jax.vjp(f("mosaic_gpu"), q, k, v)))(q, k, v, do)
+    assert_close(got, want, for_dtype(FORWARD, dtype), "out")
+    for name, g, w in zip(("dq", "dk", "dv"), got_grads, pullback(up(do))):
+        assert_close(g, w, for_dtype(BACKWARD, dtype), name)
+
+
+def test_dropout_forward_draws_the_xla_paths_bits():
+    _against_xla(5, (1, 64, 72, 2, 1, 32), jnp.bfloat16, grads=False, dropout_rate=0.3,
+                 dropout_rng=jax.random.key(7))
+
+
 def test_races_are_checked(monkeypatch):
     """The kernels run under the race detector: drop the wait for the value tile's TMA
     copy and the forward kernel is caught reading it unordered."""
@@ -245,7 +267,6 @@ def test_heuristic_tiles_fit_shared_memory_as_the_lowering_counts(h, hv):
 @pytest.mark.parametrize("kw, words", [
     (dict(bias=jnp.zeros((1, 1, 8, 8))), "bias"),
     (dict(mask=jnp.ones((1, 1, 8, 8), bool)), "mask"),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
     (dict(block_sizes=(64, 64)), "block_sizes"),
 ])
 def test_options_not_built_fall_back(kw, words):
@@ -360,6 +381,13 @@ def test_segment_ids_causal_and_deterministic_gradients():
     again = _mosaic(q, k, v, do, **kw)[2]
     for x, y in zip(first, again):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_dropout_with_gradients(dtype):
+    _against_xla(14, (2, 100, 72, 4, 2, 64), dtype, grads=True, is_causal=True,
+                 dropout_rate=0.2, dropout_rng=jax.random.key(8), logits_soft_cap=6.0)
 
 
 @pytest.mark.slow

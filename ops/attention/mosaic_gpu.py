@@ -25,9 +25,11 @@ What it takes (:func:`supported` names the rest before tracing, so a
 sequence of implementations falls back): float16 / bfloat16; head dims
 multiples of 16 up to 256 (query/key and value apart, MLA's 192 / 128
 included) whose tiles fit the shared memory; causal, local windows, sequence
-lengths, segment ids, a logit soft cap, sinks (with their gradient), GQA /
-MQA. Not (yet): a bias, a mask array, dropout, explicit ``block_sizes`` other
-than a :class:`~ops.attention.mosaic_gpu_config.MosaicGPUConfig`.
+lengths, segment ids, a logit soft cap, sinks (with their gradient), dropout
+(the keep bits of :mod:`ops.attention.dropout`'s counter hash, drawn in the
+kernels on the accumulator registers: the same bits as every other
+implementation), GQA / MQA. Not (yet): a bias, a mask array, explicit
+``block_sizes`` other than a :class:`~ops.attention.mosaic_gpu_config.MosaicGPUConfig`.
 
 Shapes need not divide the tiles: TMA loads past an array read zeros and its
 stores past it are dropped, and the per-tile mask drops keys past ``S``. TMA
@@ -93,6 +95,7 @@ import numpy as np
 from ops import _op
 from ops._partitioning import run as partitioned
 from ops.attention import attention as attention_op
+from ops.attention import dropout as dropout_lib
 from ops.attention import mosaic_gpu_backward, mosaic_gpu_forward
 from ops.attention.block_sizes import BlockSizes
 from ops.attention.config import AttentionProblem, Backend, Config, ScoreMath
@@ -137,8 +140,7 @@ def supported(call: _op.Call) -> str | None:
     if H % 16 or Hv % 16 or H > MAX_HEAD_DIM or Hv > MAX_HEAD_DIM:
         reasons.append(f"head dims H={H}, Hv={Hv} (multiples of 16 up to {MAX_HEAD_DIM}: "
                        "wgmma's K step and its widest accumulator)")
-    features = {"bias": a["bias"] is not None, "a mask array": a["mask"] is not None,
-                "dropout": call.args["dropout_rate"] > 0}
+    features = {"bias": a["bias"] is not None, "a mask array": a["mask"] is not None}
     reasons += [f"{name} (not built for mosaic_gpu yet)" for name, present in features.items()
                 if present]
     blocks = call.args["block_sizes"]
@@ -184,15 +186,18 @@ def run(call: _op.Call):
     spec = MaskSpec(T=T, S=S, causal=bool(call.args["is_causal"]), left=a["left"],
                     right=a["right"], segments=a["segments"])
     q_seg, kv_seg = fold_lengths(a["q_seg"], a["kv_seg"], a["q_len"], a["kv_len"], T, S)
+    rate = float(call.args["dropout_rate"])
+    seed = dropout_lib.seed_from_rng(call.args["dropout_rng"]) if rate > 0 else None
     tiles = _tiles(call)
     cfg = Config(
         backend=Backend(NAME),
         problem=AttentionProblem(spec=spec, batch=q.shape[0], heads=q.shape[2],
                                  kv_heads=k.shape[2], head_dim=q.shape[3],
                                  value_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1]),
-        score=ScoreMath(scale=a["scale"], softcap=a["cap"], sinks=a["sinks"] is not None),
+        score=ScoreMath(scale=a["scale"], softcap=a["cap"], dropout_rate=rate,
+                        sinks=a["sinks"] is not None),
         blocks=BlockSizes(tiles.block_q, tiles.block_kv).resolved())
-    out, lse = _flash(q, k, v, q_seg, kv_seg, a["sinks"], (cfg, tiles))
+    out, lse = _flash(q, k, v, q_seg, kv_seg, seed, a["sinks"], (cfg, tiles))
     lse = jnp.transpose(lse[..., 0], (0, 2, 1))
     if a["unbatched"]:
         out, lse = out[0], lse[0]
@@ -211,44 +216,45 @@ def _local(static, q, k):
     return attention_op._local_config(cfg, q, k), tiles
 
 
-def _partitioned_forward(static, q, k, v, q_seg, kv_seg, sinks):
+def _partitioned_forward(static, q, k, v, q_seg, kv_seg, seed, sinks):
     cfg, _ = static
 
     def local(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, *, reduced):
         c, tiles = _local(static, q, k)
-        return mosaic_gpu_forward.forward(c, tiles, q, k, v, q_seg, kv_seg, sinks)
+        return mosaic_gpu_forward.forward(c, tiles, q, k, v, q_seg, kv_seg, sinks, seed)
 
     dims = attention_op._dims(cfg, None, None)
-    return partitioned(_OP, local, (q, k, v, None, None, q_seg, kv_seg, None, sinks),
+    return partitioned(_OP, local, (q, k, v, None, None, q_seg, kv_seg, seed, sinks),
                        dims.operands, (dims.out, dims.lse), gather=dims.gather)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, q_seg, kv_seg, sinks, static):
-    return _partitioned_forward(static, q, k, v, q_seg, kv_seg, sinks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, q_seg, kv_seg, seed, sinks, static):
+    return _partitioned_forward(static, q, k, v, q_seg, kv_seg, seed, sinks)
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, static):
-    out, lse = _partitioned_forward(static, q, k, v, q_seg, kv_seg, sinks)
-    return (out, lse), (q, k, v, q_seg, kv_seg, sinks, out, lse)
+def _flash_fwd(q, k, v, q_seg, kv_seg, seed, sinks, static):
+    out, lse = _partitioned_forward(static, q, k, v, q_seg, kv_seg, seed, sinks)
+    return (out, lse), (q, k, v, q_seg, kv_seg, seed, sinks, out, lse)
 
 
 def _flash_bwd(static, saved, cotangents):
-    q, k, v, q_seg, kv_seg, sinks, out, lse = saved
+    q, k, v, q_seg, kv_seg, seed, sinks, out, lse = saved
     cfg, _ = static
     do = cotangents[0]
     dsinks = None if sinks is None else attention_op._sinks_grad(sinks, out, lse, do)
 
     def local(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, do, *, reduced):
         c, tiles = _local(static, q, k)
-        return mosaic_gpu_backward.backward(c, tiles, q, k, v, q_seg, kv_seg, out, lse, do)
+        return mosaic_gpu_backward.backward(c, tiles, q, k, v, q_seg, kv_seg, out, lse, do,
+                                            seed)
 
     dims = attention_op._dims(cfg, None, None)
     dq, dk, dv = partitioned(
-        _OP, local, (q, k, v, None, None, q_seg, kv_seg, None, out, lse, do),
+        _OP, local, (q, k, v, None, None, q_seg, kv_seg, seed, out, lse, do),
         (*dims.operands[:8], dims.out, dims.lse, dims.out), dims.operands[:3],
         gather=dims.gather, out_like=(0, 1, 2))
-    return dq, dk, dv, None, None, dsinks
+    return dq, dk, dv, None, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

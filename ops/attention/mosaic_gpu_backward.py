@@ -50,9 +50,11 @@ def dkdv_accumulator_registers(tiles: MosaicGPUConfig, head_dim: int, v_dim: int
     return tiles.dkdv_kv * (head_dim + v_dim) // 128
 
 
-def backward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, out, lse, do):
+def backward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, out, lse, do,
+             seed=None):
     """``(dq, dk, dv)`` in q's, k's and v's shapes and dtypes, from the forward's ``out``
-    and float32 ``lse [B, N, T, 1]`` and the cotangent ``do``."""
+    and float32 ``lse [B, N, T, 1]``, the cotangent ``do`` and (with dropout) the int32
+    seed the forward drew its keep bits with."""
     spec = cfg.problem.spec
     T = q.shape[1]
     cw = tiles.compute_wgs
@@ -68,8 +70,10 @@ def backward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, out, l
         kv_ids = pad_rows(kv_seg, 1, kv_multiple, KEY_PAD)
     else:
         q_ids = kv_ids = None
-    dq = _dq(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids)
-    dk, dv = _dkdv(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids)
+    seeds = None if cfg.score.dropout_rate == 0 else jnp.reshape(seed, (1,)).astype(jnp.int32)
+    dq = _dq(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds)
+    dk, dv = _dkdv(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids,
+                   seeds)
     S = k.shape[1]
     return dq[:, :T], dk[:, :S], dv[:, :S]
 
@@ -82,7 +86,7 @@ def _compiler_params():
 # dQ
 # --------------------------------------------------------------------------
 
-def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids):
+def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds):
     problem, spec = cfg.problem, cfg.problem.spec
     B, _, N, H = q.shape
     Hv = problem.v_dim
@@ -92,6 +96,8 @@ def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids):
     operands = [q, k, v, do, lse, delta, table]
     if spec.segments:
         operands += [q_ids, kv_ids]
+    if seeds is not None:
+        operands.append(seeds)
     segments = spec.segments
     scratch = dict(
         q_smem=smem((cw, bq, H), q.dtype), do_smem=smem((cw, bq, Hv), q.dtype),
@@ -119,8 +125,9 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
              kseg_smem=None):
     problem, spec, score = cfg.problem, cfg.problem.spec, cfg.score
     q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, table_gmem, *rest = refs
-    qseg_gmem, kseg_gmem = (rest[0], rest[1]) if spec.segments else (None, None)
-    dq_gmem = rest[-1]
+    qseg_gmem, kseg_gmem = (rest.pop(0), rest.pop(0)) if spec.segments else (None, None)
+    seed_gmem = rest.pop(0) if score.dropout_rate > 0 else None
+    (dq_gmem,) = rest
     bq, bk, cw = tiles.block_q, tiles.dq_kv, tiles.compute_wgs
     dtype = q_gmem.dtype
     wg = lax.axis_index("wg")
@@ -161,6 +168,8 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
         delta = plgpu.load(delta_smem.at[wg], (), layout=row_layout())
         q_ids = None if qseg_smem is None else plgpu.load(qseg_smem.at[wg], (),
                                                            layout=row_layout())
+        seed = None if seed_gmem is None else seed_gmem[0]
+        head = b * problem.heads + n
 
         def step(j, dq, masked):
             t = j - walk.lo
@@ -180,9 +189,9 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
             if masked and q_ids is not None:
                 q_seg = WGMMA.expand(q_ids, s, 0)
                 k_seg = WGMMA.expand(plgpu.load(kseg_smem.at[slot], (), layout=col_layout()), s, 1)
-            tile = Tile(q=None, k=None, i=i, j=j, head=None, q_seg=q_seg, k_seg=k_seg,
+            tile = Tile(q=None, k=None, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg,
                         layout=WGMMA)
-            _, dscores, _ = backward_tile(score, spec, tile, None, None, lse, delta, None, bq, bk,
+            _, dscores, _ = backward_tile(score, spec, tile, None, None, lse, delta, seed, bq, bk,
                                           masked, products=s, dp=dp)
             ds16 = dscores.astype(dtype)
 
@@ -204,7 +213,7 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
 # dK/dV
 # --------------------------------------------------------------------------
 
-def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids):
+def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds):
     problem, spec = cfg.problem, cfg.problem.spec
     B, _, K, H = k.shape
     Hv = problem.v_dim
@@ -215,6 +224,8 @@ def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids):
     segments = spec.segments
     if segments:
         operands += [q_ids, kv_ids]
+    if seeds is not None:
+        operands.append(seeds)
     scratch = dict(
         k_smem=smem((cw, bk, H), k.dtype), v_smem=smem((cw, bk, Hv), k.dtype),
         q_smem=smem((st, bq, H), q.dtype), do_smem=smem((st, bq, Hv), q.dtype),
@@ -241,8 +252,9 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, k_smem, v_smem, q_sme
                qseg_smem=None):
     problem, spec, score = cfg.problem, cfg.problem.spec, cfg.score
     q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, table_gmem, *rest = refs
-    qseg_gmem, kseg_gmem = (rest[0], rest[1]) if spec.segments else (None, None)
-    dk_gmem, dv_gmem = rest[-2:]
+    qseg_gmem, kseg_gmem = (rest.pop(0), rest.pop(0)) if spec.segments else (None, None)
+    seed_gmem = rest.pop(0) if score.dropout_rate > 0 else None
+    dk_gmem, dv_gmem = rest
     bq, bk, cw = tiles.dkdv_q, tiles.dkdv_kv, tiles.compute_wgs
     G = problem.group
     dtype = q_gmem.dtype
@@ -292,6 +304,7 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, k_smem, v_smem, q_sme
         plgpu.barrier_wait(bar)
         k_ids = None if kseg_smem is None else plgpu.load(kseg_smem.at[wg], (),
                                                            layout=row_layout())
+        seed = None if seed_gmem is None else seed_gmem[0]
 
         def step(g, i, t, carry, masked):
             dk, dv = carry
@@ -312,9 +325,9 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, k_smem, v_smem, q_sme
             if masked and k_ids is not None:
                 k_seg = WGMMA.expand(k_ids, s, 0)
                 q_seg = WGMMA.expand(plgpu.load(qseg_smem.at[slot], (), layout=col_layout()), s, 1)
-            tile = Tile(q=None, k=None, i=i, j=j, head=None, q_seg=q_seg, k_seg=k_seg,
-                        transposed=True, layout=WGMMA)
-            p, dscores, _ = backward_tile(score, spec, tile, None, None, lse, delta, None, bq, bk,
+            tile = Tile(q=None, k=None, i=i, j=j, head=b * problem.heads + kh * G + g,
+                        q_seg=q_seg, k_seg=k_seg, transposed=True, layout=WGMMA)
+            p, dscores, _ = backward_tile(score, spec, tile, None, None, lse, delta, seed, bq, bk,
                                           masked, products=s, dp=dp)
             p16, ds16 = p.astype(dtype), dscores.astype(dtype)
 

@@ -53,7 +53,7 @@ from ops.attention.mosaic_gpu_config import MosaicGPUConfig
 from ops.attention.mosaic_gpu_tiles import (WGMMA, Ring, Schedule, Walk, col_layout, range_table,
                                             row_layout, rows_vector, smem, zeros_tile)
 from ops.attention.programs import sink_carry
-from ops.attention.tile_math import (Tile, forward_finish, log2_factor, logits_log2,
+from ops.attention.tile_math import (Tile, dropped, forward_finish, log2_factor, logits_log2,
                                      online_softmax)
 from pallas_core import gpu as plgpu
 
@@ -77,11 +77,11 @@ def programs(T: int, tiles: MosaicGPUConfig) -> int:
     return pl.cdiv(T, tiles.block_q * tiles.compute_wgs)
 
 
-def forward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, sinks):
+def forward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, sinks, seed=None):
     """``(out [B, T, N, Hv] in q's dtype, lse float32 [B, N, T, 1])`` of one attention call
     (``cfg``: the call's static description, its backend "mosaic_gpu"; ``q_seg`` /
     ``kv_seg``: int32 ids with lengths folded in, or None; ``sinks``: float ``[N]``
-    or None)."""
+    or None; ``seed``: the int32 dropout seed with ``cfg.score.dropout_rate > 0``)."""
     problem, spec = cfg.problem, cfg.problem.spec
     B, T, N, _ = q.shape
     S = k.shape[1]
@@ -92,6 +92,8 @@ def forward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, sinks):
     operands = [q_p, k_p, v_p, table]
     if sinks is not None:
         operands.append(sinks.astype(jnp.float32))
+    if cfg.score.dropout_rate > 0:
+        operands.append(jnp.reshape(seed, (1,)).astype(jnp.int32))
     if spec.segments:
         operands += [pad_rows(q_seg, 1, nprog * cw * bq, QUERY_PAD),
                      pad_rows(kv_seg, 1, pl.cdiv(S, bk) * bk, KEY_PAD)]
@@ -140,6 +142,7 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, q_smem, o
     q_gmem, k_gmem, v_gmem, table_gmem = refs[:4]
     rest = refs[4:]
     sinks_gmem = rest.pop(0) if has_sinks else None
+    seed_gmem = rest.pop(0) if score.dropout_rate > 0 else None
     qseg_gmem, kseg_gmem = (rest.pop(0), rest.pop(0)) if spec.segments else (None, None)
     out_gmem, lse_gmem = rest
     bq, bk, cw = tiles.block_q, tiles.block_kv, tiles.compute_wgs
@@ -182,6 +185,8 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, q_smem, o
             m0, l0 = (plgpu.layout_cast(x, row_layout())
                       for x in sink_carry(sinks_gmem[n], (bq,)))
         acc0 = zeros_tile((bq, problem.v_dim))
+        seed = None if seed_gmem is None else seed_gmem[0]
+        head = b * problem.heads + n  # the dropout hash's head coordinate
         plgpu.barrier_wait(q_bar.at[wg])
         q_ids = None if qseg_smem is None else plgpu.load(qseg_smem.at[wg], (),
                                                            layout=row_layout())
@@ -207,10 +212,11 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, q_smem, o
                 q_seg = WGMMA.expand(q_ids, s, 0)
                 k_seg = WGMMA.expand(plgpu.load(kseg_smem.at[slot], (), layout=col_layout()), s, 1)
             k_ring.release(t)
-            tile = Tile(q=None, k=None, i=i, j=j, head=None, q_seg=q_seg, k_seg=k_seg,
+            tile = Tile(q=None, k=None, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg,
                         layout=WGMMA)
             s, _ = logits_log2(score, spec, tile, bq, bk, masked=masked, scaled=False, products=s)
             m, l, p, alpha = online_softmax(m, l, s, log2_factor(score, tile), WGMMA)
+            p = dropped(score, tile, seed, p, bq, bk)  # after the statistics, as forward_update
             acc = acc * WGMMA.expand(alpha, acc, 0)
             p16 = p.astype(dtype)
             # Statistics and rescale before the meeting: the other warpgroup's products

@@ -203,6 +203,12 @@ def _apply_dropout(score: ScoreMath, x, keep):
     return jnp.where(keep, x * (1.0 / (1.0 - score.dropout_rate)), 0.0)
 
 
+def dropped(score: ScoreMath, tile: Tile, seed, p, bq: int, bk: int):
+    """The tile's probabilities ``p`` after dropout (kept entries scaled by ``1 / (1 -
+    rate)``, the keep bits of :func:`dropout_keep`); ``p`` itself without dropout."""
+    return _apply_dropout(score, p, dropout_keep(score, tile, seed, bq, bk))
+
+
 def online_softmax(m, l, s, c: float, layout: RegisterLayout = PLAIN):
     """The statistics step of the online softmax (FA-2 Algorithm 1, lines 8-10) on
     logits ``s`` ``[rows, cols]`` (log2 units once multiplied by ``c``; -inf where
@@ -237,7 +243,7 @@ def forward_update(score: ScoreMath, spec: MaskSpec | None, carry, tile: Tile, v
     m, l, acc = carry
     s, _ = logits_log2(score, spec, tile, bq, bk, masked=masked, scaled=False)
     m_new, l, p, alpha = online_softmax(m, l, s, log2_factor(score, tile), tile.layout)
-    p = _apply_dropout(score, p, dropout_keep(score, tile, seed, bq, bk))
+    p = dropped(score, tile, seed, p, bq, bk)
     acc = acc * tile.layout.expand(alpha, acc, 0) + dot(p.astype(v.dtype), v, 1, 0)
     return m_new, l, acc
 

@@ -10,6 +10,7 @@ import pytest
 
 import ops
 from ops.serving import kv_pages
+from tests.op_battery import Case, OpBattery, OpSpec
 from tests.test_lowering import PLATFORM, lower_text
 
 F32 = jnp.float32
@@ -164,3 +165,57 @@ def test_bad_input_named(case):
     args = dict(kv_pages=kv, new_k=k, new_v=v, slot_mapping=s) | kwargs
     with pytest.raises(error, match=match):
         ops.update_kv_pages(**args)
+
+
+# --------------------------------------------------------------------------
+# The op battery (tests/op_battery.py): every implementation registered for a GPU
+# --------------------------------------------------------------------------
+
+def _battery_inputs(rng, dtype, layout="combined", total_pages=P, page_size=PS, k=K, h=H,
+                    slots=(5, -1, 40, P * PS, 191, 16)):
+    """A random cache (one combined array or a heads-first pair), new keys and values,
+    and slots: distinct ones, two of them padding (-1 and past the cache)."""
+    if layout == "combined":
+        cache = jnp.asarray(rng.standard_normal((total_pages, page_size, 2 * k, h), np.float32), dtype)
+    else:
+        cache = tuple(jnp.asarray(rng.standard_normal((k, total_pages, page_size, h), np.float32), dtype)
+                      for _ in range(2))
+    new_k, new_v = (jnp.asarray(rng.standard_normal((len(slots), k, h), np.float32), dtype)
+                    for _ in range(2))
+    return cache, new_k, new_v, jnp.asarray(slots, jnp.int32)
+
+
+def _battery_update(cache, new_k, new_v, slot_mapping, **kwargs):
+    return ops.update_kv_pages(cache, new_k, new_v, slot_mapping, **kwargs)
+
+
+def _scatter_reference(cache, new_k, new_v, slot_mapping):
+    """The tokens scattered into their slots (jnp's ``.at[].set``, padding slots dropped):
+    keys at the even and values at the odd combined heads, or into the pair's arrays."""
+    pages = (cache[0] if isinstance(cache, tuple) else cache)
+    total = pages.shape[1] if isinstance(cache, tuple) else pages.shape[0]
+    page_size = pages.shape[2] if isinstance(cache, tuple) else pages.shape[1]
+    valid = (slot_mapping >= 0) & (slot_mapping < total * page_size)
+    page = jnp.where(valid, slot_mapping // page_size, total)  # out of range: dropped
+    row = slot_mapping % page_size
+    if isinstance(cache, tuple):
+        return tuple(c.at[:, page, row].set(jnp.swapaxes(x, 0, 1), mode="drop")
+                     for c, x in zip(cache, (new_k, new_v)))
+    tokens, k, h = new_k.shape
+    both = jnp.stack([new_k, new_v], axis=2).reshape(tokens, 2 * k, h)
+    return cache.at[page, row].set(both, mode="drop")
+
+
+# Copies: every implementation must give the reference's bits. On this host only XLA runs
+# these (the kernels' CPU runs are the tests above); no gradients (serving only).
+EXACT = {jnp.float32: 0.0, jnp.bfloat16: 0.0, jnp.float16: 0.0}
+UPDATE_KV_PAGES = OpSpec(
+    name="update_kv_pages", op=_battery_update, reference=_scatter_reference,
+    make_inputs=_battery_inputs, implementations=("xla",), dtypes=(jnp.bfloat16, F32),
+    cases=[Case(layout, dict(layout=layout), grads=False) for layout in ("combined", "pair")],
+    forward=EXACT, backward=EXACT, xla_is_reference=False, unavailable=None)
+
+
+class TestUpdateKvPagesBattery(OpBattery):
+    """update_kv_pages against a jnp scatter, bit for bit."""
+    spec = UPDATE_KV_PAGES

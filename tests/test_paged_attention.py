@@ -13,6 +13,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 import ops
 from ops.serving import PagedBlockSizes, block_sizes, kernels
 from tests.test_lowering import lower_text
+from tests.op_battery import Case, OpBattery, OpSpec
 from tests.tolerances import FORWARD, assert_close
 
 F32 = jnp.float32
@@ -293,3 +294,57 @@ def test_decode_over_small_pages_takes_multi_page_tiles(impl, monkeypatch):
     want = ops.paged_attention(q, kp, vp, tables, lengths, ks, vs, implementation="xla", **kw)
     assert_close(out, want, FORWARD[F32], impl)
 
+
+
+# --------------------------------------------------------------------------
+# The op battery (tests/op_battery.py): every implementation registered for a GPU
+# --------------------------------------------------------------------------
+
+def _battery_inputs(rng, dtype, b=3, n=8, k=2, h=128, page_size=16, pages_per_seq=8,
+                    lengths=(0, 1, 100), int8=False, sinks=False):
+    """q, key and value pages (int8 with per-token scale pages), tables of distinct
+    random pages, lengths (0, one token, partial pages) and sinks (or None)."""
+    total = b * pages_per_seq + 3
+    shape = (k, total, page_size, h)
+    q = jnp.asarray(rng.standard_normal((b, n, h), np.float32), dtype)
+    if int8:
+        kp, vp = (jnp.asarray(rng.integers(-127, 128, shape), jnp.int8) for _ in range(2))
+        ks, vs = (jnp.asarray(rng.uniform(0.005, 0.02, shape[:3]), F32) for _ in range(2))
+    else:
+        kp, vp = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(2))
+        ks = vs = None
+    tables = jnp.asarray(rng.permutation(total)[:b * pages_per_seq].reshape(b, pages_per_seq),
+                         jnp.int32)
+    sink_logits = jnp.asarray(rng.standard_normal(n), F32) if sinks else None
+    return q, kp, vp, tables, jnp.asarray(lengths, jnp.int32), ks, vs, sink_logits
+
+
+def _battery_paged(q, kp, vp, tables, lengths, ks=None, vs=None, sinks=None, **kwargs):
+    return ops.paged_attention(q, kp, vp, tables, lengths, ks, vs, sinks=sinks, **kwargs)
+
+
+def _battery_reference(*args, **kwargs):
+    """The op's XLA path in float32 (held to JAX's reference and float64 above). With int8
+    pages it dequantizes in float32, the kernels in q's dtype: within q's tolerance."""
+    return _battery_paged(*args, implementation="xla", **kwargs)
+
+
+# bfloat16 only on the GPU: a float32 query runs the per-page kernel, whose sm_90 compile
+# spills and takes 40-65 s per case (bfloat16: about 4 s). On this host only XLA runs these
+# (the kernels' CPU runs are the tests above). Serving only: no gradients.
+PAGED_ATTENTION = OpSpec(
+    name="paged_attention", op=_battery_paged, reference=_battery_reference,
+    make_inputs=_battery_inputs, implementations=("xla",), dtypes=(jnp.bfloat16,),
+    cases=[Case("lengths", options=dict(scale=128 ** -0.5), grads=False),
+           Case("window_soft_cap_sinks", dict(sinks=True),
+                dict(scale=128 ** -0.5, local_window_size=40, logits_soft_cap=20.0), grads=False),
+           Case("int8_scales", dict(int8=True), grads=False),
+           # 256-token pages: key tiles too large for the multi-page kernel (the per-page one).
+           Case("pages_of_256", dict(page_size=256, pages_per_seq=2, lengths=(0, 1, 300)),
+                dict(scale=128 ** -0.5), grads=False)],
+    xla_is_reference=False, unavailable=None)
+
+
+class TestPagedAttentionBattery(OpBattery):
+    """paged_attention against its XLA path in float32."""
+    spec = PAGED_ATTENTION

@@ -11,6 +11,7 @@ from ops.moe import group_table
 from ops.moe.config import RaggedDotConfig
 from ops.moe.ragged_dot import _kernel_ragged_dot
 from ops.moe.reference import dense_reference
+from tests.op_battery import Case, OpBattery, OpSpec
 from tests.tolerances import BACKWARD, FORWARD, assert_close, for_dtype
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -320,3 +321,46 @@ def test_heuristic_follows_tokens_per_group():
     assert fine.block_m == 32  # 32 rows per group
     tpu = RaggedDotConfig.heuristic(op.problem((300, 256, 640, 3), BF16), Device("mosaic_tpu"))
     assert tpu.block_m % 8 == 0 and tpu.block_n in (512, 640)
+
+
+# --------------------------------------------------------------------------
+# The op battery (tests/op_battery.py): every implementation registered for a GPU
+# --------------------------------------------------------------------------
+
+def _battery_inputs(rng, dtype, m=300, k=200, n=136, sizes=(50, 0, 120, 3, 97, 20), offset=None,
+                    local=None):
+    """lhs [m, k], rhs [local or G, k, n] (entries of order 1 in the product), group sizes
+    (an empty group; their sum below m, so the last rows belong to none), the group offset."""
+    lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
+    rhs = jnp.asarray(rng.standard_normal((local or len(sizes), k, n), np.float32) / np.sqrt(k), dtype)
+    group_offset = None if offset is None else jnp.asarray([offset], jnp.int32)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), group_offset
+
+
+def _battery_ragged_dot(lhs, rhs, group_sizes, group_offset=None, **kwargs):
+    return ops.ragged_dot(lhs, rhs, group_sizes, group_offset=group_offset, **kwargs)
+
+
+def _battery_reference(lhs, rhs, group_sizes, group_offset=None):
+    """jax.lax.ragged_dot over every group in float32; with an offset, the groups the call
+    does not own get zero matrices (their rows are zero in the op's output)."""
+    if group_offset is not None:
+        every = jnp.zeros((group_sizes.shape[0],) + rhs.shape[1:], rhs.dtype)
+        rhs = jax.lax.dynamic_update_slice(every, rhs, (group_offset[0], 0, 0))
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=HIGHEST, preferred_element_type=F32)
+
+
+# On this host only XLA runs these (the kernels' CPU runs are the tests above); test_on_gpu
+# runs them on every implementation registered for a GPU, with gradients. M = 300, K = 200
+# and N = 136 divide no tile.
+RAGGED_DOT = OpSpec(
+    name="ragged_dot", op=_battery_ragged_dot, reference=_battery_reference,
+    make_inputs=_battery_inputs, grad_argnums=(0, 1), implementations=("xla",),
+    cases=[Case("groups", dtypes=(BF16, F32)),
+           Case("group_offset", dict(offset=2, local=3), dtypes=(F16,))],
+    dtypes=(BF16,), xla_is_reference=False, unavailable=None)
+
+
+class TestRaggedDotBattery(OpBattery):
+    """ragged_dot against jax.lax.ragged_dot, outputs and gradients."""
+    spec = RAGGED_DOT

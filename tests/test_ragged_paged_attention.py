@@ -16,6 +16,7 @@ import ops
 from ops.serving import PagedBlockSizes, kernels, prefill_kernels
 from ops.serving.block_sizes import multi_page_decode, ragged_block_q
 from tests.test_lowering import lower_text
+from tests.op_battery import Case, OpBattery, OpSpec
 from tests.tolerances import FORWARD, assert_close
 
 F32 = jnp.float32
@@ -356,3 +357,55 @@ def test_decode_route():
     assert not multi_page_decode(None, True, 2 * tile)  # 256-key tiles, head dim 256
     assert not multi_page_decode(None, True, tile, float32_gpu=True)
     assert not multi_page_decode(PagedBlockSizes(2, 3, block_q=1), True, tile)  # asked for
+
+
+# --------------------------------------------------------------------------
+# The op battery (tests/op_battery.py): every implementation registered for a GPU
+# --------------------------------------------------------------------------
+
+def _battery_inputs(rng, dtype, q_lens=(3, 1, 0, 5, 1), kv_lens=(20, 33, 0, 64, 16), tokens=12,
+                    n=8, k=2, h=128, page_size=16, pages_per_seq=4, slots=None, int8=False,
+                    sinks=False):
+    """As :func:`make_case` (prefill, decode and empty sequences, rows past the last
+    sequence's tokens, unused slots with garbage metadata), from the battery's RNG; then
+    sinks (or None)."""
+    seed = int(rng.integers(1 << 31))
+    args = make_case(seed, q_lens=q_lens, kv_lens=kv_lens, T=tokens, N=n, K=k, H=h,
+                     page_size=page_size, pages_per_seq=pages_per_seq,
+                     total_pages=(slots or len(q_lens)) * pages_per_seq + 4, dtype=dtype,
+                     int8=int8, slots=slots)
+    return (*args, jnp.asarray(rng.standard_normal(n), F32) if sinks else None)
+
+
+def _battery_ragged_paged(q, kv, kv_lens, tables, cu_q_lens, num_seqs, sinks=None, *,
+                          implementation, per_token=False, **kwargs):
+    """``per_token``: on the kernels, every token its own row of the per-page split-KV
+    decode kernel (``block_q=1``, two splits merged)."""
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    if per_token and names[-1] != "xla":
+        kwargs["block_sizes"] = PagedBlockSizes(2, 2, block_q=1)
+    return ops.ragged_paged_attention(q, kv, kv_lens, tables, cu_q_lens, num_seqs, sinks=sinks,
+                                      implementation=implementation, **kwargs)
+
+
+def _battery_reference(*args, **kwargs):
+    """The op's XLA path in float32 (held to JAX's reference above)."""
+    return _battery_ragged_paged(*args, implementation="xla", **kwargs)
+
+
+# bfloat16 only on the GPU: float32 tiles spill and the sm_90 compiles take 40-230 s
+# (bfloat16: 2-8 s). On this host only XLA runs these (the kernels' CPU runs are the tests
+# above). Serving only: no gradients.
+RAGGED_PAGED_ATTENTION = OpSpec(
+    name="ragged_paged_attention", op=_battery_ragged_paged, reference=_battery_reference,
+    make_inputs=_battery_inputs, implementations=("xla",), dtypes=(jnp.bfloat16,),
+    cases=[Case("mixed", options=dict(scale=0.3), grads=False),
+           Case("int8_window_soft_cap", dict(int8=True, slots=6), dict(WINDOWED), grads=False),
+           Case("sinks", dict(sinks=True), dict(scale=0.3, sliding_window=30), grads=False),
+           Case("per_token_split_kv", options=dict(scale=0.3, per_token=True), grads=False)],
+    xla_is_reference=False, unavailable=None)
+
+
+class TestRaggedPagedAttentionBattery(OpBattery):
+    """ragged_paged_attention against its XLA path in float32."""
+    spec = RAGGED_PAGED_ATTENTION

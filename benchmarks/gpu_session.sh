@@ -179,7 +179,8 @@ if has_step tma; then
 fi
 
 if has_step tests; then
-  gpu_files=$(grep -l "mark.gpu" tests/*.py benchmarks/*.py 2>/dev/null | grep -v test_tma_launch)
+  # gpu-marked tests, and the op batteries' test_on_gpu in the modules subclassing OpBattery.
+  gpu_files=$(grep -lE "mark\.gpu|\(OpBattery\)" tests/*.py benchmarks/*.py 2>/dev/null | grep -v test_tma_launch)
   workers=()
   if [[ "${TEST_WORKERS:-4}" -gt 1 ]] && "$py" -c "import xdist" 2>/dev/null; then
     workers=(-n "${TEST_WORKERS:-4}")

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ops
+from ops import _op, _resolve
 from ops.attention import BlockSizes
 from ops.attention import dropout as dropout_lib
 from ops.attention.masking import (MaskSpec, block_full_visibility, block_ranges, block_visibility,
@@ -538,3 +539,48 @@ def test_lowers_forward_and_backward(impl, platform, marker, options):
             jax.ShapeDtypeStruct((1, 4, t, s), jnp.float32)]
     text = jax.jit(grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == 3  # forward, dQ, dK/dV
+
+
+CUDA_CONTRACT_OPTIONS = {
+    "causal_gqa": lambda b, t, s: dict(is_causal=True),
+    "lengths_window_soft_cap": lambda b, t, s: dict(
+        key_value_seq_lengths=jnp.array([s // 3, s], jnp.int32)[:b], local_window_size=(200, 17),
+        logits_soft_cap=20.0),
+    "bias_mask_dropout": lambda b, t, s: dict(
+        bias=jax.ShapeDtypeStruct((1, 8, t, s), jnp.float32),
+        mask=jnp.asarray(np.random.default_rng(1).random((b, 1, t, s)) < 0.8),
+        dropout_rate=0.2, dropout_rng=jax.random.key(4)),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("option", sorted(CUDA_CONTRACT_OPTIONS))
+def test_pallas_triton_contract_holds_when_lowered_for_cuda(head_dim, option):
+    """No GPU needed: what pallas_triton's registered ``supported`` says of a call on a GPU
+    (by which test_on_gpu skips a case) is what the op does. JAX's Triton lowering has no
+    padded blocks, so the contract is power-of-two head dims: there the forward and the
+    gradients (q, k, v and bias) lower for cuda through it (the forward kernel, dQ, dK/dV);
+    at head dim 96 the op refuses the call with that NotImplementedError before building a
+    kernel. T = 1000 and S = 1537 divide no block."""
+    b, t, s = 2, 1000, 1537
+    kw = CUDA_CONTRACT_OPTIONS[option](b, t, s)
+    bias = kw.pop("bias", None)
+    args = [jax.ShapeDtypeStruct((b, t, 8, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s, 2, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s, 2, head_dim), jnp.bfloat16)] + ([bias] if bias else [])
+
+    def loss(*a):
+        out = ops.dot_product_attention(*a, implementation="pallas_triton", **kw)
+        return jnp.sum(out.astype(jnp.float32))
+
+    call = _resolve.capture_call(loss, args, differentiated=True)
+    call = dataclasses.replace(call, target=_op.Target.of_kind("NVIDIA H200"))
+    why = call.op.implementations["pallas_triton"].why_not(call)
+    assert (why is None) == (head_dim & (head_dim - 1) == 0), why
+    grads = jax.grad(loss, tuple(range(len(args))))
+    if why is not None:
+        with pytest.raises(NotImplementedError, match="power-of-two head dims"):
+            jax.eval_shape(grads, *args)
+        return
+    text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV

@@ -13,8 +13,8 @@ through our real launch path and jax_triton's real lowering rule, with only
 that C++ boundary replaced by :class:`FakeKernelCallLib`, which records what
 would be launched: the compiled kernel (name, warps, shared memory, PTX,
 compute capability), its grid and its parameters. What stays unchecked is
-the C++ launch itself and the numbers the GPU computes (tests/test_gpu.py,
-``pytest -m gpu``).
+the C++ launch itself and the numbers the GPU computes (each op battery's
+``test_on_gpu``, ``pytest -m gpu``).
 """
 import dataclasses
 import hashlib

@@ -220,6 +220,25 @@ def test_barrier_ends_a_grid_loop_body_where_the_next_step_races():
     np.testing.assert_allclose(call(x), 2 * np.asarray(x, np.float64)[:, 48:], rtol=1e-6)
 
 
+def test_persistent_tiles_share_the_scratch_across_a_barrier():
+    """A persistent program walks several tiles with one private scratch slice: the next
+    tile's stores overwrite what this tile's load read, so a barrier ends each tile."""
+    def kernel(x_ref, o_ref, s_ref):
+        s_ref[:, 0:16] = x_ref[:, 16:32]
+        s_ref[:, 16:32] = x_ref[:, 0:16]
+        o_ref[...] = s_ref[...] * 2
+
+    x = jax.random.normal(jax.random.key(33), (64, 32))
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
+                          in_specs=[SPEC], out_specs=SPEC,
+                          scratch_shapes=[pl.tpu.VMEM((8, 32), jnp.float32)], backend="triton",
+                          compiler_params=pl.triton.CompilerParams(persistent=2))
+    (source,) = pl.triton.source(call, x)
+    assert events(source) == "[SS|L|]", source
+    np.testing.assert_allclose(call(x), 2 * np.roll(np.asarray(x, np.float64), 16, axis=1),
+                               rtol=1e-6)
+
+
 def test_barrier_plan_rules():
     """:mod:`pallas_core.triton.scratch_barriers` on its own: which accesses conflict,
     what a barrier clears, branches and loops."""

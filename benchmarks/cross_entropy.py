@@ -41,6 +41,7 @@ import optax
 from jax import lax
 
 from benchmarks import harness
+from benchmarks.matmul import mosaic_gpu_column
 from ops.reduction.cross_entropy import cross_entropy
 from ops.reduction.linear_cross_entropy import linear_cross_entropy
 
@@ -83,7 +84,10 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     """
     ours = harness.kernel_implementations(platform)
     makers = {CE: make_ce_case, LINEAR_CE: make_linear_case}
-    out = [makers[op](shape, dtype, pass_name, ours)
+    # The Mosaic GPU column: linear cross-entropy only (cross_entropy has no matmul).
+    column = {CE: lambda dtype: (),
+              LINEAR_CE: lambda dtype: mosaic_gpu_column(platform, dtype, quick)}
+    out = [makers[op](shape, dtype, pass_name, ours + column[op](dtype))
            for op, op_shapes in shapes(platform, quick).items()
            for shape, dtype in op_shapes
            for pass_name in harness.PASSES]

@@ -38,6 +38,7 @@ from jax import lax
 
 import ops
 from benchmarks import harness
+from benchmarks.matmul import mosaic_gpu_column
 from ops.activations import resolve_activation
 from ops.decoder.glu import glu_backward
 from ops.decoder.reference import glu_backward_reference, glu_preactivations
@@ -108,8 +109,10 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
         return (GLU_CPU_VARIANT[dtype],) if platform == "cpu" else tuple(GLU_VARIANTS)
 
     return ([rope_case(shape, dtype, p, ours) for shape, dtype in rope_shapes for p in passes]
-            + [glu_case(shape, dtype, v, p, ours, form) for shape, dtype in glu_shapes
-               for v in variants(dtype) for p in passes for form in GLU_FORMS])
+            + [glu_case(shape, dtype, v, p, ours + mosaic_gpu_column(platform, dtype, quick),
+                        form)
+               for shape, dtype in glu_shapes for v in variants(dtype) for p in passes
+               for form in GLU_FORMS])
 
 
 # --------------------------------------------------------------------------

@@ -46,6 +46,20 @@ QUICK_SHAPES = {"cpu": (((128, 64, 96), "float32"),),
                 "accelerator": (((512, 512, 512), "bfloat16"),)}
 
 
+def mosaic_gpu_column(platform: str, dtype: str, quick: bool = False) -> tuple[str, ...]:
+    """The matmul family's Mosaic GPU column (``implementation="mosaic_gpu"``, the
+    warp-specialized core of :mod:`ops.matmul.mosaic_gpu_core`): on GPUs (an sm_90+ one
+    runs it; an older one's row records its refusal) for the 16-bit dtypes it takes, and in
+    a CPU's full run, where it runs in JAX's GPU interpret mode (not in quick runs: the
+    interpreter takes seconds per kernel). Shared by the fused_matmul, gated linear unit,
+    linear cross-entropy and ragged_dot cases."""
+    if dtype not in ("bfloat16", "float16"):
+        return ()
+    if platform in ("gpu", "cuda") or (platform == "cpu" and not quick):
+        return ("mosaic_gpu",)
+    return ()
+
+
 def shapes(platform: str, quick: bool = False):
     """The ``((M, K, N), dtype)`` pairs benchmarked on ``platform``."""
     return harness.pick_shapes(platform, quick, cpu=CPU_SHAPES, accelerator=ACCELERATOR_SHAPES,
@@ -58,7 +72,8 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     ``quick`` keeps one tiny shape (still every variant and pass), for smoke tests.
     """
     ours = harness.kernel_implementations(platform)
-    return [make_case(shape, dtype, variant, pass_name, ours)
+    return [make_case(shape, dtype, variant, pass_name,
+                      ours + mosaic_gpu_column(platform, dtype, quick))
             for shape, dtype in shapes(platform, quick)
             for variant in VARIANTS
             for pass_name in harness.PASSES]

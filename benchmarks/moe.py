@@ -27,6 +27,7 @@ from jax import lax
 
 import ops
 from benchmarks import harness
+from benchmarks.matmul import mosaic_gpu_column
 
 OP = "ragged_dot"
 DENSE_LOOP = "dense_loop"
@@ -67,8 +68,8 @@ def cases(platform: str, quick: bool = False) -> list[harness.Case]:
     the backward kernels)."""
     ours = harness.kernel_implementations(platform)
     passes = ("fwd",) if quick else harness.PASSES
-    return [make_case(shape, dtype, pass_name, ours) for shape, dtype in shapes(platform, quick)
-            for pass_name in passes]
+    return [make_case(shape, dtype, pass_name, ours + mosaic_gpu_column(platform, dtype, quick))
+            for shape, dtype in shapes(platform, quick) for pass_name in passes]
 
 
 def make_case(shape, dtype: str, pass_name: str, implementations) -> harness.Case:

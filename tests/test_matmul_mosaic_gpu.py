@@ -358,3 +358,23 @@ def test_ragged_dot_forward_and_gradients(sizes, group_offset, dtype):
     tol = for_dtype(BACKWARD, dtype)
     assert_close(dlhs, f64(want_dlhs), tol, "dlhs")
     assert_close(drhs, f64(want_drhs), tol, "drhs")
+
+
+# --- the lease queue's Mosaic GPU experiments ----------------------------------------------
+
+def test_queue_config_arms_reach_the_core():
+    """Each mosaic_gpu config arm of benchmarks/lease_queue.json selects its block (the
+    tuner's candidates the queue times), every one valid and among the candidates."""
+    from benchmarks import lease_queue
+    arms = [arm for e in lease_queue.load_queue() if e["name"].startswith("mosaic-gpu-matmul")
+            for arm in e["arms"] if arm["implementation"] == "mosaic_gpu" and arm.get("config")]
+    assert len(arms) >= 4
+    op = _op.get("fused_matmul")
+    for arm in arms:
+        case = lease_queue.resolve_case(arm["case"], "gpu", quick=False)
+        problem = op.problem(lease_queue.PROBLEM_DIMS["fused_matmul"](case.shape), case.dtype)
+        with lease_queue.arm_settings(arm, case):
+            chosen = op.select(problem, "mosaic_gpu")
+        assert chosen == MosaicMatmulConfig(**arm["config"]["fields"]), arm["label"]
+        chosen.check("queue")
+        assert chosen in MosaicMatmulConfig.candidates(problem, _op.Device("mosaic_gpu"))

@@ -154,12 +154,13 @@ class FusedKernels:
     def backward(self, x, w, z, bias, g, activation):
         """``(dx, dw, dbias float32 or None)`` from the saved pre-activation ``z``."""
         (m, k), n = x.shape, w.shape[1]
-        dz = g.astype(jnp.float32)
         if activation is not None:
             _, pullback = jax.vjp(activation, z.astype(jnp.float32))
-            (dz,) = pullback(dz)
-        dbias = jnp.sum(dz, axis=0) if bias is not None else None
-        dz = dz.astype(x.dtype)
+            (dz32,) = pullback(g.astype(jnp.float32))
+            dz = dz32.astype(x.dtype)
+        else:  # dz is g itself: no copy
+            dz32, dz = g.astype(jnp.float32), g.astype(x.dtype)
+        dbias = jnp.sum(dz32, axis=0) if bias is not None else None
         # dx [M, K] = dz [M, N] @ w [K, N]^T: w read in place, transposed in wgmma.
         (dx,), _ = core.matmul([core.Operand(dz)], [core.Operand(w, transposed=True)], m=m, n=k,
                                k=n, config=self.config(m, k, n, x.dtype), out_dtype=x.dtype,

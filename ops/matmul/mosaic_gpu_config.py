@@ -165,25 +165,43 @@ class MosaicMatmulConfig(_op.KernelConfig):
 
     @classmethod
     def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["MosaicMatmulConfig", ...]:
-        """The tuner's space around the heuristic: 128 x 256 and 256 x 128 blocks with the
-        warpgroups either way, 128 x 128, 3 or 4 stages, bands of 4, 8 or 16 row or column
-        tiles, 64 x 64 or 64 x 128 epilogue tiles (JAX's Hopper matmul searched the same
-        region)."""
+        """The tuner's space around the heuristic (JAX's Hopper matmul searched the same
+        region): 128 x 256 and 256 x 128 blocks (each consumer 128 x 128), 128 x 128 with
+        the consumers either way, 3 or 4 stages, bands of 8 or 16 row tiles or 8 column
+        tiles; the big blocks also with 64 x 128 epilogue tiles. Those whose tiles do not
+        fit shared memory (one left and one right operand, 16-bit) are left out."""
         m, n, k = problem.shape[:3]
-        base = cls.heuristic(problem, device)
-        out = [base]
-        for bm, bn, wgm in ((128, 256, 1), (256, 128, 2), (128, 128, 1), (128, 128, 2),
-                            (256, 128, 1), (128, 256, 2)):
-            for stages in (4, 3):
-                for band_m, band_n in ((8, None), (16, None), (4, None), (None, 8), (None, 16)):
-                    for en in (64, 128):
-                        c = cls(bm, bn, 64, stages, wgm, 64, en, band_m, band_n)
-                        try:
-                            c.check("candidates")
-                        except ValueError:
-                            continue
-                        if c.block_m > max(64, m) * 2 or c.block_n > max(64, n) * 2:
-                            continue
-                        if c not in out:
-                            out.append(c)
+        out = [cls.heuristic(problem, device)]
+        space = [(bm, bn, wgm, stages, band, 64)
+                 for bm, bn, wgm in ((128, 256, 1), (256, 128, 2), (128, 128, 1), (128, 128, 2))
+                 for stages in (4, 3) for band in ((8, None), (16, None), (None, 8))]
+        space += [(128, 256, 1, 3, (8, None), 128), (256, 128, 2, 3, (8, None), 128)]
+        for bm, bn, wgm, stages, (band_m, band_n), en in space:
+            c = cls(bm, bn, 64, stages, wgm, 64, en, band_m, band_n)
+            try:
+                c.check("candidates")
+            except ValueError:
+                continue
+            if c.block_m > 2 * max(64, m) or c.block_n > 2 * max(64, n):
+                continue
+            if _smem_bytes(c, stages) > SMEM_BYTES or _resolved(c) in map(_resolved, out):
+                continue
+            out.append(c)
         return tuple(out)
+
+
+def _resolved(config: MosaicMatmulConfig) -> tuple:
+    """A plain product's kernel as ``config`` builds it (the core's defaults filled in):
+    two configs that resolve alike are one candidate."""
+    stages = config.num_stages or next(
+        (s for s in range(MAX_STAGES, MIN_STAGES - 1, -1) if _smem_bytes(config, s) <= SMEM_BYTES),
+        MIN_STAGES)
+    return (config.blocks, stages, config.warpgroups_m, config.epilogue_tile, config.band)
+
+
+def _smem_bytes(config: MosaicMatmulConfig, stages: int, itemsize: int = 2) -> int:
+    """Shared memory of a plain product's block: the stages' operand tiles and the two
+    consumers' two epilogue slots (:func:`ops.matmul.mosaic_gpu_core.smem_bytes` in full)."""
+    bm, bn, bk = config.blocks
+    em, en = config.epilogue_tile
+    return (bm + bn) * bk * itemsize * stages + 2 * 2 * em * en * itemsize

@@ -46,19 +46,30 @@ def _segments(seed, b, length, parts=3):
     return jnp.sort(ids, axis=1).astype(jnp.int32)
 
 
-def _attention64(q, k, v, sinks, spec: MaskSpec, scale, cap, q_seg, kv_seg):
+def _grouped(x, kv_heads):
+    """A ``[B', N', T', S']`` bias / mask as ``[B', K', G', T', S']`` (heads split by group)."""
+    b, n, t, s = x.shape
+    return x.reshape(b, 1, 1, t, s) if n == 1 else x.reshape(b, kv_heads, n // kv_heads, t, s)
+
+
+def _attention64(q, k, v, sinks, spec: MaskSpec, scale, cap, q_seg, kv_seg, bias=None,
+                 mask=None):
     """``(out [B, T, N, Hv], lse [B, T, N])`` in float64, written out: scores, soft cap,
-    the mask of :func:`ops.attention.masking.visible`, a sink column, softmax (a row that
-    sees nothing: output 0, logsumexp -inf)."""
+    bias, the mask of :func:`ops.attention.masking.visible` and the mask array, a sink
+    column, softmax (a row that sees nothing: output 0, logsumexp -inf)."""
     b, t, n, _ = q.shape
     g = n // k.shape[2]
     qg = q.reshape(b, t, k.shape[2], g, -1)
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k) * scale
     if cap is not None:
         s = cap * jnp.tanh(s / cap)
+    if bias is not None:
+        s = s + _grouped(bias, k.shape[2])
     vis = visible(spec, jnp.arange(t)[:, None], jnp.arange(spec.S)[None, :],
                   None if q_seg is None else q_seg[:, None, None, :, None],
                   None if kv_seg is None else kv_seg[:, None, None, None, :])
+    if mask is not None:
+        vis = _grouped(mask, k.shape[2]) if vis is None else vis & _grouped(mask, k.shape[2])
     s = s if vis is None else jnp.where(vis, s, -jnp.inf)
     top = jnp.max(s, axis=-1, keepdims=True)
     if sinks is not None:
@@ -74,10 +85,10 @@ def _attention64(q, k, v, sinks, spec: MaskSpec, scale, cap, q_seg, kv_seg):
     return out, jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, n)
 
 
-def _reference64(q, k, v, do, sinks=None, *, is_causal=False, local_window_size=None,
-                 logits_soft_cap=None, scale=None, **ids):
+def _reference64(q, k, v, do, sinks=None, bias=None, mask=None, *, is_causal=False,
+                 local_window_size=None, logits_soft_cap=None, scale=None, **ids):
     """``(out, lse, grads)`` in float64 (:func:`_attention64`; grads of q, k, v and, when
-    given, sinks)."""
+    given, sinks and bias)."""
     T, S, H = q.shape[1], k.shape[1], q.shape[-1]
     left = right = None
     if local_window_size is not None:
@@ -91,44 +102,56 @@ def _reference64(q, k, v, do, sinks=None, *, is_causal=False, local_window_size=
     with jax.enable_x64(True):
         up = lambda x: jnp.asarray(np.asarray(x, np.float64))
 
-        def f(q, k, v, *sinks_):
-            return _attention64(q, k, v, sinks_[0] if sinks_ else None, spec, scale or H ** -0.5,
-                                logits_soft_cap, q_seg, kv_seg)
+        def f(q, k, v, *extra):
+            extra = list(extra)
+            s_ = extra.pop(0) if sinks is not None else None
+            b_ = extra.pop(0) if bias is not None else None
+            return _attention64(q, k, v, s_, spec, scale or H ** -0.5, logits_soft_cap, q_seg,
+                                kv_seg, b_, None if mask is None else jnp.asarray(mask))
 
         @jax.jit
         def run(do, *primals):
             (out, lse), pullback = jax.vjp(f, *primals)
             return out, lse, pullback((do, jnp.zeros_like(lse)))
 
-        primals = [up(q), up(k), up(v)] + ([up(sinks)] if sinks is not None else [])
+        primals = [up(q), up(k), up(v)] + [up(x) for x in (sinks, bias) if x is not None]
         out, lse, grads = run(up(do), *primals)
         return np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
 
 
-def _mosaic(q, k, v, do, sinks=None, block_sizes=None, **kw):
+def _mosaic(q, k, v, do, sinks=None, bias=None, mask=None, block_sizes=None, **kw):
     """``(out, lse, grads)`` of implementation="mosaic_gpu", jitted (one trace)."""
 
-    def f(q, k, v, *sinks_):
-        return ops.dot_product_attention(q, k, v, implementation="mosaic_gpu",
-                                         sinks=sinks_[0] if sinks_ else None,
-                                         block_sizes=block_sizes, return_residual=True, **kw)
+    def f(q, k, v, *extra):
+        extra = list(extra)
+        s_ = extra.pop(0) if sinks is not None else None
+        b_ = extra.pop(0) if bias is not None else None
+        return ops.dot_product_attention(q, k, v, b_, mask, implementation="mosaic_gpu",
+                                         sinks=s_, block_sizes=block_sizes,
+                                         return_residual=True, **kw)
 
     @jax.jit
-    def run(q, k, v, do, *sinks_):
-        (out, lse), pullback = jax.vjp(f, q, k, v, *sinks_)
+    def run(q, k, v, do, *extra):
+        (out, lse), pullback = jax.vjp(f, q, k, v, *extra)
         return out, lse, pullback((do, jnp.zeros_like(lse)))
 
-    return run(q, k, v, do, *([] if sinks is None else [sinks]))
+    return run(q, k, v, do, *[x for x in (sinks, bias) if x is not None])
 
 
-def _check(seed, shape, dtype, sinks=False, block_sizes=None, grads=True, **kw):
+def _check(seed, shape, dtype, sinks=False, bias=None, mask=None, block_sizes=None, grads=True,
+           **kw):
+    """The op on mosaic_gpu against :func:`_reference64`; ``bias`` / ``mask``: the shape
+    of a random float32 bias / boolean mask (80% attending), or None."""
     q, k, v, do = _inputs(seed, *shape, dtype=dtype)
-    sink = jax.random.normal(jax.random.key(seed + 1), (q.shape[2],), jnp.float32) if sinks else None
-    want_out, want_lse, want_grads = _reference64(q, k, v, do, sink, **kw)
+    keys = jax.random.split(jax.random.key(seed + 1), 3)
+    sink = jax.random.normal(keys[0], (q.shape[2],), jnp.float32) if sinks else None
+    bias = None if bias is None else jax.random.normal(keys[1], bias, jnp.float32)
+    mask = None if mask is None else jax.random.bernoulli(keys[2], 0.8, mask)
+    want_out, want_lse, want_grads = _reference64(q, k, v, do, sink, bias, mask, **kw)
     if grads:
-        out, lse, got = _mosaic(q, k, v, do, sink, block_sizes, **kw)
+        out, lse, got = _mosaic(q, k, v, do, sink, bias, mask, block_sizes, **kw)
     else:
-        out, lse = ops.dot_product_attention(q, k, v, implementation="mosaic_gpu",
+        out, lse = ops.dot_product_attention(q, k, v, bias, mask, implementation="mosaic_gpu",
                                              sinks=sink, block_sizes=block_sizes,
                                              return_residual=True, **kw)
     fwd_tol, bwd_tol = for_dtype(FORWARD, dtype), for_dtype(BACKWARD, dtype)
@@ -138,26 +161,38 @@ def _check(seed, shape, dtype, sinks=False, block_sizes=None, grads=True, **kw):
     assert (np.isfinite(np.asarray(lse)) == seen).all(), "rows that see no key: -inf"
     np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], atol=2e-2, rtol=0)
     if grads:
-        for name, g, want in zip(("dq", "dk", "dv", "dsinks"), got, want_grads):
-            assert g.dtype == (jnp.float32 if name == "dsinks" else q.dtype), name
+        names = ["dq", "dk", "dv"] + ["dsinks"] * (sink is not None) + ["dbias"] * (bias is not None)
+        for name, g, want in zip(names, got, want_grads):
+            assert g.dtype == (jnp.float32 if name in ("dsinks", "dbias") else q.dtype), name
+            if name == "dbias" and not bias.shape[3] > 1:
+                # Summed over the keys, a row's bias gradient is sum_j p_j (dp_j - delta) = 0:
+                # only rounding is left, held to the per-entry gradients' scale.
+                full = _reference64(q, k, v, do, sink, jnp.broadcast_to(bias, (
+                    q.shape[0], q.shape[2], q.shape[1], k.shape[1])), mask, **kw)[2][-1]
+                assert np.max(np.abs(np.asarray(g) - want)) <= bwd_tol * np.max(np.abs(full)) * \
+                    k.shape[1], name
+                continue
             assert_close(g, want, bwd_tol, name)
 
 
 # --- forward and gradients in the interpret mode (CI: options combined) --------------------------
 
 
-def test_causal_gqa_soft_cap_sinks_bfloat16():
-    # B=2, T=S=72 (not a multiple of the 64-row tiles), 4 query heads over 2 key/value heads.
-    _check(0, (2, 72, 72, 4, 2, 64), jnp.bfloat16, sinks=True, is_causal=True,
-           logits_soft_cap=5.0)
+def test_causal_gqa_soft_cap_sinks_bias_bfloat16():
+    # B=2, T=S=72 (not a multiple of the 64-row tiles), 4 query heads over 2 key/value heads;
+    # a bias broadcast over the batch, read in tiles, and its gradient.
+    _check(0, (2, 72, 72, 4, 2, 64), jnp.bfloat16, sinks=True, bias=(1, 4, 72, 72),
+           is_causal=True, logits_soft_cap=5.0)
 
 
-def test_window_segments_lengths_mla_dims_float16():
+def test_window_segments_lengths_mla_dims_key_mask_float16():
     # T != S, neither a multiple of the tiles; head dims 48 / 32 (a value head dim of its
-    # own, as MLA's 192 / 128), a two-sided window, segment ids with key lengths folded in.
+    # own, as MLA's 192 / 128), a two-sided window, segment ids with key lengths folded in,
+    # a mask over keys per batch entry.
     b, t, s = 1, 100, 88
     _check(1, (b, t, s, 2, 1, 48, 32), jnp.float16, local_window_size=(24, 12),
-           query_segment_ids=_segments(3, b, t), key_value_segment_ids=_segments(3, b, s),
+           mask=(b, 1, 1, s), query_segment_ids=_segments(3, b, t),
+           key_value_segment_ids=_segments(3, b, s),
            key_value_seq_lengths=jnp.array([80], jnp.int32))
 
 
@@ -264,11 +299,7 @@ def test_heuristic_tiles_fit_shared_memory_as_the_lowering_counts(h, hv):
 # --- refusals, fallbacks, configs -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(bias=jnp.zeros((1, 1, 8, 8))), "bias"),
-    (dict(mask=jnp.ones((1, 1, 8, 8), bool)), "mask"),
-    (dict(block_sizes=(64, 64)), "block_sizes"),
-])
+@pytest.mark.parametrize("kw, words", [(dict(block_sizes=(64, 64)), "block_sizes")])
 def test_options_not_built_fall_back(kw, words):
     q = jax.random.normal(jax.random.key(5), (1, 8, 2, 16), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match=words):
@@ -364,6 +395,15 @@ def test_each_option(dtype, option):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bias, mask", [
+    ((2, 4, 130, 100), None), ((1, 1, 1, 100), (2, 1, 130, 100)), ((2, 1, 130, 1), None),
+    ((1, 4, 1, 1), (1, 4, 1, 100)), (None, (2, 4, 130, 100)), (None, (1, 1, 130, 1)),
+], ids=["tile", "keys+mask_tile", "queries", "scalar+mask_keys", "mask_tile", "mask_queries"])
+def test_bias_and_mask_forms(bias, mask):
+    _check(15, (2, 130, 100, 4, 2, 64), jnp.bfloat16, bias=bias, mask=mask, is_causal=True)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("h, hv, grads", [(64, 64, True), (128, 128, True), (256, 256, False),
                                           (192, 128, True)])
 def test_head_dims(h, hv, grads):
@@ -422,12 +462,12 @@ def test_lease_queue_config_arms_reach_the_kernels(monkeypatch):
     from benchmarks import lease_queue
     seen = []
 
-    def forward(cfg, tiles, q, k, v, *rest):
+    def forward(cfg, tiles, q, k, v, *rest, **kw):
         seen.append(tiles)
         B, T, N, _ = q.shape
         return (jnp.zeros((B, T, N, v.shape[-1]), q.dtype), jnp.zeros((B, N, T, 1), jnp.float32))
 
-    def backward(cfg, tiles, q, k, v, *rest):
+    def backward(cfg, tiles, q, k, v, *rest, **kw):
         seen.append(tiles)
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
 

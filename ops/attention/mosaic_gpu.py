@@ -28,8 +28,12 @@ included) whose tiles fit the shared memory; causal, local windows, sequence
 lengths, segment ids, a logit soft cap, sinks (with their gradient), dropout
 (the keep bits of :mod:`ops.attention.dropout`'s counter hash, drawn in the
 kernels on the accumulator registers: the same bits as every other
-implementation), GQA / MQA. Not (yet): a bias, a mask array, explicit
-``block_sizes`` other than a :class:`~ops.attention.mosaic_gpu_config.MosaicGPUConfig`.
+implementation), a bias (with its gradient, written tile by tile by the dQ
+kernel) and a mask array in every broadcast form, read tile by tile and never
+broadcast in memory (:mod:`ops.attention.mosaic_gpu_pairs`), GQA / MQA. Not:
+explicit ``block_sizes`` other than a
+:class:`~ops.attention.mosaic_gpu_config.MosaicGPUConfig` (tiles of the other
+kernels).
 
 Shapes need not divide the tiles: TMA loads past an array read zeros and its
 stores past it are dropped, and the per-tile mask drops keys past ``S``. TMA
@@ -54,7 +58,9 @@ known here). B=2, T=S=8192, bfloat16, causal, the heuristic's tiles:
   ``wgmma`` a step (4 ``m64n128k16`` for ``q k^T``, 8 ``m64n64k16`` for ``p v``),
   the same 66 ``ex2``.
   A soft cap adds 64 ``tanh.approx.f32`` per thread a step; sinks nothing in
-  the loop (they start the carry).
+  the loop (they start the carry); a ``[T, S]`` bias one more TMA tile a step
+  (``2 x 64 x 128`` float32: 64 KiB a stage, so the heuristic takes 64-row key
+  tiles) and its load into the accumulator layout.
 * dQ (64 x 64 steps): 20 ``wgmma`` a step (8 + 8 ``m64n64k16`` for ``q k^T``
   and ``dO v^T``, issued together and waited once, 4 ``m64n128k16`` for
   ``ds k``), 32 ``ex2`` per thread, 2 TMA loads; dK/dV (64 key rows per
@@ -93,6 +99,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import _op
+from ops._partitioning import psum
 from ops._partitioning import run as partitioned
 from ops.attention import attention as attention_op
 from ops.attention import dropout as dropout_lib
@@ -101,6 +108,7 @@ from ops.attention.block_sizes import BlockSizes
 from ops.attention.config import AttentionProblem, Backend, Config, ScoreMath
 from ops.attention.masking import MaskSpec, fold_lengths
 from ops.attention.mosaic_gpu_config import MosaicGPUConfig, fits
+from ops.attention.mosaic_gpu_pairs import Pair
 from pallas_core.gpu import target
 
 _OP = "dot_product_attention"
@@ -149,9 +157,6 @@ def supported(call: _op.Call) -> str | None:
     if H % 16 or Hv % 16 or H > MAX_HEAD_DIM or Hv > MAX_HEAD_DIM:
         reasons.append(f"head dims H={H}, Hv={Hv} (multiples of 16 up to {MAX_HEAD_DIM}: "
                        "wgmma's K step and its widest accumulator)")
-    features = {"bias": a["bias"] is not None, "a mask array": a["mask"] is not None}
-    reasons += [f"{name} (not built for mosaic_gpu yet)" for name, present in features.items()
-                if present]
     blocks = call.args["block_sizes"]
     if blocks is not None and not isinstance(blocks, MosaicGPUConfig):
         reasons.append("block_sizes other than an ops.attention.mosaic_gpu_config."
@@ -159,7 +164,10 @@ def supported(call: _op.Call) -> str | None:
     if not reasons and 0 not in q.shape and 0 not in k.shape:
         tiles = _tiles(call)
         kernels = ("forward",) if call.pass_ == "fwd" else ("forward", "dq", "dkdv")
-        if not fits(tiles, H, Hv, np.dtype(q.dtype).itemsize, a["segments"], kernels):
+        pairs = tuple(Pair.of(x, mask=name == "mask") for name, x in
+                      (("bias", a["bias"]), ("mask", a["mask"])) if x is not None)
+        if not fits(tiles, H, Hv, np.dtype(q.dtype).itemsize, a["segments"], kernels, pairs,
+                    dbias=a["bias"] is not None):
             reasons.append(f"head dims H={H}, Hv={Hv} with tiles {tiles} (over the shared "
                            "memory of a thread block)")
         elif (call.pass_ != "fwd" and mosaic_gpu_backward.dkdv_accumulator_registers(
@@ -200,13 +208,16 @@ def run(call: _op.Call):
     tiles = _tiles(call)
     cfg = Config(
         backend=Backend(NAME),
-        problem=AttentionProblem(spec=spec, batch=q.shape[0], heads=q.shape[2],
-                                 kv_heads=k.shape[2], head_dim=q.shape[3],
-                                 value_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1]),
+        problem=AttentionProblem(
+            spec=spec, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2],
+            head_dim=q.shape[3], value_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1],
+            bias_full=None if a["bias"] is None else tuple(d != 1 for d in a["bias"].shape),
+            mask_full=None if a["mask"] is None else tuple(d != 1 for d in a["mask"].shape)),
         score=ScoreMath(scale=a["scale"], softcap=a["cap"], dropout_rate=rate,
                         sinks=a["sinks"] is not None),
         blocks=BlockSizes(tiles.block_q, tiles.block_kv).resolved())
-    out, lse = _flash(q, k, v, q_seg, kv_seg, seed, a["sinks"], (cfg, tiles))
+    out, lse = _flash(q, k, v, a["bias"], a["mask"], q_seg, kv_seg, seed, a["sinks"],
+                      (cfg, tiles))
     lse = jnp.transpose(lse[..., 0], (0, 2, 1))
     if a["unbatched"]:
         out, lse = out[0], lse[0]
@@ -225,48 +236,66 @@ def _local(static, q, k):
     return attention_op._local_config(cfg, q, k), tiles
 
 
-def _partitioned_forward(static, q, k, v, q_seg, kv_seg, seed, sinks):
+def _partitioned_forward(static, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks):
     cfg, _ = static
 
     def local(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, *, reduced):
         c, tiles = _local(static, q, k)
-        return mosaic_gpu_forward.forward(c, tiles, q, k, v, q_seg, kv_seg, sinks, seed)
+        return mosaic_gpu_forward.forward(c, tiles, q, k, v, q_seg, kv_seg, sinks, seed, bias,
+                                          mask)
 
-    dims = attention_op._dims(cfg, None, None)
-    return partitioned(_OP, local, (q, k, v, None, None, q_seg, kv_seg, seed, sinks),
+    dims = attention_op._dims(cfg, bias, mask)
+    return partitioned(_OP, local, (q, k, v, bias, mask, q_seg, kv_seg, seed, sinks),
                        dims.operands, (dims.out, dims.lse), gather=dims.gather)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _flash(q, k, v, q_seg, kv_seg, seed, sinks, static):
-    return _partitioned_forward(static, q, k, v, q_seg, kv_seg, seed, sinks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _flash(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, static):
+    return _partitioned_forward(static, q, k, v, bias, mask, q_seg, kv_seg, seed, sinks)
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, seed, sinks, static):
-    out, lse = _partitioned_forward(static, q, k, v, q_seg, kv_seg, seed, sinks)
-    return (out, lse), (q, k, v, q_seg, kv_seg, seed, sinks, out, lse)
+def _flash_fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, static):
+    # symbolic_zeros: each array argument arrives as (value, perturbed); None stays None.
+    values = [None if x is None else x.value
+              for x in (q, k, v, bias, mask, q_seg, kv_seg, seed, sinks)]
+    bias_wanted = bias is not None and bias.perturbed
+    out, lse = _partitioned_forward(static, *values)
+    return (out, lse), ((*values, out, lse), bias_wanted)
 
 
 def _flash_bwd(static, saved, cotangents):
-    q, k, v, q_seg, kv_seg, seed, sinks, out, lse = saved
+    (q, k, v, bias, mask, q_seg, kv_seg, seed, sinks, out, lse), bias_wanted = saved
     cfg, _ = static
     do = cotangents[0]
+    if type(do).__name__ == "SymbolicZero":  # out unused: every gradient is zero
+        do = jnp.zeros(out.shape, out.dtype)
     dsinks = None if sinks is None else attention_op._sinks_grad(sinks, out, lse, do)
 
     def local(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, do, *, reduced):
         c, tiles = _local(static, q, k)
-        return mosaic_gpu_backward.backward(c, tiles, q, k, v, q_seg, kv_seg, out, lse, do,
-                                            seed)
+        grads = mosaic_gpu_backward.backward(c, tiles, q, k, v, q_seg, kv_seg, out, lse, do,
+                                             seed, bias, mask, want_dbias=bias_wanted)
+        if not bias_wanted:
+            return grads
+        dq, dk, dv, dbias = grads
+        # A bias broadcast over batch or heads sums its gradient over them, across devices
+        # too where those dims are split (as the other implementations do).
+        axes = tuple(d for d, full in enumerate(c.problem.bias_full) if not full)
+        dbias = jnp.sum(dbias, axis=axes, keepdims=True)
+        split = [f for f, full in zip(("b", "k"), c.problem.bias_full[:2]) if not full]
+        return dq, dk, dv, psum(dbias, reduced, *split).astype(bias.dtype)
 
-    dims = attention_op._dims(cfg, None, None)
-    dq, dk, dv = partitioned(
-        _OP, local, (q, k, v, None, None, q_seg, kv_seg, seed, out, lse, do),
-        (*dims.operands[:8], dims.out, dims.lse, dims.out), dims.operands[:3],
-        gather=dims.gather, out_like=(0, 1, 2))
-    return dq, dk, dv, None, None, None, dsinks
+    dims = attention_op._dims(cfg, bias, mask)
+    grads = partitioned(
+        _OP, local, (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, do),
+        (*dims.operands[:8], dims.out, dims.lse, dims.out),
+        dims.operands[:3] + ((dims.operands[3],) if bias_wanted else ()),
+        gather=dims.gather, reduce=("b", "k"), out_like=(0, 1, 2, 3))
+    dq, dk, dv, *dbias = grads
+    return (dq, dk, dv, dbias[0] if bias_wanted else None, None, None, None, None, dsinks)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
 IMPLEMENTATION = _op.register_implementation(

@@ -39,8 +39,11 @@ from ops.attention.config import Config
 from ops.attention.masking import KEY_PAD, QUERY_PAD
 from ops.attention.mosaic_gpu_config import MosaicGPUConfig
 from ops.attention.mosaic_gpu_forward import (COMPUTE_REGISTERS, PRODUCER_REGISTERS, pad_rows)
+from ops.attention.mosaic_gpu_forward import pair_operands
+from ops.attention.mosaic_gpu_pairs import Access, combined
+from ops.attention.mosaic_gpu_pairs import scratch as pair_scratch
 from ops.attention.mosaic_gpu_tiles import (WGMMA, Ring, Walk, col_layout, range_table,
-                                            row_layout, smem, zeros_tile)
+                                            row_layout, smem, swizzle_transforms, zeros_tile)
 from ops.attention.tile_math import Tile, backward_tile
 from pallas_core import gpu as plgpu
 
@@ -51,10 +54,13 @@ def dkdv_accumulator_registers(tiles: MosaicGPUConfig, head_dim: int, v_dim: int
 
 
 def backward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, out, lse, do,
-             seed=None):
+             seed=None, bias=None, mask=None, want_dbias: bool = False):
     """``(dq, dk, dv)`` in q's, k's and v's shapes and dtypes, from the forward's ``out``
-    and float32 ``lse [B, N, T, 1]``, the cotangent ``do`` and (with dropout) the int32
-    seed the forward drew its keep bits with."""
+    and float32 ``lse [B, N, T, 1]``, the cotangent ``do``, (with dropout) the int32
+    seed the forward drew its keep bits with, and the forward's ``bias`` / ``mask``;
+    with ``want_dbias`` also the float32 gradient of the logits ``[B, N, T, S]`` (the
+    bias's, before it is summed over the bias's broadcast dims), which the dQ kernel
+    writes tile by tile (zeros where no pair is visible)."""
     spec = cfg.problem.spec
     T = q.shape[1]
     cw = tiles.compute_wgs
@@ -71,10 +77,13 @@ def backward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, out, l
     else:
         q_ids = kv_ids = None
     seeds = None if cfg.score.dropout_rate == 0 else jnp.reshape(seed, (1,)).astype(jnp.int32)
-    dq = _dq(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds)
+    dq, dbias = _dq(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids,
+                    seeds, pair_operands(bias, mask, transposed=False), want_dbias)
     dk, dv = _dkdv(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids,
-                   seeds)
+                   seeds, pair_operands(bias, mask, transposed=True))
     S = k.shape[1]
+    if want_dbias:
+        return dq[:, :T], dk[:, :S], dv[:, :S], dbias[:, :, :T, :S]
     return dq[:, :T], dk[:, :S], dv[:, :S]
 
 
@@ -86,7 +95,21 @@ def _compiler_params():
 # dQ
 # --------------------------------------------------------------------------
 
-def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds):
+def _dbias_layout(cfg: Config, tiles: MosaicGPUConfig):
+    """``(shape, staging SMEM)`` of the bias gradient the dQ kernel writes: float32 ``[B,
+    N, T, S]`` with T padded to 8 rows and S to 8 columns (what TMA tiles), staged
+    through one ``[block_q, block_kv_dq]`` tile per compute warpgroup."""
+    problem, spec = cfg.problem, cfg.problem.spec
+    rows, cols = pl.cdiv(spec.T, 8) * 8, pl.cdiv(spec.S, 8) * 8
+    bq, bk = tiles.block_q, tiles.dq_kv
+    swizzle = next(w for w in (128, 64, 32) if math.gcd(cols * 4, bk * 4) % w == 0)
+    staging = plgpu.SMEM((tiles.compute_wgs, bq, bk), jnp.float32,
+                         transforms=swizzle_transforms(swizzle // 4, jnp.float32))
+    return (problem.batch, problem.heads, rows, cols), staging
+
+
+def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds, pairs,
+        want_dbias):
     problem, spec = cfg.problem, cfg.problem.spec
     B, _, N, H = q.shape
     Hv = problem.v_dim
@@ -98,42 +121,56 @@ def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds
         operands += [q_ids, kv_ids]
     if seeds is not None:
         operands.append(seeds)
+    operands += [array for _, array in pairs]
     segments = spec.segments
+    ringed = sum(pair.mode != "scalar" for pair, _ in pairs)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    dbias_smem = None
+    if want_dbias:
+        shape, dbias_smem = _dbias_layout(cfg, tiles)
+        out_shape.append(jax.ShapeDtypeStruct(shape, jnp.float32))
     scratch = dict(
         q_smem=smem((cw, bq, H), q.dtype), do_smem=smem((cw, bq, Hv), q.dtype),
         lse_smem=plgpu.SMEM((cw, bq), jnp.float32), delta_smem=plgpu.SMEM((cw, bq), jnp.float32),
         k_smem=smem((st, bk, H), q.dtype), v_smem=smem((st, bk, Hv), q.dtype),
         q_bar=plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=cw),
-        k_full=plgpu.Barrier(num_arrivals=2 if segments else 1, num_barriers=st),
+        k_full=plgpu.Barrier(num_arrivals=1 + segments + ringed, num_barriers=st),
         v_full=plgpu.Barrier(num_barriers=st),
         k_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
-        v_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st))
+        v_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
+        pairs_smem=tuple(pair_scratch(pair, array, bq, bk, cw, st, False) for pair, array in pairs),
+        dbias_smem=dbias_smem)
     if segments:
         scratch["qseg_smem"] = plgpu.SMEM((cw, bq), jnp.int32)
         scratch["kseg_smem"] = plgpu.SMEM((st, bk), jnp.int32)
     kernel = plgpu.kernel(
-        functools.partial(_dq_body, cfg=cfg, tiles=tiles),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch_shapes=scratch,
+        functools.partial(_dq_body, cfg=cfg, tiles=tiles, pairs=tuple(p for p, _ in pairs)),
+        out_shape=out_shape, scratch_shapes=scratch,
         grid=(N, nprog, B), grid_names=("heads", "q", "batch"), num_threads=cw + 1,
         thread_name="wg", compiler_params=_compiler_params(),
         kernel_name="flash_attention_mosaic_gpu_dq")
-    return kernel(*operands)
+    outs = kernel(*operands)
+    return outs[0], (outs[1] if want_dbias else None)
 
 
-def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_smem, delta_smem,
-             k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, qseg_smem=None,
-             kseg_smem=None):
+def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, q_smem, do_smem,
+             lse_smem, delta_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+             pairs_smem, dbias_smem, qseg_smem=None, kseg_smem=None):
     problem, spec, score = cfg.problem, cfg.problem.spec, cfg.score
     q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, table_gmem, *rest = refs
     qseg_gmem, kseg_gmem = (rest.pop(0), rest.pop(0)) if spec.segments else (None, None)
     seed_gmem = rest.pop(0) if score.dropout_rate > 0 else None
-    (dq_gmem,) = rest
     bq, bk, cw = tiles.block_q, tiles.dq_kv, tiles.compute_wgs
+    accesses = tuple(Access(pair, False, rest.pop(0), buf, bq, bk, cw)
+                     for pair, buf in zip(pairs, pairs_smem))
+    dq_gmem, *dbias_gmem = rest
+    dbias_gmem = dbias_gmem[0] if dbias_gmem else None
     dtype = q_gmem.dtype
     wg = lax.axis_index("wg")
     n, b, prog = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("q")
     kh = lax.div(n, jnp.int32(problem.group))
-    k_ring = Ring((k_smem, kseg_smem), k_full, k_empty, tiles.max_concurrent_steps)
+    k_ring = Ring((k_smem, kseg_smem, *(a.smem for a in accesses)), k_full, k_empty,
+                  tiles.max_concurrent_steps)
     v_ring = Ring((v_smem,), v_full, v_empty, tiles.max_concurrent_steps)
 
     @pl.when(wg == cw)
@@ -145,7 +182,8 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
         def _(j):
             t, keys = j - walk.lo, pl.ds(j * bk, bk)
             k_ring.produce(t, (k_gmem.at[b, keys, kh],
-                               None if kseg_gmem is None else kseg_gmem.at[b, keys]))
+                               None if kseg_gmem is None else kseg_gmem.at[b, keys],
+                               *(a.step_source(b, n, prog * cw * bq, j) for a in accesses)))
             v_ring.produce(t, (v_gmem.at[b, keys, kh],))
 
     @pl.when(wg < cw)
@@ -189,10 +227,11 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
             if masked and q_ids is not None:
                 q_seg = WGMMA.expand(q_ids, s, 0)
                 k_seg = WGMMA.expand(plgpu.load(kseg_smem.at[slot], (), layout=col_layout()), s, 1)
-            tile = Tile(q=None, k=None, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg,
+            bias = combined(accesses, b, n, slot, wg, s)
+            tile = Tile(q=None, k=None, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg, bias=bias,
                         layout=WGMMA)
-            _, dscores, _ = backward_tile(score, spec, tile, None, None, lse, delta, seed, bq, bk,
-                                          masked, products=s, dp=dp)
+            _, dscores, dbias = backward_tile(score, spec, tile, None, None, lse, delta, seed, bq,
+                                              bk, masked, products=s, dp=dp)
             ds16 = dscores.astype(dtype)
 
             def dsk(acc_ref):
@@ -200,9 +239,13 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
 
             dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
             k_ring.release(t)
+            if dbias_gmem is not None:
+                _store_dbias(dbias, dbias_smem.at[wg], dbias_gmem.at[b, n, rows, pl.ds(j * bk, bk)])
             return dq
 
         dq = walk.loops(step, dq0)
+        if dbias_gmem is not None:  # the blocks no pair of which is visible: zeros
+            _zero_dbias_outside(walk, dbias_smem.at[wg], dbias_gmem.at[b, n, rows], bq, bk)
         q_tile[...] = (dq * score.scale).astype(dtype)  # the query tile's last reader is done
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_gmem.at[b, rows, n])
@@ -213,7 +256,31 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, q_smem, do_smem, lse_sm
 # dK/dV
 # --------------------------------------------------------------------------
 
-def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds):
+def _store_dbias(dbias, staging, dst):
+    """One tile of the bias gradient, through the warpgroup's staging tile (once the TMA
+    store of the previous tile has read it)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    staging[...] = dbias
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(staging, dst)
+
+
+def _zero_dbias_outside(walk: Walk, staging, dst_rows, bq: int, bk: int):
+    """Zero tiles of the bias gradient for the key blocks outside ``[lo, hi)``."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    staging[...] = zeros_tile((bq, bk))
+    plgpu.commit_smem()
+    blocks = pl.cdiv(dst_rows.shape[-1], bk)
+
+    def zero(j, carry):
+        plgpu.copy_smem_to_gmem(staging, dst_rows.at[:, pl.ds(j * bk, bk)])
+        return carry
+
+    lax.fori_loop(0, walk.lo, zero, 0)
+    lax.fori_loop(walk.hi, blocks, zero, 0)
+
+
+def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds, pairs):
     problem, spec = cfg.problem, cfg.problem.spec
     B, _, K, H = k.shape
     Hv = problem.v_dim
@@ -226,20 +293,23 @@ def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, see
         operands += [q_ids, kv_ids]
     if seeds is not None:
         operands.append(seeds)
+    operands += [array for _, array in pairs]
+    ringed = sum(pair.mode != "scalar" for pair, _ in pairs)
     scratch = dict(
         k_smem=smem((cw, bk, H), k.dtype), v_smem=smem((cw, bk, Hv), k.dtype),
         q_smem=smem((st, bq, H), q.dtype), do_smem=smem((st, bq, Hv), q.dtype),
         lse_smem=plgpu.SMEM((st, bq), jnp.float32), delta_smem=plgpu.SMEM((st, bq), jnp.float32),
         kv_bar=plgpu.Barrier(num_arrivals=3 if segments else 2, num_barriers=cw),
-        q_full=plgpu.Barrier(num_arrivals=3 if segments else 2, num_barriers=st),
+        q_full=plgpu.Barrier(num_arrivals=2 + segments + ringed, num_barriers=st),
         do_full=plgpu.Barrier(num_arrivals=2, num_barriers=st),
         q_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
-        do_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st))
+        do_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
+        pairs_smem=tuple(pair_scratch(pair, array, bk, bq, cw, st, True) for pair, array in pairs))
     if segments:
         scratch["kseg_smem"] = plgpu.SMEM((cw, bk), jnp.int32)
         scratch["qseg_smem"] = plgpu.SMEM((st, bq), jnp.int32)
     kernel = plgpu.kernel(
-        functools.partial(_dkdv_body, cfg=cfg, tiles=tiles),
+        functools.partial(_dkdv_body, cfg=cfg, tiles=tiles, pairs=tuple(p for p, _ in pairs)),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=scratch, grid=(K, nprog, B), grid_names=("heads", "kv", "batch"),
         num_threads=cw + 1, thread_name="wg", compiler_params=_compiler_params(),
@@ -247,20 +317,23 @@ def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, see
     return kernel(*operands)
 
 
-def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, k_smem, v_smem, q_smem, do_smem,
-               lse_smem, delta_smem, kv_bar, q_full, do_full, q_empty, do_empty, kseg_smem=None,
-               qseg_smem=None):
+def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, k_smem, v_smem, q_smem,
+               do_smem, lse_smem, delta_smem, kv_bar, q_full, do_full, q_empty, do_empty,
+               pairs_smem, kseg_smem=None, qseg_smem=None):
     problem, spec, score = cfg.problem, cfg.problem.spec, cfg.score
     q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, table_gmem, *rest = refs
     qseg_gmem, kseg_gmem = (rest.pop(0), rest.pop(0)) if spec.segments else (None, None)
     seed_gmem = rest.pop(0) if score.dropout_rate > 0 else None
-    dk_gmem, dv_gmem = rest
     bq, bk, cw = tiles.dkdv_q, tiles.dkdv_kv, tiles.compute_wgs
+    accesses = tuple(Access(pair, True, rest.pop(0), buf, bk, bq, cw)
+                     for pair, buf in zip(pairs, pairs_smem))
+    dk_gmem, dv_gmem = rest
     G = problem.group
     dtype = q_gmem.dtype
     wg = lax.axis_index("wg")
     kh, b, prog = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("kv")
-    q_ring = Ring((q_smem, lse_smem, qseg_smem), q_full, q_empty, tiles.max_concurrent_steps)
+    q_ring = Ring((q_smem, lse_smem, qseg_smem, *(a.smem for a in accesses)), q_full, q_empty,
+                  tiles.max_concurrent_steps)
     do_ring = Ring((do_smem, delta_smem), do_full, do_empty, tiles.max_concurrent_steps)
 
     def walk_group(walk: Walk, step, carry):
@@ -282,7 +355,8 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, k_smem, v_smem, q_sme
         def produce(g, i, t, carry, masked):
             n, rows = kh * G + g, pl.ds(i * bq, bq)
             q_ring.produce(t, (q_gmem.at[b, rows, n], lse_gmem.at[b, n, rows],
-                               None if qseg_gmem is None else qseg_gmem.at[b, rows]))
+                               None if qseg_gmem is None else qseg_gmem.at[b, rows],
+                               *(a.step_source(b, n, prog * cw * bk, i) for a in accesses)))
             do_ring.produce(t, (do_gmem.at[b, rows, n], delta_gmem.at[b, n, rows]))
             return carry
 
@@ -325,8 +399,10 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, k_smem, v_smem, q_sme
             if masked and k_ids is not None:
                 k_seg = WGMMA.expand(k_ids, s, 0)
                 q_seg = WGMMA.expand(plgpu.load(qseg_smem.at[slot], (), layout=col_layout()), s, 1)
-            tile = Tile(q=None, k=None, i=i, j=j, head=b * problem.heads + kh * G + g,
-                        q_seg=q_seg, k_seg=k_seg, transposed=True, layout=WGMMA)
+            n = kh * G + g
+            tile = Tile(q=None, k=None, i=i, j=j, head=b * problem.heads + n,
+                        q_seg=q_seg, k_seg=k_seg, transposed=True, layout=WGMMA,
+                        bias=combined(accesses, b, n, slot, wg, s))
             p, dscores, _ = backward_tile(score, spec, tile, None, None, lse, delta, seed, bq, bk,
                                           masked, products=s, dp=dp)
             p16, ds16 = p.astype(dtype), dscores.astype(dtype)

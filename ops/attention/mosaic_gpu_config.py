@@ -111,12 +111,12 @@ class MosaicGPUConfig(_op.KernelConfig):
         In the interpret mode (no GPU) the same: the kernels run as they would on one."""
         _, S, head_dim = problem.shape
         itemsize = np.dtype(problem.dtype).itemsize
-        segments = _segments(problem)
+        segments, pairs = _segments(problem), _pairs(problem)
         for bk in (128, 64):
             for stages in (4, 3, 2):
                 config = cls(64, bk, stages)
-                if smem_bytes(config, "forward", head_dim, head_dim, itemsize,
-                              segments) <= SMEM_BYTES:
+                if smem_bytes(config, "forward", head_dim, head_dim, itemsize, segments,
+                              pairs) <= SMEM_BYTES:
                     return config
         return cls(64, 64, 2)
 
@@ -128,7 +128,7 @@ class MosaicGPUConfig(_op.KernelConfig):
         (:func:`smem_bytes`); the backward's tiles 64 or 128 key rows for dQ."""
         T, S, head_dim = problem.shape
         itemsize = np.dtype(problem.dtype).itemsize
-        segments = _segments(problem)
+        segments, pairs = _segments(problem), _pairs(problem)
         longest = max(64, pl.cdiv(S, 64) * 64)
         out = []
         for bk in (64, 128, 256):
@@ -138,9 +138,19 @@ class MosaicGPUConfig(_op.KernelConfig):
                 for wgs in (2, 1):
                     for bk_dq in (64, 128):
                         config = cls(64, bk, stages, wgs, block_kv_dq=bk_dq)
-                        if fits(config, head_dim, head_dim, itemsize, segments):
+                        if fits(config, head_dim, head_dim, itemsize, segments,
+                                pairs=pairs):
                             out.append(config)
         return tuple(out) or (cls.heuristic(problem, device),)
+
+
+def _pairs(problem: _op.Problem) -> tuple:
+    """The bias and mask operands the problem's variant names."""
+    from ops.attention.mosaic_gpu_pairs import Pair
+    variant = problem.variant_dict()
+    pairs = (Pair.from_variant(variant.get("bias"), variant.get("bias_dtype") or "float32"),
+             Pair.from_variant(variant.get("mask"), None))
+    return tuple(p for p in pairs if p is not None)
 
 
 def _segments(problem: _op.Problem) -> bool:
@@ -149,11 +159,20 @@ def _segments(problem: _op.Problem) -> bool:
 
 
 def smem_bytes(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, itemsize: int,
-               segments: bool = False) -> int:
+               segments: bool = False, pairs=(), dbias: bool = False) -> int:
     """The shared memory one thread block of ``kernel`` ("forward", "dq" or "dkdv")
     allocates with ``config`` at head dims ``head_dim`` (query/key) and ``v_dim``
-    (value/output), 16-bit operands of ``itemsize`` bytes (see the module docstring)."""
+    (value/output), 16-bit operands of ``itemsize`` bytes (see the module docstring);
+    ``pairs``: the bias / mask operands (:class:`ops.attention.mosaic_gpu_pairs.Pair`);
+    ``dbias``: the dQ kernel also writes the bias gradient (a float32 tile per
+    warpgroup)."""
     cw, st = config.compute_wgs, config.max_concurrent_steps
+    rows, walked = {"forward": (config.block_q, config.block_kv),
+                    "dq": (config.block_q, config.dq_kv),
+                    "dkdv": (config.dkdv_kv, config.dkdv_q)}.get(kernel, (0, 0))
+    extra = sum(p.smem_bytes(rows, walked, cw, st, kernel == "dkdv") for p in pairs if p)
+    if dbias and kernel == "dq":
+        extra += cw * rows * walked * 4
     if kernel == "forward":
         bq, bk = config.block_q, config.block_kv
         total = cw * bq * head_dim * itemsize + (cw * bq * v_dim * itemsize if v_dim != head_dim else 0)
@@ -174,11 +193,11 @@ def smem_bytes(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, 
         barriers = cw + 4 * st + 1
     else:
         raise ValueError(f"kernel: expected 'forward', 'dq' or 'dkdv', got {kernel!r}.")
-    return total + barriers * _BARRIER_BYTES + _RESERVED_BYTES
+    return total + extra + barriers * _BARRIER_BYTES + _RESERVED_BYTES
 
 
 def fits(config: MosaicGPUConfig, head_dim: int, v_dim: int, itemsize: int, segments: bool,
-         kernels=("forward", "dq", "dkdv")) -> bool:
+         kernels=("forward", "dq", "dkdv"), pairs=(), dbias: bool = False) -> bool:
     """Whether every one of ``kernels`` fits :data:`SMEM_BYTES` with ``config``."""
-    return all(smem_bytes(config, k, head_dim, v_dim, itemsize, segments) <= SMEM_BYTES
-               for k in kernels)
+    return all(smem_bytes(config, k, head_dim, v_dim, itemsize, segments, pairs, dbias)
+               <= SMEM_BYTES for k in kernels)

@@ -50,6 +50,9 @@ import pallas_core as pl
 from ops.attention.config import Config
 from ops.attention.masking import KEY_PAD, QUERY_PAD
 from ops.attention.mosaic_gpu_config import MosaicGPUConfig
+from ops.attention.mosaic_gpu_pairs import Access, Pair, additive_mask, combined
+from ops.attention.mosaic_gpu_pairs import operand as pair_operand
+from ops.attention.mosaic_gpu_pairs import scratch as pair_scratch
 from ops.attention.mosaic_gpu_tiles import (WGMMA, Ring, Schedule, Walk, col_layout, range_table,
                                             row_layout, rows_vector, smem, zeros_tile)
 from ops.attention.programs import sink_carry
@@ -77,11 +80,14 @@ def programs(T: int, tiles: MosaicGPUConfig) -> int:
     return pl.cdiv(T, tiles.block_q * tiles.compute_wgs)
 
 
-def forward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, sinks, seed=None):
+def forward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, sinks, seed=None,
+            bias=None, mask=None):
     """``(out [B, T, N, Hv] in q's dtype, lse float32 [B, N, T, 1])`` of one attention call
     (``cfg``: the call's static description, its backend "mosaic_gpu"; ``q_seg`` /
     ``kv_seg``: int32 ids with lengths folded in, or None; ``sinks``: float ``[N]``
-    or None; ``seed``: the int32 dropout seed with ``cfg.score.dropout_rate > 0``)."""
+    or None; ``seed``: the int32 dropout seed with ``cfg.score.dropout_rate > 0``;
+    ``bias`` / ``mask``: 4-D ``[B', N', T', S']`` arrays (each dim 1 or full) or None,
+    read as :mod:`ops.attention.mosaic_gpu_pairs` says)."""
     problem, spec = cfg.problem, cfg.problem.spec
     B, T, N, _ = q.shape
     S = k.shape[1]
@@ -97,12 +103,15 @@ def forward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, sinks, 
     if spec.segments:
         operands += [pad_rows(q_seg, 1, nprog * cw * bq, QUERY_PAD),
                      pad_rows(kv_seg, 1, pl.cdiv(S, bk) * bk, KEY_PAD)]
+    pairs = pair_operands(bias, mask, transposed=False)
+    operands += [array for _, array in pairs]
     rows = nprog * cw * bq  # the logsumexp's rows: whole tiles (a TMA store per warpgroup)
     out_shape = [jax.ShapeDtypeStruct(q_p.shape[:3] + (problem.v_dim,), q.dtype),
                  jax.ShapeDtypeStruct((B, N, rows), jnp.float32)]
     kernel = plgpu.kernel(
-        functools.partial(_body, cfg=cfg, tiles=tiles, has_sinks=sinks is not None),
-        out_shape=out_shape, scratch_shapes=_scratch(cfg, tiles, q.dtype),
+        functools.partial(_body, cfg=cfg, tiles=tiles, has_sinks=sinks is not None,
+                          pairs=tuple(pair for pair, _ in pairs)),
+        out_shape=out_shape, scratch_shapes=_scratch(cfg, tiles, q.dtype, pairs),
         grid=(N, nprog, B), grid_names=("heads", "q", "batch"),
         num_threads=cw + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -111,10 +120,24 @@ def forward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, sinks, 
     return out[:, :T], lse[:, :, :T, None]
 
 
-def _scratch(cfg: Config, tiles: MosaicGPUConfig, dtype) -> dict:
+def pair_operands(bias, mask, transposed: bool) -> list:
+    """``[(Pair, array)]`` of the bias and the mask (as an additive bias) present, the
+    arrays as a kernel reads them (:func:`ops.attention.mosaic_gpu_pairs.operand`)."""
+    found = []
+    if bias is not None:
+        pair = Pair.of(bias)
+        found.append((pair, pair_operand(pair, bias, transposed)))
+    if mask is not None:
+        pair = Pair.of(mask, mask=True)
+        found.append((pair, pair_operand(pair, additive_mask(mask), transposed)))
+    return found
+
+
+def _scratch(cfg: Config, tiles: MosaicGPUConfig, dtype, pairs) -> dict:
     problem, segments = cfg.problem, cfg.problem.spec.segments
     bq, bk, cw, st = tiles.block_q, tiles.block_kv, tiles.compute_wgs, tiles.max_concurrent_steps
     H, Hv = problem.head_dim, problem.v_dim
+    ringed = sum(pair.mode != "scalar" for pair, _ in pairs)
     scratch = dict(
         q_smem=smem((cw, bq, H), dtype),
         o_smem=None if Hv == H else smem((cw, bq, Hv), dtype),
@@ -122,11 +145,12 @@ def _scratch(cfg: Config, tiles: MosaicGPUConfig, dtype) -> dict:
         v_smem=smem((st, bk, Hv), dtype),
         lse_smem=plgpu.SMEM((cw, bq), jnp.float32),
         q_bar=plgpu.Barrier(num_arrivals=2 if segments else 1, num_barriers=cw),
-        k_full=plgpu.Barrier(num_arrivals=2 if segments else 1, num_barriers=st),
+        k_full=plgpu.Barrier(num_arrivals=1 + segments + ringed, num_barriers=st),
         v_full=plgpu.Barrier(num_barriers=st),
         k_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
         v_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
         schedule=plgpu.Barrier(num_arrivals=2) if cw == 2 else None,
+        pairs_smem=tuple(pair_scratch(pair, array, bq, bk, cw, st, False) for pair, array in pairs),
     )
     if segments:
         scratch["qseg_smem"] = plgpu.SMEM((cw, bq), jnp.int32)
@@ -134,9 +158,9 @@ def _scratch(cfg: Config, tiles: MosaicGPUConfig, dtype) -> dict:
     return scratch
 
 
-def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, q_smem, o_smem, k_smem,
-          v_smem, lse_smem, q_bar, k_full, v_full, k_empty, v_empty, schedule, qseg_smem=None,
-          kseg_smem=None):
+def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, pairs: tuple, q_smem,
+          o_smem, k_smem, v_smem, lse_smem, q_bar, k_full, v_full, k_empty, v_empty, schedule,
+          pairs_smem, qseg_smem=None, kseg_smem=None):
     problem, spec, score = cfg.problem, cfg.problem.spec, cfg.score
     refs = list(refs)
     q_gmem, k_gmem, v_gmem, table_gmem = refs[:4]
@@ -144,8 +168,10 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, q_smem, o
     sinks_gmem = rest.pop(0) if has_sinks else None
     seed_gmem = rest.pop(0) if score.dropout_rate > 0 else None
     qseg_gmem, kseg_gmem = (rest.pop(0), rest.pop(0)) if spec.segments else (None, None)
-    out_gmem, lse_gmem = rest
     bq, bk, cw = tiles.block_q, tiles.block_kv, tiles.compute_wgs
+    accesses = tuple(Access(pair, False, rest.pop(0), buf, bq, bk, cw)
+                     for pair, buf in zip(pairs, pairs_smem))
+    out_gmem, lse_gmem = rest
     dtype = q_gmem.dtype
 
     wg = lax.axis_index("wg")
@@ -154,7 +180,8 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, q_smem, o
     if spec.causal:  # the longest walks first
         prog = programs(spec.T, tiles) - 1 - prog
     kh = lax.div(n, jnp.int32(problem.group))
-    k_ring = Ring((k_smem, kseg_smem), k_full, k_empty, tiles.max_concurrent_steps)
+    k_ring = Ring((k_smem, kseg_smem, *(a.smem for a in accesses)), k_full, k_empty,
+                  tiles.max_concurrent_steps)
     v_ring = Ring((v_smem,), v_full, v_empty, tiles.max_concurrent_steps)
 
     @pl.when(wg == cw)
@@ -166,7 +193,8 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, q_smem, o
         def _(j):
             t, keys = j - walk.lo, pl.ds(j * bk, bk)
             k_ring.produce(t, (k_gmem.at[b, keys, kh],
-                               None if kseg_gmem is None else kseg_gmem.at[b, keys]))
+                               None if kseg_gmem is None else kseg_gmem.at[b, keys],
+                               *(a.step_source(b, n, prog * cw * bq, j) for a in accesses)))
             v_ring.produce(t, (v_gmem.at[b, keys, kh],))
 
     @pl.when(wg < cw)
@@ -211,8 +239,9 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, q_smem, o
             if masked and q_ids is not None:
                 q_seg = WGMMA.expand(q_ids, s, 0)
                 k_seg = WGMMA.expand(plgpu.load(kseg_smem.at[slot], (), layout=col_layout()), s, 1)
+            bias = combined(accesses, b, n, slot, wg, s)
             k_ring.release(t)
-            tile = Tile(q=None, k=None, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg,
+            tile = Tile(q=None, k=None, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg, bias=bias,
                         layout=WGMMA)
             s, _ = logits_log2(score, spec, tile, bq, bk, masked=masked, scaled=False, products=s)
             m, l, p, alpha = online_softmax(m, l, s, log2_factor(score, tile), WGMMA)

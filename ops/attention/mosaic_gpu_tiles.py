@@ -54,6 +54,9 @@ class WGMMALayout(RegisterLayout):
             return lax.broadcast_in_dim(x, like.shape, [axis])
         return x
 
+    def pair(self, x, transposed: bool):
+        return x  # the kernels load bias tiles in the tile's orientation
+
 
 WGMMA = WGMMALayout()
 

@@ -45,11 +45,12 @@ class RegisterLayout:
     it makes index tiles (:meth:`iota`) and broadcasts a per-row or per-column
     statistic against a tile (:meth:`expand`).
 
-    The default (:data:`PLAIN`) is jnp's: ``lax.broadcasted_iota`` and ``[:, None]``.
-    A Mosaic GPU kernel, whose register values carry a ``wgmma`` layout that a
-    reshape cannot change, gives its own (``ops.attention.mosaic_gpu_tiles``):
-    iotas made in the accumulator's layout and ``broadcast_in_dim`` from the
-    row / column layout.
+    The default (:data:`PLAIN`) is jnp's: ``lax.broadcasted_iota``, ``[:, None]`` and
+    bias / mask tiles transposed in registers for a transposed tile. A Mosaic GPU
+    kernel, whose register values carry a ``wgmma`` layout that a reshape or a
+    transpose cannot change, gives its own (``ops.attention.mosaic_gpu_tiles``):
+    iotas made in the accumulator's layout, ``broadcast_in_dim`` from the row /
+    column layout, and bias tiles loaded in the tile's orientation.
     """
 
     def iota(self, shape, axis: int):
@@ -63,6 +64,11 @@ class RegisterLayout:
         if x.ndim == 1 < like.ndim:
             return x[:, None] if axis == 0 else x[None, :]
         return x
+
+    def pair(self, x, transposed: bool):
+        """A ``[bq|1, bk|1]`` bias / mask tile in the tile's orientation (``[bk|1, bq|1]``
+        when the tile is transposed)."""
+        return x.T if transposed else x
 
 
 PLAIN = RegisterLayout()
@@ -157,7 +163,7 @@ def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk
     else:
         s2 = s
     if tile.bias is not None:
-        s2 = s2 + _pair_tile(tile.bias, t).astype(jnp.float32) * LOG2E
+        s2 = s2 + tile.layout.pair(tile.bias, t).astype(jnp.float32) * LOG2E
     vis = None
     if masked:
         shape, q_axis = ((bk, bq), 1) if t else ((bq, bk), 0)
@@ -168,16 +174,11 @@ def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk
         if bound_q and spec.T % bq:
             vis = (q_pos < spec.T) if vis is None else vis & (q_pos < spec.T)
     if tile.mask is not None:
-        m = _pair_tile(tile.mask, t) != 0
+        m = tile.layout.pair(tile.mask, t) != 0
         vis = m if vis is None else vis & m
     if vis is not None:
         s2 = jnp.where(vis, s2, -jnp.inf)
     return s2, capped
-
-
-def _pair_tile(x, transposed: bool):
-    """A ``[bq|1, bk|1]`` bias / mask tile in the tile's orientation."""
-    return x.T if transposed else x
 
 
 def log2_factor(score: ScoreMath, tile: Tile) -> float:

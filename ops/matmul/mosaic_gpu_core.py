@@ -58,6 +58,38 @@ Dtypes: bfloat16 and float16 operands (``wgmma`` with float32 accumulation).
 float32 operands would run as TF32 (10-bit mantissas), below float32's
 accuracy, and ``wgmma`` cannot transpose 32-bit operands: not taken
 (:func:`unsupported_dtype`).
+
+Not built: clusters with TMA multicast of the shared operand (JAX's
+``cluster_dimension``; the GPU interpret mode cannot run multicast, so nothing
+here could check it), ``wgmma`` kept in flight across steps (each step waits
+for its own), and ``dz`` fused into ``dx``'s left operand in registers.
+
+Static view (``plgpu.mosaic_modules``, bfloat16 at the benchmark sizes, the
+default blocks; per kernel: ``wgmma`` per contraction step and consumer, TMA
+loads / stores in the module, ``mbarrier`` waits, ``setmaxregister``):
+
+=======================================  ==========================  ===========  ==========
+kernel                                   wgmma per step (consumer)   TMA ld / st  setmaxreg
+=======================================  ==========================  ===========  ==========
+fused_matmul fwd 8192^3 (128x256x64)     8 m64n128k16                11 / 4       2
+  with the pre-activation (training)     8 m64n128k16                11 / 8       2
+  dx, dw (transposed w, x)               8 m64n128k16 each           10 / 4       2
+gated_linear_unit fwd, pair (128x128)    16 m64n64k16 (2 accs)       15 / 6       2
+  dx (two products, one acc)             16 m64n128k16               12 / 4       2
+  dgate, dup (two accs on x^T)           16 m64n64k16                15 / 4       2
+linear_cross_entropy stats / dz          8 m64n64k16                 11-14 / 0-2  2
+ragged_dot gmm, dlhs (row ladders)       8 m64n128k16                10 / 48      2
+ragged_dot drhs (per-group trips)        8 m64n128k16                4 / 8        2
+=======================================  ==========================  ===========  ==========
+
+(A TMA load count includes the vectors' and the prologue's copies; the grouped
+stores are the power-of-two row ladder, each behind its predicate.) Every
+kernel is 3 warpgroups x ``programs`` blocks, the producer at 40 registers.
+
+In the GPU interpret mode on a 2-core host (tests/test_matmul_mosaic_gpu.py):
+about 2.5-5 s per kernel on its first call (tracing, the ``cuda`` lowering check
+and the interpreter's compile), so a forward + backward of three kernels takes
+8-12 s and linear cross-entropy's four 15-20 s.
 """
 from __future__ import annotations
 

@@ -473,7 +473,7 @@ def test_lease_queue_config_arms_reach_the_kernels(monkeypatch):
 
     monkeypatch.setattr(mosaic_gpu_forward, "forward", forward)
     monkeypatch.setattr(mosaic_gpu_backward, "backward", backward)
-    experiments = [e for e in lease_queue.load_queue() if e["name"].startswith("mosaic-gpu-")]
+    experiments = [e for e in lease_queue.load_queue() if e["name"].startswith("mosaic-gpu-attention")]
     assert experiments
     for experiment in experiments:
         for arm in experiment["arms"]:

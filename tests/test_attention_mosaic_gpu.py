@@ -161,7 +161,8 @@ def _check(seed, shape, dtype, sinks=False, bias=None, mask=None, block_sizes=No
     assert (np.isfinite(np.asarray(lse)) == seen).all(), "rows that see no key: -inf"
     np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], atol=2e-2, rtol=0)
     if grads:
-        names = ["dq", "dk", "dv"] + ["dsinks"] * (sink is not None) + ["dbias"] * (bias is not None)
+        names = (["dq", "dk", "dv"] + ["dsinks"] * (sink is not None)
+                 + ["dbias"] * (bias is not None))
         for name, g, want in zip(names, got, want_grads):
             assert g.dtype == (jnp.float32 if name in ("dsinks", "dbias") else q.dtype), name
             if name == "dbias" and not bias.shape[3] > 1:
@@ -243,7 +244,7 @@ def test_races_are_checked(monkeypatch):
         jax.block_until_ready(ops.dot_product_attention(q, k, v, implementation="mosaic_gpu"))
 
 
-# --- what the kernels lower to (cuda, from this host) -----------------------------------------------
+# --- what the kernels lower to (cuda, from this host) --------------------------------------------
 
 
 def test_lowered_modules_have_wgmma_tma_barriers_and_register_reallocation():
@@ -296,7 +297,7 @@ def test_heuristic_tiles_fit_shared_memory_as_the_lowering_counts(h, hv):
     assert counted <= predicted <= counted + 1024, (tiles, counted, predicted)
 
 
-# --- refusals, fallbacks, configs -------------------------------------------------------------------
+# --- refusals, fallbacks, configs ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kw, words", [(dict(block_sizes=(64, 64)), "block_sizes")])
@@ -376,7 +377,7 @@ def test_config_is_checked_and_the_tuner_gets_candidates():
     assert mosaic_gpu_backward.dkdv_accumulator_registers(MosaicGPUConfig(), 128, 128) == 128
 
 
-# --- slow: the sweeps ---------------------------------------------------------------------------------
+# --- slow: the sweeps ----------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -440,7 +441,7 @@ def test_matches_jax_nn():
         assert_close(got, want, for_dtype(FORWARD, jnp.bfloat16), f"causal={causal}")
 
 
-# --- on a GPU ------------------------------------------------------------------------------------------
+# --- on a GPU ------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
@@ -473,7 +474,8 @@ def test_lease_queue_config_arms_reach_the_kernels(monkeypatch):
 
     monkeypatch.setattr(mosaic_gpu_forward, "forward", forward)
     monkeypatch.setattr(mosaic_gpu_backward, "backward", backward)
-    experiments = [e for e in lease_queue.load_queue() if e["name"].startswith("mosaic-gpu-attention")]
+    experiments = [e for e in lease_queue.load_queue()
+                   if e["name"].startswith("mosaic-gpu-attention")]
     assert experiments
     for experiment in experiments:
         for arm in experiment["arms"]:

@@ -175,7 +175,8 @@ def smem_bytes(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, 
         extra += cw * rows * walked * 4
     if kernel == "forward":
         bq, bk = config.block_q, config.block_kv
-        total = cw * bq * head_dim * itemsize + (cw * bq * v_dim * itemsize if v_dim != head_dim else 0)
+        total = cw * bq * head_dim * itemsize
+        total += cw * bq * v_dim * itemsize if v_dim != head_dim else 0  # own output tiles
         total += st * bk * (head_dim + v_dim) * itemsize + cw * bq * 4
         total += (cw * bq * 4 + st * bk * 4) if segments else 0
         barriers = cw + 4 * st + 1

@@ -21,7 +21,7 @@ import pytest
 
 import ops
 from ops import _op
-from ops.attention import mosaic_gpu_backward, mosaic_gpu_forward
+from ops.attention import mosaic_gpu, mosaic_gpu_backward, mosaic_gpu_forward
 from ops.attention.masking import MaskSpec, fold_lengths, visible
 from ops.attention.mosaic_gpu_config import SMEM_BYTES, MosaicGPUConfig, fits, smem_bytes
 from pallas_core import gpu as plgpu
@@ -495,3 +495,17 @@ def test_lease_queue_config_arms_reach_the_kernels(monkeypatch):
                     ops._op.get("dot_product_attention").problem(
                         (case.shape[1], case.shape[2], case.shape[5]), case.dtype),
                     _op.Device("mosaic_gpu")), arm["label"]
+
+
+def test_refuses_masked_calls_under_a_ptxas_that_miscompiles_them(monkeypatch):
+    monkeypatch.setattr(_op.Target, "current", classmethod(lambda cls: cls("gpu", "NVIDIA H100")))
+    monkeypatch.setattr(mosaic_gpu, "_why_not_device", lambda call: None)
+    monkeypatch.setattr(mosaic_gpu, "_cuda_runtime_version", lambda: 12080)
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="ptxas"):
+        ops.dot_product_attention(q, q, q, is_causal=True, implementation="mosaic_gpu")
+    monkeypatch.setattr(mosaic_gpu, "_cuda_runtime_version", lambda: 12091)
+    monkeypatch.setattr(mosaic_gpu_forward, "forward", lambda *args, **kw: (_ for _ in ()).throw(
+        NotImplementedError("reached the kernels")))
+    with pytest.raises(NotImplementedError, match="reached the kernels"):
+        ops.dot_product_attention(q, q, q, is_causal=True, implementation="mosaic_gpu")

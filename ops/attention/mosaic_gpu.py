@@ -19,7 +19,10 @@ The same kernels run everywhere ``pallas_core.gpu.kernel`` runs them: on an
 sm_90+ GPU through JAX's Mosaic GPU lowering; on a host without a GPU in
 JAX's GPU interpret mode (races detected), each also lowered for ``cuda``;
 an older GPU is refused before anything is traced (NotImplementedError naming
-sm_90, so ``implementation=("mosaic_gpu", "triton")`` falls back).
+sm_90, so ``implementation=("mosaic_gpu", "triton")`` falls back), as are causal
+or windowed calls under a CUDA runtime from 12.8.0 up to 12.9.1, whose ptxas
+miscompiles Mosaic GPU's masked attention loops (JAX's own Mosaic GPU attention
+refuses them too).
 
 What it takes (:func:`supported` names the rest before tracing, so a
 sequence of implementations falls back): float16 / bfloat16; head dims
@@ -142,10 +145,38 @@ def _why_not_device(call: _op.Call) -> str | None:
     return None
 
 
+# CUDA runtimes whose ptxas miscompiles Mosaic GPU's masked attention loops (JAX's own
+# Mosaic GPU attention refuses causal masking on them): [first, last) as 1000 * major + 10 * minor
+# + patch.
+_PTXAS_MISCOMPILES = (12080, 12091)
+
+
+def _cuda_runtime_version() -> int | None:
+    """The CUDA runtime jaxlib's CUDA plugin was built with, None without the plugin."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return None
+    return None if cuda_versions is None else int(cuda_versions.cuda_runtime_get_version())
+
+
+def _why_not_toolchain(call: _op.Call) -> str | None:
+    """A CUDA runtime known to miscompile masked loops, for a call with a positional mask."""
+    a = call.args["args"]
+    masked = call.args["is_causal"] or a["left"] is not None or a["right"] is not None
+    if call.target.platform != "gpu" or not masked:
+        return None
+    version = _cuda_runtime_version()
+    if version is not None and _PTXAS_MISCOMPILES[0] <= version < _PTXAS_MISCOMPILES[1]:
+        return (f"causal or windowed attention under CUDA runtime {version} (ptxas from 12.8.0 "
+                "up to 12.9.1 miscompiles Mosaic GPU's masked attention loops)")
+    return None
+
+
 def supported(call: _op.Call) -> str | None:
     """None when the Mosaic GPU kernels can run ``call`` (a checked attention call),
     else why not (every reason, before anything is traced)."""
-    why = _why_not_device(call)
+    why = _why_not_device(call) or _why_not_toolchain(call)
     if why is not None:
         return why
     a = call.args["args"]

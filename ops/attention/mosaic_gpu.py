@@ -94,7 +94,6 @@ measurable. The lease queue (``benchmarks/lease_queue.json``, experiments
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax

@@ -31,7 +31,7 @@ from jax import lax
 
 import pallas_core as pl
 from ops.attention.masking import MaskSpec, block_full_visibility, block_ranges, block_visibility
-from ops.attention.tile_math import RegisterLayout, div, rem
+from ops.attention.tile_math import RegisterLayout, rem
 from pallas_core import gpu as plgpu
 
 # The column of a range-table row where a block's walk and warpgroup w's full range sit.
@@ -241,4 +241,5 @@ class Walk:
         return lax.fori_loop(self.full_hi, self.hi, lambda j, c: step(j, c, True), carry)
 
 
-__all__ = ["Ring", "Schedule", "WGMMA", "Walk", "div", "range_table", "smem"]
+__all__ = ["Ring", "Schedule", "WGMMA", "WGMMALayout", "Walk", "col_layout", "range_table",
+           "row_layout", "rows_vector", "smem", "swizzle_transforms", "zeros_tile"]

@@ -79,7 +79,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         "triton" (our Triton lowering), "pallas_triton" (JAX's), "mosaic_tpu" or
         "cudnn" (cuDNN's flash attention through ``jax.nn.dot_product_attention``,
         for the calls it takes: :mod:`ops.attention.cudnn`; NotImplementedError for
-        the others). "mosaic_gpu" raises NotImplementedError. Or a sequence of these
+        the others), "mosaic_gpu" (FlashAttention-3-class warpgroup kernels on
+        Hopper: :mod:`ops.attention.mosaic_gpu`; NotImplementedError for what
+        they do not take, or on a GPU older than sm_90). Or a sequence of these
         tried in order, each that raises NotImplementedError skipped
         (:mod:`ops._implementation`).
       return_residual: also return the logsumexp (see Returns).
@@ -132,7 +134,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         that does not broadcast, bad lengths or segment-id shapes, a negative
         window, a soft cap <= 0, a dropout_rate outside ``[0, 1)`` or without
         dropout_rng, bad block sizes, an unknown implementation.
-      NotImplementedError: implementation="mosaic_gpu".
+      NotImplementedError: an implementation that cannot run the call ("cudnn" or
+        "mosaic_gpu" for an option or a device they do not take), when no other
+        implementation of a sequence runs it.
     """
     args = _check(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, local_window_size, query_segment_ids,

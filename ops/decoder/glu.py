@@ -47,7 +47,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 import pallas_core as pl
 from ops._checks import check_array, check_float_dtype, check_same_dtype
@@ -381,135 +380,26 @@ class _Kernel:
 
 
 # --------------------------------------------------------------------------
-# The kernels: products of A and B tiles walked over a contraction
+# The kernels: products of A and B tiles on the tiled core's walks
 # --------------------------------------------------------------------------
 #
-# Every kernel here accumulates products of two-dimensional tiles: the forward
-# ``x @ gate`` and ``x @ up`` (two accumulators sharing the x tile), the paired
-# backward's ``dw`` (``x^T @ dz_gate``, ``x^T @ dz_up``: the same shape) and
-# its ``dx`` (``dz_gate @ gate^T + dz_up @ up^T``: one accumulator). An
-# operand is an ``_Operand``: its array, whether its free dim follows the
-# output tile's rows or columns, which of its two matrix dims is contracted,
-# and, for the stacked ``[K, 2, N]`` weights or ``[M, 2, N]`` pre-activations,
-# the half its squeezed middle index picks.
+# Every kernel here accumulates products of two-dimensional tiles on
+# :func:`ops.matmul.tiled.products_call`: the forward ``x @ gate`` and ``x @ up``
+# (two accumulators sharing the x tile), the paired backward's ``dw``
+# (``x^T @ dz_gate``, ``x^T @ dz_up``: the same shape) and its ``dx``
+# (``dz_gate @ gate^T + dz_up @ up^T``: one accumulator). An operand is a
+# :class:`ops.matmul.tiled.Operand`: its array, whether its free dim follows the
+# output tile's rows or columns, which of its two matrix dims is contracted, and,
+# for the stacked ``[K, 2, N]`` weights or ``[M, 2, N]`` pre-activations, the half
+# its squeezed middle index picks.
 
-@dataclasses.dataclass(frozen=True)
-class _Operand:
-    array: object
-    rows: bool            # the free dim follows the output's rows (else its columns)
-    contract: int         # the contracted matrix dim, 0 or 1
-    half: int | None = None   # a [., 2, .] array's middle index (squeezed), or None
-    offset: int = 0       # column blocks start this many blocks in (a [K, 2N] view)
+_Operand = tiled.Operand
 
 
-def _operand_spec(op: _Operand, tile: tuple[int, int], block_c: int):
-    """The operand's BlockSpec: the free dim in tiles of the output's rows or columns,
-    the contraction in ``block_c`` steps (grid walk: grid axis 2) or whole (loop walk)."""
-    shape = [0, 0]
-    shape[op.contract], shape[1 - op.contract] = block_c, tile[0 if op.rows else 1]
-
-    def index_map(i, j, kk=0):
-        index = [0, 0]
-        index[op.contract] = kk
-        # (no "+ 0": the index map's trace, so the generated code, stays the plain one)
-        index[1 - op.contract] = i if op.rows else (j + op.offset if op.offset else j)
-        return tuple(index) if op.half is None else (index[0], op.half, index[1])
-
-    if op.half is not None:
-        return pl.BlockSpec((shape[0], None, shape[1]), index_map)
-    return pl.BlockSpec(tuple(shape), index_map)
-
-
-def _out_spec(stacked: bool, tile: tuple[int, int]):
-    if stacked:  # an [M, 2, N] array, both halves of a column tile in one block
-        return pl.BlockSpec((tile[0], 2, tile[1]), lambda i, j, kk=0: (i, 0, j))
-    return pl.BlockSpec(tile, lambda i, j, kk=0: (i, j))
-
-
-def _grid_kernel(*refs, num_in, products, num_accs, ca, cb, block_k, k_size, finish):
-    """Grid walk: the contraction is grid axis 2 ("arbitrary"); the accumulators live in
-    scratch. Each A tile is loaded once per step, before the products that share it."""
-    ins, outs, accs = refs[:num_in], refs[num_in:len(refs) - num_accs], refs[len(refs) - num_accs:]
-    k = pl.program_id(2)
-
-    @pl.when(k == 0)
-    def _init():
-        for acc in accs:
-            acc[...] = jnp.zeros(acc.shape, jnp.float32)
-
-    k0 = k * block_k if k_size is not None else None
-    a_tiles = {a: ins[a][...] for a in dict.fromkeys(a for a, _ in products)}
-    for p, (a, b) in enumerate(products):
-        acc = accs[min(p, num_accs - 1)]
-        acc[...] += tiled.product(a_tiles[a], ins[b][...], ca, cb, k0, k_size)
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _finish():
-        finish([acc[...] for acc in accs], outs)
-
-
-def _k_step(ref, contract: int, rows):
-    index = [slice(None), slice(None)]
-    index[contract] = rows
-    return ref[tuple(index)]
-
-
-def _loop_kernel(*refs, num_in, products, num_accs, ca, cb, block_k, k_size, finish, num_k,
-                 tile):
-    """Loop walk: full-contraction blocks sliced by an in-kernel loop; the accumulators
-    are loop carries."""
-    ins, outs = refs[:num_in], refs[num_in:]
-
-    def step(k, accs):
-        a_tiles = {a: _k_step(ins[a], ca, pl.ds(k * block_k, block_k))
-                   for a in dict.fromkeys(a for a, _ in products)}
-        rows = pl.ds(k * block_k, block_k)
-        k0 = k * block_k if k_size is not None else None
-        accs = list(accs)
-        for p, (a, b) in enumerate(products):
-            j = min(p, num_accs - 1)
-            accs[j] = accs[j] + tiled.product(a_tiles[a], _k_step(ins[b], cb, rows), ca, cb, k0,
-                                              k_size)
-        return tuple(accs)
-
-    zeros = jnp.zeros(tile, jnp.float32)
-    accs = lax.fori_loop(0, num_k, step, (zeros,) * num_accs)
-    finish(list(accs), outs)
-
-
-def _products_call(operands: list[_Operand], products, *, num_accs: int, tile, block_k: int,
-                   k: int, kernel: "_Kernel", walk: str, out_shapes, stacked_outs, finish,
-                   params, name: str, k_edge: str):
-    """One pallas_call over output tiles ``tile`` of ``out_shapes``: the sum over the
-    contraction ``k`` (steps of ``block_k``) of ``A @ B`` for each ``(a, b)`` of
-    ``products`` (indices into ``operands``; product ``p`` adds to accumulator
-    ``min(p, num_accs - 1)``), then ``finish(accs, out_refs)``; ``stacked_outs``: per
-    output, whether it is an ``[M, 2, N]`` array (both halves of a column tile in one
-    block) rather than ``[M, N]``. ``k_edge``: a
-    contraction ``block_k`` does not divide is ``"pad"``-ded by the caller or
-    ``"mask"``-ed in the kernel (no copy of the operands)."""
-    a_ops = {a for a, _ in products}
-    ca = operands[min(a_ops)].contract
-    cb = operands[products[0][1]].contract
-    num_k = max(1, pl.cdiv(k, block_k))
-    k_size = k if k_edge == "mask" and k % block_k else None
-    kw = dict(num_in=len(operands), products=tuple(products), num_accs=num_accs, ca=ca, cb=cb,
-              block_k=block_k, k_size=k_size, finish=finish)
-    grid_mn = (pl.cdiv(out_shapes[0].shape[0], tile[0]), pl.cdiv(out_shapes[0].shape[-1], tile[1]))
-    if walk == tiled.GRID:
-        body = functools.partial(_grid_kernel, **kw)
-        grid, block_c = (*grid_mn, num_k), block_k
-        scratch = [pl.tpu.VMEM(tile, jnp.float32)] * num_accs
-    else:
-        body = functools.partial(_loop_kernel, num_k=num_k, tile=tile, **kw)
-        grid, block_c = grid_mn, tiled.loop_k_width(k, block_k, k_edge)
-        scratch = []
-    in_specs = [_operand_spec(op, tile, block_c) for op in operands]
-    return pl.pallas_call(
-        body, out_shape=list(out_shapes), grid=grid, in_specs=in_specs,
-        out_specs=[_out_spec(stacked, tile) for stacked in stacked_outs],
-        scratch_shapes=scratch, compiler_params=params, backend=kernel.backend, name=name,
-    )(*(op.array for op in operands))
+def _products_call(operands, products, *, kernel: "_Kernel", params, **kw):
+    """:func:`ops.matmul.tiled.products_call` on the kernel's backend."""
+    return tiled.products_call(operands, products, backend=kernel.backend,
+                               compiler_params=params, **kw)
 
 
 def _load_half(refs, half: int):
@@ -630,7 +520,7 @@ def _dz_call(g, zs: tuple, kernel: _Kernel) -> tuple:
         params = pl.triton.CompilerParams(num_warps=2 * tiled.default_num_warps(bm, 2 * bn),
                                           num_stages=1)
     stacked = len(zs) == 1
-    z_spec = _out_spec(stacked, (bm, bn))
+    z_spec = tiled.products_out_spec(stacked, (bm, bn))
     out = pl.pallas_call(
         functools.partial(_dz_kernel, activation=kernel.activation),
         out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zs] if not stacked else

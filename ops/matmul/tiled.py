@@ -2,7 +2,8 @@
 
 ``fused_matmul`` (forward, ``dx``, ``dw``), ``linear_cross_entropy`` (the
 logits tiles of its forward and of its backward's ``dz`` kernel, the ``dx`` /
-``dw`` products) and the grouped matmul of ``ragged_dot`` all compute an
+``dw`` products), the gated linear unit and the grouped matmul of ``ragged_dot``
+all compute an
 output tile ``A @ B`` of ``block_m x block_n`` in a float32 accumulator,
 walking the contraction in ``block_k`` steps, then hand the accumulator to an
 epilogue that does the op's own work (bias and activation, a softmax
@@ -29,6 +30,14 @@ A contraction that ``block_k`` does not divide is handled one of two ways
 made only when K does not divide), ``"mask"`` zeroes the elements past K
 inside the tile (no copy; the loop walk then reads full blocks ``K`` wide,
 or the next power of two when ``block_k`` does not divide K).
+
+Several products per tile (:func:`products_call`, on
+:func:`grid_accumulate_products` / :func:`loop_accumulate_products`, of which the
+one-product walks are the special case): operands listed once, products naming
+which left and right operand add into which accumulator, a left tile shared by
+several products read once per step: the gated linear unit's forward (two
+accumulators on one x tile) and its paired backward's ``dx`` (two products into
+one accumulator) and ``dw`` (two accumulators on one ``x^T`` tile).
 
 Row tiles through a table (:class:`RowTable`): instead of the identity,
 the first grid axis can walk a table of visits held in scalar memory
@@ -164,8 +173,24 @@ def loop_accumulate(a_ref, b_ref, *, ca: int, cb: int, block_k: int, num_k, out_
     ``b_cols``: a ``pl.ds`` of b's free dim (a tile of a wider block);
     ``b_lead``: leading indices of a batched b Ref (its matrix picked in the
     kernel); ``first_k``: the first step (traced or not: a group's first row
-    tile). One static step runs without a loop."""
-    def step(k, acc):
+    tile). One static step runs without a loop. The one-product case of
+    :func:`loop_accumulate_products`."""
+    (acc,) = loop_accumulate_products(
+        [(a_ref, b_ref, 0)], num_accs=1, ca=ca, cb=cb, block_k=block_k, num_k=num_k,
+        out_shape=out_shape, k_size=k_size, b_cols=b_cols, first_k=first_k, k_lo=k_lo,
+        masked_loads=masked_loads, b_lead=b_lead)
+    return acc
+
+
+def loop_accumulate_products(products, *, num_accs: int, ca: int, cb: int, block_k: int, num_k,
+                             out_shape, k_size=None, b_cols=None, first_k=0, k_lo=None,
+                             masked_loads: bool = False, b_lead=()) -> tuple:
+    """The loop walk of several products: ``products`` is a sequence of ``(a_ref, b_ref,
+    j)``, each adding ``A[k] @ B[k]`` to float32 accumulator ``j`` of ``num_accs`` at every
+    step (a left-operand Ref shared by several products is sliced once per step, as the
+    gated linear unit's x tile feeding its gate and up accumulators); returns the
+    accumulators. The other arguments as :func:`loop_accumulate`'s."""
+    def step(k, accs):
         k = k + first_k if not (isinstance(first_k, int) and first_k == 0) else k
         keep = None
         if masked_loads and k_size is not None:
@@ -173,14 +198,27 @@ def loop_accumulate(a_ref, b_ref, *, ca: int, cb: int, block_k: int, num_k, out_
                 pos = k * block_k + lax.broadcasted_iota(jnp.int32, shape, axis)
                 inside = pos < k_size
                 return inside if k_lo is None else inside & (pos >= k_lo)
-        a = _k_slice(a_ref, ca, k, block_k, keep=keep)
-        b = _k_slice(b_ref, cb, k, block_k, b_cols, keep=keep, lead=b_lead)
-        if keep is not None:
-            return acc + product(a, b, ca, cb)
-        k0 = k * block_k if k_size is not None else None
-        return acc + product(a, b, ca, cb, k0, k_size, k_lo)
+        accs, a_tiles = list(accs), {}
 
-    init = jnp.zeros(out_shape, jnp.float32)
+        def a_tile(ref):
+            if id(ref) not in a_tiles:
+                a_tiles[id(ref)] = _k_slice(ref, ca, k, block_k, keep=keep)
+            return a_tiles[id(ref)]
+
+        if len(products) > 1:  # the left tiles first, then each product's right tile
+            for a_ref, _, _ in products:
+                a_tile(a_ref)
+        for a_ref, b_ref, j in products:
+            a = a_tile(a_ref)
+            b = _k_slice(b_ref, cb, k, block_k, b_cols, keep=keep, lead=b_lead)
+            if keep is not None:
+                accs[j] = accs[j] + product(a, b, ca, cb)
+                continue
+            k0 = k * block_k if k_size is not None else None
+            accs[j] = accs[j] + product(a, b, ca, cb, k0, k_size, k_lo)
+        return tuple(accs)
+
+    init = (jnp.zeros(out_shape, jnp.float32),) * num_accs
     if isinstance(num_k, int) and num_k == 1:
         return step(0, init)
     return lax.fori_loop(0, num_k, step, init)
@@ -197,15 +235,41 @@ def grid_accumulate(a_ref, b_ref, acc_ref, finish: Callable[[Any], None], *, ca:
     first / last step" (a reduction that restarts along the axis, as over
     groups); ``k0``: the contraction offset of this step's block (default
     ``k * block_k``) and ``k_lo``, for masking (:func:`product`)."""
+    grid_accumulate_products([(a_ref, b_ref, acc_ref)], lambda accs: finish(accs[0]), ca=ca, cb=cb,
+                             k_axis=k_axis, block_k=block_k, k_size=k_size, active=active,
+                             first=first, last=last, k0=k0, k_lo=k_lo)
+
+
+def grid_accumulate_products(products, finish: Callable[[list], None], *, ca: int, cb: int,
+                             k_axis: int, block_k: int, k_size=None, active=None, first=None,
+                             last=None, k0=None, k_lo=None):
+    """The grid walk of several products: ``products`` is a sequence of ``(a_ref, b_ref,
+    acc_ref)``, each adding this step's ``A @ B`` to its scratch accumulator (a left-operand
+    Ref shared by several products is loaded once per step); ``finish`` gets the
+    accumulators' values, each once, in the order the products name them. The other
+    arguments as :func:`grid_accumulate`'s."""
     k = pl.program_id(k_axis)
+    accs = list({id(acc): acc for _, _, acc in products}.values())
 
     @pl.when(k == 0 if first is None else first)
     def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for acc in accs:
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     def accumulate():
         start = k0 if k0 is not None else (k * block_k if k_size is not None else None)
-        acc_ref[...] += product(a_ref[...], b_ref[...], ca, cb, start, k_size, k_lo)
+        a_tiles = {}
+
+        def a_tile(ref):
+            if id(ref) not in a_tiles:
+                a_tiles[id(ref)] = ref[...]
+            return a_tiles[id(ref)]
+
+        if len(products) > 1:  # the left tiles first, then each product's right tile
+            for a_ref, _, _ in products:
+                a_tile(a_ref)
+        for a_ref, b_ref, acc_ref in products:
+            acc_ref[...] += product(a_tile(a_ref), b_ref[...], ca, cb, start, k_size, k_lo)
 
     if active is None:
         accumulate()
@@ -214,7 +278,7 @@ def grid_accumulate(a_ref, b_ref, acc_ref, finish: Callable[[Any], None], *, ca:
 
     @pl.when(k == pl.num_programs(k_axis) - 1 if last is None else last)
     def _finish():
-        finish(acc_ref[...])
+        finish([acc[...] for acc in accs])
 
 
 # --------------------------------------------------------------------------
@@ -499,6 +563,126 @@ def matmul_call(a, b, *, ca: int, cb: int, blocks: tuple[int, int, int], backend
                           out_specs=[out_spec] * len(out_shape), scratch_shapes=scratch,
                           compiler_params=compiler_params, backend=backend, name=name)
     return call(*operands)
+
+
+# --------------------------------------------------------------------------
+# Several operands and products per tile: products_call
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One operand of :func:`products_call`.
+
+    Attributes:
+      array: two-dimensional, or ``[., 2, .]`` with ``half`` picking its middle index
+        (squeezed from the block: the stacked gate / up weights of a gated linear unit).
+      rows: the free dim follows the output tile's rows (a left operand), else its
+        columns (a right operand).
+      contract: the contracted matrix dim, 0 or 1.
+      half: the middle index of a ``[., 2, .]`` array, or None.
+      offset: column blocks start this many blocks in (the up half of a ``[K, 2N]`` view).
+    """
+
+    array: Any
+    rows: bool
+    contract: int
+    half: int | None = None
+    offset: int = 0
+
+
+def _operand_spec(op: Operand, tile: tuple[int, int], block_c: int):
+    """The operand's BlockSpec: the free dim in tiles of the output's rows or columns,
+    the contraction in ``block_c`` steps (grid walk: grid axis 2) or whole (loop walk)."""
+    shape = [0, 0]
+    shape[op.contract], shape[1 - op.contract] = block_c, tile[0 if op.rows else 1]
+
+    def index_map(i, j, kk=0):
+        index = [0, 0]
+        index[op.contract] = kk
+        # (no "+ 0": the index map's trace, so the generated code, stays the plain one)
+        index[1 - op.contract] = i if op.rows else (j + op.offset if op.offset else j)
+        return tuple(index) if op.half is None else (index[0], op.half, index[1])
+
+    if op.half is not None:
+        return pl.BlockSpec((shape[0], None, shape[1]), index_map)
+    return pl.BlockSpec(tuple(shape), index_map)
+
+
+def products_out_spec(stacked: bool, tile: tuple[int, int]):
+    """The BlockSpec of a :func:`products_call` output tile: ``[M, N]``, or with ``stacked``
+    an ``[M, 2, N]`` array whose block holds both halves of a column tile."""
+    if stacked:  # an [M, 2, N] array, both halves of a column tile in one block
+        return pl.BlockSpec((tile[0], 2, tile[1]), lambda i, j, kk=0: (i, 0, j))
+    return pl.BlockSpec(tile, lambda i, j, kk=0: (i, j))
+
+
+def _product_pairs(ins, products, num_accs, accs):
+    """``(a_ref, b_ref, accumulator)`` per product, product ``p`` adding to accumulator
+    ``min(p, num_accs - 1)``."""
+    return [(ins[a], ins[b], accs[min(p, num_accs - 1)]) for p, (a, b) in enumerate(products)]
+
+
+def _products_grid_kernel(*refs, num_in, products, num_accs, ca, cb, block_k, k_size, finish):
+    ins, outs, accs = refs[:num_in], refs[num_in:len(refs) - num_accs], refs[len(refs) - num_accs:]
+    grid_accumulate_products(_product_pairs(ins, products, num_accs, accs),
+                             lambda values: finish(values, outs), ca=ca, cb=cb, k_axis=2,
+                             block_k=block_k, k_size=k_size)
+
+
+def _products_loop_kernel(*refs, num_in, products, num_accs, ca, cb, block_k, k_size, finish,
+                          num_k, tile):
+    ins, outs = refs[:num_in], refs[num_in:]
+    accs = loop_accumulate_products(_product_pairs(ins, products, num_accs, range(num_accs)),
+                                    num_accs=num_accs, ca=ca, cb=cb, block_k=block_k, num_k=num_k,
+                                    out_shape=tile, k_size=k_size)
+    finish(list(accs), outs)
+
+
+def products_call(operands: Sequence[Operand], products, *, num_accs: int, tile, block_k: int,
+                  k: int, backend: str, walk: str, out_shapes, stacked_outs, finish,
+                  compiler_params, name: str, k_edge: str):
+    """One pallas_call over output tiles ``tile`` of ``out_shapes``: the sum over the
+    contraction ``k`` (steps of ``block_k``, on the core's walks:
+    :func:`grid_accumulate_products` / :func:`loop_accumulate_products`) of ``A @ B`` for
+    each ``(a, b)`` of ``products`` (indices into ``operands``; product ``p`` adds to
+    accumulator ``min(p, num_accs - 1)``), then ``finish(accs, out_refs)``.
+
+    What :func:`matmul_call` is for one product, this is for several sharing a tile
+    loop: the gated linear unit's forward (``x @ gate`` and ``x @ up`` into two
+    accumulators on one x tile), its paired backward's ``dx`` (two products into one
+    accumulator) and ``dw`` (two accumulators on one ``x^T`` tile).
+
+    Args:
+      operands: the :class:`Operand`\ s; every left operand contracts the same dim, and
+        every right operand another.
+      stacked_outs: per output, whether it is an ``[M, 2, N]`` array (both halves of a
+        column tile in one block) rather than ``[M, N]``.
+      k_edge: a contraction ``block_k`` does not divide is ``"pad"``-ded by the caller or
+        ``"mask"``-ed in the kernel (no copy of the operands).
+      walk, backend, compiler_params, name: as :func:`matmul_call`'s.
+    """
+    a_ops = {a for a, _ in products}
+    ca = operands[min(a_ops)].contract
+    cb = operands[products[0][1]].contract
+    num_k = max(1, pl.cdiv(k, block_k))
+    k_size = k if k_edge == "mask" and k % block_k else None
+    kw = dict(num_in=len(operands), products=tuple(products), num_accs=num_accs, ca=ca, cb=cb,
+              block_k=block_k, k_size=k_size, finish=finish)
+    grid_mn = (pl.cdiv(out_shapes[0].shape[0], tile[0]), pl.cdiv(out_shapes[0].shape[-1], tile[1]))
+    if walk == GRID:
+        body = functools.partial(_products_grid_kernel, **kw)
+        grid, block_c = (*grid_mn, num_k), block_k
+        scratch = [pl.tpu.VMEM(tile, jnp.float32)] * num_accs
+    else:
+        body = functools.partial(_products_loop_kernel, num_k=num_k, tile=tile, **kw)
+        grid, block_c = grid_mn, loop_k_width(k, block_k, k_edge)
+        scratch = []
+    in_specs = [_operand_spec(op, tile, block_c) for op in operands]
+    return pl.pallas_call(
+        body, out_shape=list(out_shapes), grid=grid, in_specs=in_specs,
+        out_specs=[products_out_spec(stacked, tile) for stacked in stacked_outs],
+        scratch_shapes=scratch, compiler_params=compiler_params, backend=backend, name=name,
+    )(*(op.array for op in operands))
 
 
 def store(acc, refs: TileRefs) -> None:

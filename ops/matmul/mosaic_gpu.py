@@ -35,14 +35,19 @@ producer down to 40, the consumers up); per output tile 4 TMA stores
 (``cp.async.bulk.tensor.global.shared.cta``) of 64 x 64 epilogue tiles per
 warpgroup, 8 with the pre-activation.
 
-Predicted (H200, bfloat16, to be measured: ``benchmarks/lease_queue.json``):
-JAX's kernel of this design reaches 83.6% of the H100's 990 TFLOP/s dense peak
-at 4096 x 8192 x 4096; the same fraction of the H200's (same SMs and clocks)
-is about 800 TFLOP/s against cuBLAS's 705 measured at 8192^3, so the forward
-at 8192^3 and 4096^3 is predicted at 1.05-1.15x XLA, bias + gelu within 2% of
-the plain matmul (the epilogue's float32 math hides under the next tile's
-loads), forward + backward 1.0-1.1x (dx and dw run the same kernel with
-transposed operands; the dz fusion reads 3 and writes 1 ``M x N`` arrays).
+Predicted (H200, bfloat16, to be measured: ``benchmarks/lease_queue.json``,
+experiments ``mosaic-gpu-matmul-*`` and ``mosaic-gpu-bias-gelu-fwd``): JAX's
+kernel of this design reaches 83.6% of the H100's 990 TFLOP/s dense peak at
+4096 x 8192 x 4096; the H200 has the same SMs and clocks. Less a margin for the
+epilogue's wait on the previous tile's stores, the forward at 8192^3 is
+predicted at about 730 TFLOP/s, 1.18x XLA's 621 measured there (torch's cuBLAS
+call: 705), as-predicted between 1.0x and 1.35x; at 4096^3 (128 tiles of
+128 x 256 for 132 SMs: no persistence) about 1.05x. bias + gelu_exact about 5-7%
+below the plain forward (the float32 epilogue, ~5 us per 128 x 256 tile against
+72 us of products, is not overlapped within the block), 1.12x XLA; forward +
+backward about 1.12x (dx and dw run the same kernel with transposed operands,
+no transposed copy; the dz fusion reads 2 and writes 1 ``M x N`` arrays, none
+without an activation).
 """
 from __future__ import annotations
 

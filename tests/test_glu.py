@@ -157,16 +157,20 @@ class TestGatedLinearUnitPair(OpBattery):
 
 def test_pair_equals_stacked():
     """The same tiles over the two forms (rows, K and N dividing no tile): the forward
-    kernel is the same program with other operands (bitwise equal outputs), dw the same
-    products (bitwise equal); dx sums the same products in another order (the stacked
-    form walks the [M, 2N] view), so it is close."""
+    kernel is the same program with other operands (bitwise equal outputs); dw forms the
+    same products, but the stacked form's column tiles straddle the gate/up boundary of
+    its [K, 2N] view, so Triton's interpreter hands numpy's BLAS other tile contents,
+    whose summation order may differ in the last bits (9.5e-7 seen): within a few ulps;
+    dx sums the same products in another order (the stacked form walks the [M, 2N]
+    view), so it is close."""
     x, w = _inputs((18,), 40, 40, jnp.float32, seed=11)
     kw = dict(activation="silu", implementation="triton", block_sizes=(16, 32, 32))
     out_s, (dx_s, dw_s) = _with_grads(lambda x, w: ops.gated_linear_unit(x, w, **kw))(x, w)
     out_p, (dx_p, (dg, du)) = _with_grads(lambda x, p: ops.gated_linear_unit(x, p, **kw))(
         x, (w[:, 0], w[:, 1]))
     np.testing.assert_array_equal(out_p, out_s)
-    np.testing.assert_array_equal(np.stack([dg, du], 1), dw_s)
+    ulps = 4 * np.finfo(np.float32).eps * np.abs(dw_s).max()
+    np.testing.assert_allclose(np.stack([dg, du], 1), dw_s, rtol=0, atol=ulps)
     assert_close(dx_p, dx_s, BACKWARD[jnp.float32], "dx")
 
 

@@ -197,10 +197,11 @@ def test_window_segments_lengths_mla_dims_key_mask_float16():
            key_value_seq_lengths=jnp.array([80], jnp.int32))
 
 
-def test_full_attention_one_compute_warpgroup_forward():
+def test_full_attention_one_compute_warpgroup_soft_cap_forward():
     # One compute warpgroup (no ping-pong), 64-row key tiles, 3 stages; S not a multiple of 8
-    # (TMA tiles whole arrays: k and v are padded in XLA) and a query row set past T.
-    _check(2, (1, 70, 150, 2, 2, 64), jnp.bfloat16, grads=False,
+    # (TMA tiles whole arrays: k and v are padded in XLA) and a query row set past T; a soft
+    # cap without bias (its factor folded into the exp2's multiply-add).
+    _check(2, (1, 70, 150, 2, 2, 64), jnp.bfloat16, grads=False, logits_soft_cap=4.0,
            block_sizes=MosaicGPUConfig(64, 64, 3, compute_wgs=1))
 
 
@@ -208,7 +209,9 @@ def _against_xla(seed, shape, dtype, grads, **kw):
     """implementation="mosaic_gpu" against the op's XLA path on float32 inputs (dropout:
     both draw the same keep bits from the counter hash, so only rounding differs)."""
     q, k, v, do = _inputs(seed, *shape, dtype=dtype)
-    f = lambda impl: lambda q, k, v: ops.dot_product_attention(q, k, v, implementation=impl, **kw)
+    blocks = kw.pop("block_sizes", None)
+    f = lambda impl: lambda q, k, v: ops.dot_product_attention(
+        q, k, v, implementation=impl, block_sizes=blocks if impl == "mosaic_gpu" else None, **kw)
     up = lambda x: x.astype(jnp.float32)
     want, pullback = jax.vjp(f("xla"), up(q), up(k), up(v))
     if not grads:
@@ -222,8 +225,10 @@ def _against_xla(seed, shape, dtype, grads, **kw):
 
 
 def test_dropout_forward_draws_the_xla_paths_bits():
+    # The serial walk (no pipeline inside a warpgroup) with its ping-pong.
     _against_xla(5, (1, 64, 72, 2, 1, 32), jnp.bfloat16, grads=False, dropout_rate=0.3,
-                 dropout_rng=jax.random.key(7))
+                 dropout_rng=jax.random.key(7),
+                 block_sizes=MosaicGPUConfig(64, 64, 2, intra_wg_stages=1))
 
 
 def test_races_are_checked(monkeypatch):
@@ -259,8 +264,9 @@ def test_lowered_modules_have_wgmma_tma_barriers_and_register_reallocation():
 
     fwd, dq, dkdv = plgpu.mosaic_modules(train, q, q, q)
     # Per key/value step of the heuristic's 64 x 128 tiles: 8 m64n128k16 wgmma for q k^T
-    # and 8 for p v, in each of the three loops (masked, unmasked, masked).
-    assert fwd.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 3 * 16
+    # and 8 for p v, in each of the three loops (masked, unmasked, masked), and the
+    # pipeline's prologue (the first q k^T) and epilogue (the last p v).
+    assert fwd.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8 + 3 * 16 + 8
     # dQ (64 key rows a step): q k^T and dO v^T 8 each (m64n64k16), ds k 4 (m64n128k16);
     # dK/dV (64 query rows a step): k q^T and v dO^T 8 each, p^T dO and ds^T q 4 each.
     assert dq.count("wgmma.mma_async") == 3 * 20
@@ -271,6 +277,50 @@ def test_lowered_modules_have_wgmma_tma_barriers_and_register_reallocation():
         assert re.search(r"cp\.async\.bulk\.tensor\.global\.shared", module)  # TMA stores
         assert "nvvm.mbarrier.try_wait.parity" in module and "nvvm.mbarrier.arrive" in module
     assert "ex2.approx" in fwd  # the softmax on exp2
+
+
+_EVENTS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+[^{]*\{[^}]*\}, (\{)?"
+                     r"|wgmma\.wait\.group\.sync\.aligned (\d+)|ex2\.approx|scf\.for")
+
+
+def _wgmma_schedule(module: str) -> str:
+    """The order of a compute warpgroup's tensor-core and exp2 work in a lowered module,
+    runs of one kind merged: ``qk`` a ``wgmma`` reading both operands from shared
+    memory, ``pv`` one taking its left operand from registers, ``wait0`` / ``wait1``
+    ``wgmma.wait_group``, ``exp2`` ``ex2.approx``, ``loop`` each ``scf.for``."""
+    events = []
+    for match in _EVENTS.finditer(module):
+        text = match.group(0)
+        if text.startswith("wgmma.mma"):
+            event = "pv" if match.group(1) else "qk"
+        elif text.startswith("wgmma.wait"):
+            event = "wait" + match.group(2)
+        else:
+            event = "exp2" if text.startswith("ex2") else "loop"
+        if not events or events[-1] != event or event == "loop":
+            events.append(event)
+    return " ".join(events)
+
+
+@pytest.mark.parametrize("h, stages", [(128, 2), (64, 2), (128, 1)])
+def test_forward_issues_the_next_products_before_this_tiles_softmax(h, stages):
+    """FlashAttention-3's two-stage pipeline inside a warpgroup (section 3.2), read off the
+    lowered forward: in every loop step ``q k^T`` of tile j and ``p v`` of tile j-1 are
+    issued, the wait leaves one group (``p v``) in flight, tile j's exp2s run, and only
+    then the last wait; the first tile's ``q k^T`` and the last ``p v`` stand alone. With
+    ``intra_wg_stages=1`` each step runs ``q k^T``, its exp2s and ``p v`` in turn."""
+    q = jax.ShapeDtypeStruct((1, 512, 2, h), jnp.bfloat16)
+    config = MosaicGPUConfig(64, 128, 2, intra_wg_stages=stages)
+    (fwd,) = plgpu.mosaic_modules(lambda q, k, v: ops.dot_product_attention(
+        q, k, v, is_causal=True, implementation="mosaic_gpu", block_sizes=config), q, q, q)
+    # The producer's loop, then the compute warpgroup's three (masked, unmasked, masked).
+    if stages == 2:
+        step = "loop qk pv wait1 exp2 wait0"
+        want = f"loop qk wait0 exp2 {step} {step} {step} pv wait0"
+    else:
+        step = "loop qk wait0 exp2 pv wait0"
+        want = f"loop {step} {step} {step}"
+    assert _wgmma_schedule(fwd) == want
 
 
 @pytest.mark.parametrize("h, hv", [(64, 64), (128, 128), (256, 256), (192, 128)])
@@ -360,7 +410,7 @@ def test_empty_operands_give_the_reference():
 
 def test_config_is_checked_and_the_tuner_gets_candidates():
     for bad in (dict(block_q=32), dict(block_kv=320), dict(max_concurrent_steps=1),
-                dict(compute_wgs=3), dict(block_q_dkv=48)):
+                dict(compute_wgs=3), dict(block_q_dkv=48), dict(intra_wg_stages=3)):
         with pytest.raises(ValueError, match="MosaicGPUConfig"):
             MosaicGPUConfig(**bad)
     op = ops._op.get("dot_product_attention")

@@ -29,6 +29,7 @@ tiles (203 KiB; 128-row tiles do not fit even 2 stages).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -44,6 +45,12 @@ _RESERVED_BYTES = 2048 + 1024
 # Rows of the tiles a warpgroup holds (wgmma's M is 64 per warpgroup).
 _ROW_QUANTUM = 64
 MAX_STAGES = 8
+# Registers per thread of a compute warpgroup after setmaxregister (two compute warpgroups
+# and a producer at 40: 128 * (2 * 232 + 40) = 64512 of the SM's 65536).
+COMPUTE_REGISTERS = 232
+# What a compute thread holds besides its tiles: addresses, loop indices and ring phases,
+# the row statistics (m, l, the rescale factor, 2 rows a thread), the mask's positions.
+_OTHER_REGISTERS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +70,13 @@ class MosaicGPUConfig(_op.KernelConfig):
       block_kv_dq: key/value rows per step of the dQ kernel (None: 64).
       block_kv_dkv: key/value rows per compute warpgroup of the dK/dV kernel (None: 64).
       block_q_dkv: query rows per step of the dK/dV kernel (None: 64).
+      intra_wg_stages: the forward's software pipeline inside a compute
+        warpgroup (FlashAttention-3 section 3.2): 2 issues the next key tile's
+        ``q k^T`` and this tile's ``p v`` together before the softmax of the
+        next tile, so that softmax runs while the tensor cores work (a second
+        ``[block_q, block_kv]`` float32 accumulator and the previous tile's 16-bit
+        probabilities stay in registers); 1 runs ``q k^T``, softmax and ``p v``
+        of a tile in turn (registers for one tile).
     """
 
     block_q: int = _op.tunable(64)
@@ -72,6 +86,7 @@ class MosaicGPUConfig(_op.KernelConfig):
     block_kv_dq: int | None = _op.tunable(None)
     block_kv_dkv: int | None = _op.tunable(None)
     block_q_dkv: int | None = _op.tunable(None)
+    intra_wg_stages: int = _op.tunable(2)
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
@@ -90,6 +105,9 @@ class MosaicGPUConfig(_op.KernelConfig):
         if self.compute_wgs not in (1, 2) or isinstance(self.compute_wgs, bool):
             raise ValueError(f"MosaicGPUConfig: compute_wgs must be 1 or 2, got "
                              f"{self.compute_wgs!r}.")
+        if self.intra_wg_stages not in (1, 2) or isinstance(self.intra_wg_stages, bool):
+            raise ValueError(f"MosaicGPUConfig: intra_wg_stages must be 1 or 2, got "
+                             f"{self.intra_wg_stages!r}.")
 
     @property
     def dq_kv(self) -> int:
@@ -105,42 +123,47 @@ class MosaicGPUConfig(_op.KernelConfig):
 
     @classmethod
     def heuristic(cls, problem: _op.Problem, device: _op.Device) -> "MosaicGPUConfig":
-        """64 query rows per warpgroup, 2 compute warpgroups, and the longest key/value
-        tile (128, else 64) with the most stages (up to 4) the forward's shared memory
-        holds at the problem's head dims (:func:`smem_bytes`); the backward's tiles 64.
-        In the interpret mode (no GPU) the same: the kernels run as they would on one."""
+        """64 query rows per warpgroup, 2 compute warpgroups, the two-stage pipeline
+        inside each (``intra_wg_stages=2``), and the longest key/value tile (128, else
+        64) with the most stages (up to 4) that the forward's shared memory
+        (:func:`smem_bytes`) and a compute thread's registers
+        (:func:`forward_registers`) hold at the problem's head dims; the backward's
+        tiles 64. In the interpret mode (no GPU) the same: the kernels run as they
+        would on one."""
         _, S, head_dim = problem.shape
         itemsize = np.dtype(problem.dtype).itemsize
         segments, pairs = _segments(problem), _pairs(problem)
         for bk in (128, 64):
             for stages in (4, 3, 2):
                 config = cls(64, bk, stages)
-                if smem_bytes(config, "forward", head_dim, head_dim, itemsize, segments,
-                              pairs) <= SMEM_BYTES:
+                if (smem_bytes(config, "forward", head_dim, head_dim, itemsize, segments,
+                               pairs) <= SMEM_BYTES
+                        and forward_registers(config, head_dim, head_dim) <= COMPUTE_REGISTERS):
                     return config
         return cls(64, 64, 2)
 
     @classmethod
     def candidates(cls, problem: _op.Problem, device: _op.Device) -> tuple["MosaicGPUConfig", ...]:
-        """Key/value tiles of 64, 128 and 256 rows (no longer than the keys rounded up to
-        64), 2 to 4 stages, one or two compute warpgroups of 64 query rows, every one
-        whose forward, dQ and dK/dV kernels fit the shared memory
-        (:func:`smem_bytes`); the backward's tiles 64 or 128 key rows for dQ."""
+        """Key/value tiles of 64, 128, 192 and 256 rows (no longer than the keys rounded
+        up to 64), 2 to 4 stages, one or two compute warpgroups of 64 query rows (128 at
+        head dims up to 64), the forward's pipeline inside a warpgroup of 2 or 1
+        stages, every one whose forward, dQ and dK/dV kernels fit the shared memory
+        (:func:`smem_bytes`) and whose forward fits a compute thread's registers
+        (:func:`forward_registers`); the backward's tiles 64 or 128 key rows for dQ."""
         T, S, head_dim = problem.shape
         itemsize = np.dtype(problem.dtype).itemsize
         segments, pairs = _segments(problem), _pairs(problem)
         longest = max(64, pl.cdiv(S, 64) * 64)
         out = []
-        for bk in (64, 128, 256):
+        for bq, bk, stages, wgs, bk_dq, overlap in itertools.product(
+                (64, 128) if head_dim <= 64 else (64,), (64, 128, 192, 256), (2, 3, 4), (2, 1),
+                (64, 128), (2, 1)):
             if bk > longest and bk != 64:
                 continue
-            for stages in (2, 3, 4):
-                for wgs in (2, 1):
-                    for bk_dq in (64, 128):
-                        config = cls(64, bk, stages, wgs, block_kv_dq=bk_dq)
-                        if fits(config, head_dim, head_dim, itemsize, segments,
-                                pairs=pairs):
-                            out.append(config)
+            config = cls(bq, bk, stages, wgs, block_kv_dq=bk_dq, intra_wg_stages=overlap)
+            if (forward_registers(config, head_dim, head_dim) <= COMPUTE_REGISTERS
+                    and fits(config, head_dim, head_dim, itemsize, segments, pairs=pairs)):
+                out.append(config)
         return tuple(out) or (cls.heuristic(problem, device),)
 
 
@@ -156,6 +179,19 @@ def _pairs(problem: _op.Problem) -> tuple:
 def _segments(problem: _op.Problem) -> bool:
     variant = problem.variant_dict()
     return bool(variant.get("segments") or variant.get("q_lengths") or variant.get("kv_lengths"))
+
+
+def forward_registers(config: MosaicGPUConfig, head_dim: int, v_dim: int) -> int:
+    """An upper bound on the registers a forward compute thread needs (its 128 threads
+    share each register tile): the float32 output accumulator ``block_q x v_dim``, the
+    float32 products ``block_q x block_kv``, the 16-bit probabilities of one tile (two
+    with ``intra_wg_stages=2``: the previous tile's stay in registers while its ``p v``
+    runs), and :data:`_OTHER_REGISTERS`. ``head_dim`` is only on the shared-memory side
+    (the query and key tiles stay there)."""
+    del head_dim
+    bq, bk = config.block_q, config.block_kv
+    tiles16 = config.intra_wg_stages
+    return (bq * v_dim + bq * bk) // 128 + tiles16 * bq * bk // 256 + _OTHER_REGISTERS
 
 
 def smem_bytes(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, itemsize: int,

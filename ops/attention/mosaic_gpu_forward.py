@@ -49,18 +49,18 @@ from jax import lax
 import pallas_core as pl
 from ops.attention.config import Config
 from ops.attention.masking import KEY_PAD, QUERY_PAD
-from ops.attention.mosaic_gpu_config import MosaicGPUConfig
+from ops.attention.mosaic_gpu_config import COMPUTE_REGISTERS, MosaicGPUConfig
 from ops.attention.mosaic_gpu_pairs import Access, Pair, additive_mask, combined
 from ops.attention.mosaic_gpu_pairs import operand as pair_operand
 from ops.attention.mosaic_gpu_pairs import scratch as pair_scratch
-from ops.attention.mosaic_gpu_tiles import (WGMMA, Ring, Schedule, Walk, col_layout, range_table,
-                                            row_layout, rows_vector, smem, zeros_tile)
+from ops.attention.mosaic_gpu_tiles import (WGMMA, Ring, Schedule, Walk, acc_set, col_layout,
+                                            range_table, row_layout, rows_vector, smem,
+                                            zeros_tile)
 from ops.attention.programs import sink_carry
 from ops.attention.tile_math import (Tile, dropped, forward_finish, log2_factor, logits_log2,
                                      online_softmax)
 from pallas_core import gpu as plgpu
 
-COMPUTE_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
 
@@ -220,54 +220,33 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, pairs: tu
                                                            layout=row_layout())
         sched = Schedule(schedule, wg)
 
-        @pl.when(walk.hi > walk.lo)
-        def _():
-            k_ring.wait_full(0)
-
-        def step(j, carry, masked):
-            m, l, acc = carry
-            t = j - walk.lo
-            slot = k_ring.slot(t)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                sched.meet()  # the other warpgroup's softmax runs while this product does
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+        def tile_of(j, slot, s, masked):
+            """Tile ``j`` with what its softmax reads from the ring's ``slot`` (the bias,
+            the key ids), so the slot may be released after."""
             q_seg = k_seg = None
             if masked and q_ids is not None:
                 q_seg = WGMMA.expand(q_ids, s, 0)
                 k_seg = WGMMA.expand(plgpu.load(kseg_smem.at[slot], (), layout=col_layout()), s, 1)
             bias = combined(accesses, b, n, slot, wg, s)
-            k_ring.release(t)
-            tile = Tile(q=None, k=None, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg, bias=bias,
+            return Tile(q=None, k=None, i=i, j=j, head=head, q_seg=q_seg, k_seg=k_seg, bias=bias,
                         layout=WGMMA)
-            s, _ = logits_log2(score, spec, tile, bq, bk, masked=masked, scaled=False, products=s)
-            m, l, p, alpha = online_softmax(m, l, s, log2_factor(score, tile), WGMMA)
+
+        def probabilities(tile, s, m, l, masked):
+            """The online-softmax step on the products ``s``: ``(m, l, p16, alpha)``."""
+            s, _ = logits_log2(score, spec, tile, bq, bk, masked=masked, scaled=False, products=s,
+                               fold_cap=True)
+            m, l, p, alpha = online_softmax(m, l, s, log2_factor(score, tile, fold_cap=True), WGMMA)
             p = dropped(score, tile, seed, p, bq, bk)  # after the statistics, as forward_update
-            acc = acc * WGMMA.expand(alpha, acc, 0)
-            p16 = p.astype(dtype)
-            # Statistics and rescale before the meeting: the other warpgroup's products
-            # start once this softmax is done.
-            m, l, acc, p16 = lax.optimization_barrier((m, l, acc, p16))
-            sched.arrive()
-            v_ring.wait_full(t)
-            sched.wait()
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                @pl.when(j + 1 < walk.hi)
-                def _():
-                    k_ring.wait_full(t + 1)  # while the product runs
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            v_ring.release(t)
-            return m, l, acc
+            return m, l, p.astype(dtype), alpha
 
         sched.stagger()
-        m, l, acc = walk.loops(step, (m0, l0, acc0))
+        if tiles.intra_wg_stages == 2:
+            m, l, acc = lax.cond(walk.hi > walk.lo, lambda c: _pipelined_walk(
+                c, walk, k_ring, v_ring, sched, q_tile, k_smem, v_smem, tile_of, probabilities),
+                lambda c: c, (m0, l0, acc0))
+        else:
+            m, l, acc = _serial_walk((m0, l0, acc0), walk, k_ring, v_ring, sched, q_tile, k_smem,
+                                     v_smem, tile_of, probabilities)
         sched.unstagger()
         out, lse = forward_finish(m, l, acc, WGMMA)
         o_tile = q_tile if o_smem is None else o_smem.at[wg]
@@ -277,3 +256,131 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, pairs: tu
         plgpu.copy_smem_to_gmem(o_tile, out_gmem.at[b, rows, n])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[b, n, rows])
         plgpu.wait_smem_to_gmem(0)
+
+
+def _serial_walk(carry, walk: Walk, k_ring: Ring, v_ring: Ring, sched: Schedule, q_tile, k_smem,
+                 v_smem, tile_of, probabilities):
+    """One compute warpgroup's walk, each tile's ``q k^T``, softmax and ``p v`` in turn
+    (``intra_wg_stages=1``); with two warpgroups, one's softmax runs while the other's
+    products do (:class:`~ops.attention.mosaic_gpu_tiles.Schedule`)."""
+    bq, bk = q_tile.shape[0], k_smem.shape[1]
+
+    @pl.when(walk.hi > walk.lo)
+    def _():
+        k_ring.wait_full(0)
+
+    def step(j, carry, masked):
+        m, l, acc = carry
+        t = j - walk.lo
+        slot = k_ring.slot(t)
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            sched.meet()  # the other warpgroup's softmax runs while this product does
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+        tile = tile_of(j, slot, s, masked)
+        k_ring.release(t)
+        m, l, p16, alpha = probabilities(tile, s, m, l, masked)
+        acc = acc * WGMMA.expand(alpha, acc, 0)
+        # Statistics and rescale before the meeting: the other warpgroup's products
+        # start once this softmax is done.
+        m, l, acc, p16 = lax.optimization_barrier((m, l, acc, p16))
+        sched.arrive()
+        v_ring.wait_full(t)
+        sched.wait()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            @pl.when(j + 1 < walk.hi)
+            def _():
+                k_ring.wait_full(t + 1)  # while the product runs
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        v_ring.release(t)
+        return m, l, acc
+
+    return walk.loops(step, carry)
+
+
+def _pipelined_walk(carry, walk: Walk, k_ring: Ring, v_ring: Ring, sched: Schedule, q_tile,
+                    k_smem, v_smem, tile_of, probabilities):
+    """One compute warpgroup's walk of a non-empty ``[lo, hi)`` with FlashAttention-3's
+    two-stage pipeline inside the warpgroup (section 3.2, ``intra_wg_stages=2``).
+
+    Step ``j`` issues ``s_j = q k_j^T`` into a fresh accumulator and then ``acc +=
+    p_{j-1} v_{j-1}`` (two ``wgmma`` commit groups), waits for the first group only
+    (``wgmma.wait_group 1``), runs tile ``j``'s softmax while ``p v`` is still on the
+    tensor cores, then waits for it and rescales ``acc`` by tile ``j``'s factor. The
+    first tile's ``q k^T`` and the last tile's ``p v`` stand alone (prologue and
+    epilogue). With two warpgroups the ping-pong schedule holds as in the serial
+    walk: each issues its products in its turn and meets the other after issuing and
+    after its softmax (:class:`~ops.attention.mosaic_gpu_tiles.Schedule`), so one's
+    softmax also overlaps the other's products (section 3.1).
+    """
+    m, l, acc = carry
+    bq, bk = q_tile.shape[0], k_smem.shape[1]
+
+    def k_transposed(slot):
+        return plgpu.transpose_ref(k_smem.at[slot], (1, 0))
+
+    # Prologue: the first tile's products and softmax (masked: a fully visible tile
+    # masks to itself).
+    k_ring.wait_full(0)
+    slot0 = k_ring.slot(0)
+
+    def first(s_ref):
+        plgpu.wgmma(s_ref, q_tile, k_transposed(slot0))
+        sched.meet()
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+        tile = tile_of(walk.lo, slot0, s, True)
+        k_ring.release(0)
+        return probabilities(tile, s, m, l, True)
+
+    m, l, p16, _ = pl.run_scoped(first, plgpu.ACC((bq, bk), jnp.float32))
+    m, l, p16 = lax.optimization_barrier((m, l, p16))
+    sched.arrive()
+
+    def step(j, carry, masked):
+        m, l, acc, p16 = carry
+        t = j - walk.lo
+        slot, prev = k_ring.slot(t), k_ring.slot(t - 1)
+        k_ring.wait_full(t)
+        sched.wait()
+
+        def products(s_ref, acc_ref):
+            acc_set(acc_ref, acc)
+            plgpu.wgmma(s_ref, q_tile, k_transposed(slot))
+            v_ring.wait_full(t - 1)
+            plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
+            sched.meet()  # the other warpgroup's softmax runs while these products do
+            # q k^T done, p v running; the barrier keeps the softmax after the wait.
+            s = lax.optimization_barrier(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+            tile = tile_of(j, slot, s, masked)
+            k_ring.release(t)
+            m_new, l_new, p16_new, alpha = probabilities(tile, s, m, l, masked)
+            acc_new = lax.optimization_barrier(plgpu.wgmma_accumulator_load(acc_ref, wait_n=0))
+            return m_new, l_new, p16_new, alpha, acc_new
+
+        m, l, p16, alpha, acc = pl.run_scoped(products, plgpu.ACC((bq, bk), jnp.float32),
+                                              plgpu.ACC(acc.shape, jnp.float32))
+        v_ring.release(t - 1)
+        acc = acc * WGMMA.expand(alpha, acc, 0)
+        m, l, acc, p16 = lax.optimization_barrier((m, l, acc, p16))
+        sched.arrive()
+        return m, l, acc, p16
+
+    m, l, acc, p16 = walk.loops(step, (m, l, acc, p16), start=walk.lo + 1)
+    # Epilogue: the last tile's p v.
+    last = walk.hi - 1 - walk.lo
+    sched.wait()
+
+    def pv(acc_ref):
+        v_ring.wait_full(last)
+        plgpu.wgmma(acc_ref, p16, v_smem.at[k_ring.slot(last)])
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    v_ring.release(last)
+    return m, l, acc

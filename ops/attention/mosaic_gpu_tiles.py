@@ -33,6 +33,7 @@ import pallas_core as pl
 from ops.attention.masking import MaskSpec, block_full_visibility, block_ranges, block_visibility
 from ops.attention.tile_math import RegisterLayout, rem
 from pallas_core import gpu as plgpu
+from pallas_core.gpu.kernel_context import interpreting
 
 # The column of a range-table row where a block's walk and warpgroup w's full range sit.
 LO, HI = 0, 1
@@ -80,6 +81,17 @@ def rows_vector(value, rows: int):
 def zeros_tile(shape):
     """A float32 zero tile in the accumulator layout."""
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def acc_set(acc_ref, value):
+    """Registers ``value`` into the ``wgmma`` accumulator ``acc_ref`` (a ``pl.run_scoped``
+    ``ACC``), so ``wgmma`` adds to it: JAX's accumulator store, and in the GPU interpret
+    mode, whose interpreter has no rule for that store, a plain one."""
+    if interpreting():
+        from jax._src.state import primitives as state_primitives
+        state_primitives.ref_set(acc_ref, (), value)
+    else:
+        acc_ref[...] = value
 
 
 def swizzle_transforms(minor: int, dtype):
@@ -232,14 +244,17 @@ class Walk:
         fhi = jnp.minimum(jnp.maximum(fhi, flo), hi)
         return cls(lo, hi, flo, fhi)
 
-    def loops(self, step, carry):
-        """``carry = step(j, carry, masked)`` over ``[lo, hi)``: masked before the full
-        range, unmasked in it, masked after (the causal diagonal, window edges,
-        ragged ends)."""
-        carry = lax.fori_loop(self.lo, self.full_lo, lambda j, c: step(j, c, True), carry)
-        carry = lax.fori_loop(self.full_lo, self.full_hi, lambda j, c: step(j, c, False), carry)
-        return lax.fori_loop(self.full_hi, self.hi, lambda j, c: step(j, c, True), carry)
+    def loops(self, step, carry, start=None):
+        """``carry = step(j, carry, masked)`` over ``[lo, hi)`` (``[start, hi)`` from a
+        ``start`` in ``[lo, hi]``): masked before the full range, unmasked in it,
+        masked after (the causal diagonal, window edges, ragged ends)."""
+        lo, full_lo, full_hi = self.lo, self.full_lo, self.full_hi
+        if start is not None:
+            lo, full_lo, full_hi = start, jnp.maximum(full_lo, start), jnp.maximum(full_hi, start)
+        carry = lax.fori_loop(lo, full_lo, lambda j, c: step(j, c, True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, lambda j, c: step(j, c, False), carry)
+        return lax.fori_loop(full_hi, self.hi, lambda j, c: step(j, c, True), carry)
 
 
-__all__ = ["Ring", "Schedule", "WGMMA", "WGMMALayout", "Walk", "col_layout", "range_table",
-           "row_layout", "rows_vector", "smem", "swizzle_transforms", "zeros_tile"]
+__all__ = ["Ring", "Schedule", "WGMMA", "WGMMALayout", "Walk", "acc_set", "col_layout",
+           "range_table", "row_layout", "rows_vector", "smem", "swizzle_transforms", "zeros_tile"]

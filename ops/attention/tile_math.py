@@ -128,7 +128,8 @@ class Tile:
 
 
 def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk: int, *,
-                bound_q: bool = False, masked: bool = True, scaled: bool = True, products=None):
+                bound_q: bool = False, masked: bool = True, scaled: bool = True, products=None,
+                fold_cap: bool = False):
     """``(s2, capped)``: masked logits in log2 units ``[bq, bk]`` (-inf where not visible)
     and ``tanh(scores / cap)`` for the soft cap's derivative (None without one).
     ``spec`` is the call's positional and segment masking (None only with
@@ -148,6 +149,11 @@ def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk
     ``products``: the float32 products ``q k^T`` (``k q^T`` transposed) when the
     caller formed them itself (a Mosaic GPU kernel's ``wgmma``); None: formed
     here from ``tile.q`` and ``tile.k``.
+
+    ``fold_cap`` (with ``scaled=False``, a soft cap and no bias): ``tanh(scores /
+    cap)`` comes back, masked, and the cap's factor ``cap * log2(e)`` is the
+    caller's to fold into its multiply-add as the scale is without a cap
+    (:func:`log2_factor` with ``fold_cap``): one multiply less per score.
     """
     t = tile.transposed
     if products is not None:
@@ -157,7 +163,8 @@ def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk
     capped = None
     if score.softcap is not None:
         capped = jnp.tanh(s * (score.scale / score.softcap))
-        s2 = capped * (score.softcap * LOG2E)
+        folded = fold_cap and not scaled and tile.bias is None
+        s2 = capped if folded else capped * (score.softcap * LOG2E)
     elif scaled or tile.bias is not None:
         s2 = s * (score.scale * LOG2E)
     else:
@@ -181,11 +188,16 @@ def logits_log2(score: ScoreMath, spec: MaskSpec | None, tile: Tile, bq: int, bk
     return s2, capped
 
 
-def log2_factor(score: ScoreMath, tile: Tile) -> float:
+def log2_factor(score: ScoreMath, tile: Tile, fold_cap: bool = False) -> float:
     """What :func:`logits_log2` with ``scaled=False`` left for the caller to multiply
-    the logits by: ``scale * log2(e)`` for plain scores, 1 when a soft cap or a
-    bias already put them in log2 units."""
-    return 1.0 if (score.softcap is not None or tile.bias is not None) else score.scale * LOG2E
+    the logits by: ``scale * log2(e)`` for plain scores, ``cap * log2(e)`` for
+    soft-capped ones with ``fold_cap`` (no bias), 1 when a soft cap or a bias
+    already put them in log2 units."""
+    if tile.bias is not None:
+        return 1.0
+    if score.softcap is not None:
+        return score.softcap * LOG2E if fold_cap else 1.0
+    return score.scale * LOG2E
 
 
 def dropout_keep(score: ScoreMath, tile: Tile, seed, bq: int, bk: int):

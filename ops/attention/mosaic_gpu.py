@@ -48,49 +48,72 @@ sliced.
 Static view, before any GPU run (the Mosaic GPU modules ``plgpu.mosaic_modules``
 reads back on a host without a GPU; PTX and SASS are jaxlib's CUDA plugin's,
 which compiles the module on the GPU, so register counts and spills are not
-known here). B=2, T=S=8192, bfloat16, causal, the heuristic's tiles:
+known here: :func:`~ops.attention.mosaic_gpu_config.forward_registers` bounds
+them). B=2, T=S=8192, bfloat16, the heuristic's tiles:
 
 * forward, 16 heads of 128 (64 query rows per compute warpgroup, 128-row
-  key/value tiles, 2 stages, 163 KiB of shared memory): per key/value step
-  each compute warpgroup issues 16 ``wgmma.mma_async`` ``m64n128k16`` (8 for
-  ``q k^T``, 8 for ``p v``) in two commit groups, 66 ``ex2.approx`` per thread
-  (the tile's 64 and two rescale factors), 4 mbarrier waits and 4 arrivals
-  (its two schedule meetings, the key and value stages); the producer 2 TMA
-  tile loads; one ``setmaxregister`` each (232 up, 40 down); no warpgroup
-  ``bar.sync`` in the loop. At 32 heads of 64: 4 stages (147 KiB), 12
-  ``wgmma`` a step (4 ``m64n128k16`` for ``q k^T``, 8 ``m64n64k16`` for ``p v``),
-  the same 66 ``ex2``.
-  A soft cap adds 64 ``tanh.approx.f32`` per thread a step; sinks nothing in
-  the loop (they start the carry); a ``[T, S]`` bias one more TMA tile a step
-  (``2 x 64 x 128`` float32: 64 KiB a stage, so the heuristic takes 64-row key
-  tiles) and its load into the accumulator layout.
+  key/value tiles, 2 stages, 163 KiB of shared memory; at most 224 of the 232
+  registers: float32 O and S 64 each, two 16-bit P tiles 32 each, 32 others).
+  Per key/value step each compute warpgroup issues, in its ping-pong turn, 8
+  ``wgmma.mma_async`` ``m64n128k16`` for tile j's ``q k^T`` (both operands in
+  shared memory) and 8 for tile j-1's ``p v`` (P from registers) in two commit
+  groups, then ``wgmma.wait_group 1`` (``p v`` still running), tile j's 66
+  ``ex2.approx`` per thread (64 and two rescale factors) and ``wait_group 0``
+  (FlashAttention-3's two-stage pipeline, section 3.2); 4 mbarrier waits (key
+  stage, its turn, value stage, the meeting after issuing) and 4 arrivals; the
+  producer 2 TMA tile loads; one ``setmaxregister`` each (232 up, 40 down).
+  The first tile's ``q k^T`` and the last tile's ``p v`` stand alone.
+  (``intra_wg_stages=1``, round 1's step: ``q k^T``, wait 0, softmax, ``p v``,
+  wait 0.) At 32 heads of 64: 4 stages (147 KiB), 12 ``wgmma`` a step (4
+  ``m64n128k16`` for ``q k^T``, 8 ``m64n64k16`` for ``p v``), the same 66
+  ``ex2``, at most 192 registers. A soft cap adds 64 ``tanh.approx.f32`` (one
+  MUFU op each) and 64 multiplies (the tanh's argument) per thread a step, its
+  factor folded into the ``exp2``'s multiply-add; sinks nothing in the loop
+  (they start the carry); a ``[T, S]`` bias one more TMA tile a step.
 * dQ (64 x 64 steps): 20 ``wgmma`` a step (8 + 8 ``m64n64k16`` for ``q k^T``
   and ``dO v^T``, issued together and waited once, 4 ``m64n128k16`` for
   ``ds k``), 32 ``ex2`` per thread, 2 TMA loads; dK/dV (64 key rows per
   warpgroup, 64-row query steps): 24 ``wgmma`` a step (``k q^T``, ``v dO^T``,
-  ``p^T dO``, ``ds^T q``), 32 ``ex2``, 4 TMA loads (q and dO tiles, their
-  logsumexp and delta rows).
+  ``p^T dO``, ``ds^T q``), 32 ``ex2``, 4 TMA loads; neither has a ping-pong.
 
-Predicted figures (H100/H200: 989 TFLOP/s dense bf16, about 4096 flops per
-clock per SM, and 16 ``ex2`` per clock per SM on the MUFU, FlashAttention-3's
-"3.9 TFLOPS of special functions"): a 64 x 128 tile at head dim 128 is 4.2
-MFLOP, 1024 clocks of the SM's tensor cores, against 512 clocks of ``ex2`` and
-about 256 of float32 work for its softmax; the ping-pong hides one warpgroup's
-softmax under the other's products, so the loop is bound by the tensor cores
-and should reach what FlashAttention-3's schedule reaches, 65-75% of the
-measured matmul ceiling (697 TFLOP/s on the H200): forward about 470 TFLOP/s
-full and 420 causal, 0.9x cuDNN's measured 519 / 471 (this kernel lacks
-FlashAttention-3's overlap of one tile's softmax with the next tile's ``q
-k^T`` inside a warpgroup, section 3.2, and its persistent scheduling). At
-head dim 64 the products halve and the softmax does not: the loop is bound
-by the softmax (2 x 768 clocks per pair of tiles), about 300 TFLOP/s causal,
-0.85x cuDNN's 352. The backward forms ``q k^T`` and ``dO v^T`` in both
-kernels (7 products per tile against the 5 FLOP-counted) with no ping-pong:
-forward+backward about 0.7x cuDNN (300 of its 433 causal at head dim 128). A
-soft cap doubles the MUFU work (``tanh`` and ``exp2``): about 0.85x of the
-same kernel without at head dim 128, 0.65x at 64; sinks cost nothing
-measurable. The lease queue (``benchmarks/lease_queue.json``, experiments
-``mosaic-gpu-*``) times these against cuDNN with the tuner's candidates.
+Predicted figures (H100 / H200: 989 TFLOP/s dense bf16, i.e. 4096 flops per
+clock per SM; 16 ``ex2`` per clock per SM on the MUFU, FlashAttention-3's "3.9
+TFLOPS of special functions"; 697 TFLOP/s is the measured matmul ceiling on the
+H200). A 64 x 128 tile at head dim 128 is 4.2 MFLOP: 1024 tensor-core clocks,
+against 512 MUFU clocks of ``ex2`` and about 250 of float32 work for its
+softmax. The ping-pong hides one warpgroup's softmax under the other's
+products, and the pipeline inside each keeps a second commit group queued, so
+the tensor cores wait neither for a softmax nor for a warpgroup's own ``p v``
+before its next ``q k^T``: tensor-core bound, as FlashAttention-3 (whose
+ablation, section 4.3, credits this pipeline with 582 -> 661 TFLOP/s at head
+dim 128, full attention, 8k). Round 1's figures (ping-pong only) and this round's:
+
+====================  ======  ======  =====  ==========================
+case                  round1  now     cuDNN  ratio now
+====================  ======  ======  =====  ==========================
+fwd d128 full          ~470    ~520    519   ~1.0x
+fwd d128 causal        ~420    ~465    471   ~0.99x
+fwd d64 causal         ~300    ~330    352   ~0.94x
+fwd+bwd d128 causal    ~300    ~305    433   ~0.7x (backward unchanged)
+====================  ======  ======  =====  ==========================
+
+At head dim 64 a tile's products take 512 tensor-core clocks and its ``ex2``
+512 MUFU clocks: the ping-pong runs one softmax at a time (about 650 clocks with
+the row max before and the sums after the exponentials), so the pair of tiles
+is bound by the two softmaxes, not by the products; the pipeline only removes
+the wait for a warpgroup's own ``p v``. A soft cap adds a MUFU ``tanh`` per
+score: at head dim 128, 1024 MUFU clocks a tile against 1024 of products
+(about 0.85x of the same kernel without); at 64, twice the MUFU work of a
+MUFU-bound loop (about 0.6x); both short of "within 10%" (the lever left:
+part of the ``exp2``\ s on the FMA pipes as a polynomial). Sinks cost nothing
+measurable. The backward (7 products per tile against the 5 counted, no
+ping-pong, no pipeline) holds forward+backward near 0.7x; what it needs is in
+:mod:`ops.attention.mosaic_gpu_backward`. Persistent scheduling is not built:
+2048 causal blocks of 128 rows on 132 SMs run longest first, so the last wave
+holds the shortest walks, and at full attention 15.5 waves of equal blocks
+lose at most 3%. The lease queue (``benchmarks/lease_queue.json``,
+experiments ``mosaic-gpu-attention-*``) times these against cuDNN with the
+tuner's candidates, each pipeline as an arm.
 """
 from __future__ import annotations
 

@@ -24,6 +24,25 @@ Nothing is accumulated across thread blocks, so the gradients are
 bit-for-bit deterministic. Both kernels walk only the blocks the masks let
 through (:func:`~ops.attention.mosaic_gpu_tiles.range_table`, transposed for
 dK/dV) and evaluate the mask only off each warpgroup's fully visible range.
+
+Speed (not built yet; the static view of the whole op is in
+:mod:`ops.attention.mosaic_gpu`): the two kernels form ``q k^T`` and ``dO v^T``
+twice, 7 products per tile against the 5 a FLOP count credits, so
+forward+backward at 0.9x cuDNN (390 of its 433 TFLOP/s, causal, head dim 128)
+needs the backward's products at about 510 TFLOP/s executed, 73% of the
+measured matmul ceiling, where FlashAttention-3's single kernel runs about 560
+on an H100. In order of what they buy: (1) a ping-pong between the two compute
+warpgroups of each kernel (:class:`~ops.attention.mosaic_gpu_tiles.Schedule`,
+as the forward) and 128-row walked steps, so one warpgroup's elementwise work
+hides under the other's products and each ``wgmma`` has N = 128 (the dQ kernel
+at 64 x 128 holds 3 x 64 float32 registers and 32 of 16-bit dS: at the edge of
+the 232; ``block_kv_dq=128`` is a tuner candidate already); (2) the dK/dV
+kernel's next step's ``k q^T`` and ``v dO^T`` issued before this step's
+``p^T dO`` / ``ds^T q`` are waited for, as the forward's pipeline; (3) the 5
+product form, dQ accumulated by the dK/dV kernel in float32 through TMA
+reduce-add stores, deterministic only with a per-query-block semaphore
+ordering the key blocks' adds (FlashAttention-3's deterministic mode), which
+the GPU interpret mode cannot run (no semaphores): an opt-in at most.
 """
 from __future__ import annotations
 

@@ -25,6 +25,14 @@ KiB as the lowering counts; 3 would need 227.1 KiB); at head dim 64, 4 stages
 of 128-row tiles (147 KiB); at 256, 2 stages of 64-row tiles (195 KiB); MLA's
 192 / 128 (its output tiles apart from the query tiles), 3 stages of 64-row
 tiles (203 KiB; 128-row tiles do not fit even 2 stages).
+
+Registers (:func:`forward_registers`, against the 232 a compute thread gets):
+the forward's two-stage pipeline inside a warpgroup holds the float32 output
+and products and two 16-bit probability tiles, so at head dim 128 a 64 x 128
+tile takes at most 224 (64 + 64 + 2 x 32 + 32; FlashAttention-3's 176- and
+192-row key tiles do not fit), at 64 a 64 x 128 tile 192 and 128 x 64 224,
+at 256 a 64 x 64 tile 224; 256-row key tiles fit only at head dim 16 with the
+serial step (``intra_wg_stages=1``).
 """
 from __future__ import annotations
 

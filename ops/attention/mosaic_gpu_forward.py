@@ -15,12 +15,15 @@ head) and is ``compute_wgs + 1`` warpgroups:
   same steps: ``s = q k^T`` by ``wgmma`` (the key tile read transposed), the
   mask and online softmax of :mod:`ops.attention.tile_math` on the
   accumulator registers (statistics float32, logits in log2 units, the scale
-  folded into the ``exp2``'s multiply-add when there is no soft cap or bias),
-  then ``acc += p v`` by ``wgmma`` from registers; the wait for the next key
-  tile is issued while that product runs. Two compute warpgroups meet at a
-  barrier twice a step, offset by one meeting
-  (:class:`~ops.attention.mosaic_gpu_tiles.Schedule`), so one's softmax
-  overlaps the other's products.
+  or a soft cap's factor folded into the ``exp2``'s multiply-add when there
+  is no bias), then ``acc += p v`` by ``wgmma`` from registers. With
+  ``intra_wg_stages=2`` (the default) a warpgroup pipelines its own steps
+  (section 3.2, :func:`_pipelined_walk`): tile j's ``q k^T`` and tile j-1's
+  ``p v`` are issued together and tile j's softmax runs while ``p v`` does;
+  with 1, each step's products and softmax run in turn (:func:`_serial_walk`).
+  Two compute warpgroups meet at a barrier twice a step, offset by one
+  meeting (:class:`~ops.attention.mosaic_gpu_tiles.Schedule`), so one's
+  softmax overlaps the other's products (section 3.1).
 
 The walk is split as the other kernels split it: the block range comes from
 :func:`ops.attention.masking.block_ranges` (blocks no query of the thread

@@ -67,7 +67,8 @@ def test_pytest_failures_are_written_before_a_cut(tmp_path):
     log = tmp_path / "failures.txt"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "benchmarks.live_failures",
                            "--live-failures", str(log), "-o", "addopts=", "-p", "no:cacheprovider",
-                           "-p", "no:randomly", "-q", str(tmp_path / "test_cut.py")],
+                           "-p", "no:randomly", "--rootdir", str(tmp_path), "-q",
+                           str(tmp_path / "test_cut.py")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert "KeyboardInterrupt" in proc.stdout, proc.stdout[-2000:]
     assert "the message a cut must not lose" in log.read_text()

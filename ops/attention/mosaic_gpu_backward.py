@@ -57,12 +57,14 @@ import pallas_core as pl
 from ops.attention.config import Config
 from ops.attention.masking import KEY_PAD, QUERY_PAD
 from ops.attention.mosaic_gpu_config import MosaicGPUConfig
-from ops.attention.mosaic_gpu_forward import (COMPUTE_REGISTERS, PRODUCER_REGISTERS, pad_rows)
+from ops.attention.mosaic_gpu_config import COMPUTE_REGISTERS
+from ops.attention.mosaic_gpu_forward import pad_rows
 from ops.attention.mosaic_gpu_forward import pair_operands
 from ops.attention.mosaic_gpu_pairs import Access, combined
 from ops.attention.mosaic_gpu_pairs import scratch as pair_scratch
-from ops.attention.mosaic_gpu_tiles import (WGMMA, Ring, Walk, col_layout, range_table,
-                                            row_layout, smem, swizzle_transforms, zeros_tile)
+from ops.attention.mosaic_gpu_tiles import (PRODUCER_REGISTERS, WGMMA, Ring, Walk, col_layout,
+                                            range_table, row_layout, smem, stream_keys,
+                                            swizzle_transforms, zeros_tile)
 from ops.attention.tile_math import Tile, backward_tile
 from pallas_core import gpu as plgpu
 
@@ -194,16 +196,8 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, q_smem, d
 
     @pl.when(wg == cw)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        walk = Walk.read(table_gmem, b, prog)
-
-        @pl.loop(walk.lo, walk.hi)
-        def _(j):
-            t, keys = j - walk.lo, pl.ds(j * bk, bk)
-            k_ring.produce(t, (k_gmem.at[b, keys, kh],
-                               None if kseg_gmem is None else kseg_gmem.at[b, keys],
-                               *(a.step_source(b, n, prog * cw * bq, j) for a in accesses)))
-            v_ring.produce(t, (v_gmem.at[b, keys, kh],))
+        stream_keys(table_gmem, b, prog, n, kh, k_ring, v_ring, k_gmem, v_gmem, kseg_gmem,
+                    accesses, bk, cw * bq)
 
     @pl.when(wg < cw)
     def _compute():

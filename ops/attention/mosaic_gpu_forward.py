@@ -58,14 +58,11 @@ from ops.attention.mosaic_gpu_pairs import operand as pair_operand
 from ops.attention.mosaic_gpu_pairs import scratch as pair_scratch
 from ops.attention.mosaic_gpu_tiles import (WGMMA, Ring, Schedule, Walk, acc_set, col_layout,
                                             range_table, row_layout, rows_vector, smem,
-                                            zeros_tile)
+                                            stream_keys, zeros_tile)
 from ops.attention.programs import sink_carry
 from ops.attention.tile_math import (Tile, dropped, forward_finish, log2_factor, logits_log2,
                                      online_softmax)
 from pallas_core import gpu as plgpu
-
-PRODUCER_REGISTERS = 40
-
 
 def pad_rows(x, axis: int, multiple: int, value=0):
     """``x`` padded along ``axis`` to a multiple of ``multiple`` (TMA tiles whole arrays:
@@ -189,16 +186,8 @@ def _body(*refs, cfg: Config, tiles: MosaicGPUConfig, has_sinks: bool, pairs: tu
 
     @pl.when(wg == cw)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        walk = Walk.read(table_gmem, b, prog)
-
-        @pl.loop(walk.lo, walk.hi)
-        def _(j):
-            t, keys = j - walk.lo, pl.ds(j * bk, bk)
-            k_ring.produce(t, (k_gmem.at[b, keys, kh],
-                               None if kseg_gmem is None else kseg_gmem.at[b, keys],
-                               *(a.step_source(b, n, prog * cw * bq, j) for a in accesses)))
-            v_ring.produce(t, (v_gmem.at[b, keys, kh],))
+        stream_keys(table_gmem, b, prog, n, kh, k_ring, v_ring, k_gmem, v_gmem, kseg_gmem,
+                    accesses, bk, cw * bq)
 
     @pl.when(wg < cw)
     def _compute():

@@ -20,6 +20,8 @@ ping-pong schedule, the key/value ring and the block-range table.
   compute warpgroup's fully visible sub-range, from
   :func:`ops.attention.masking.block_ranges` (the same block skipping as the
   other kernels), read in the kernel with scalar loads.
+* :func:`stream_keys`: the producer warpgroup of the forward and dQ kernels
+  (the key/value tiles of each walked step into their rings).
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ from ops.attention.masking import MaskSpec, block_full_visibility, block_ranges,
 from ops.attention.tile_math import RegisterLayout, rem
 from pallas_core import gpu as plgpu
 from pallas_core.gpu.kernel_context import interpreting
+
+# Registers per thread of the TMA producer warpgroup after setmaxregister (it only
+# issues copies; the compute warpgroups get the rest).
+PRODUCER_REGISTERS = 40
 
 # The column of a range-table row where a block's walk and warpgroup w's full range sit.
 LO, HI = 0, 1
@@ -256,5 +262,30 @@ class Walk:
         return lax.fori_loop(full_hi, self.hi, lambda j, c: step(j, c, True), carry)
 
 
+def stream_keys(table_gmem, b, prog, n, kh, k_ring: Ring, v_ring: Ring, k_gmem, v_gmem,
+                kseg_gmem, accesses, block_kv: int, block_rows: int):
+    """The producer warpgroup of a kernel that walks key/value blocks for its query rows
+    (the forward and dQ kernels): registers lowered to :data:`PRODUCER_REGISTERS`, then
+    for each step ``t`` of the thread block's walk (``prog``'s row of
+    :func:`range_table`) the key tile (with its segment ids and the bias / mask
+    operands' step tiles) into ``k_ring`` and the value tile into ``v_ring``.
+    ``k_gmem`` / ``v_gmem`` ``[B, S, K, H]`` are read at batch ``b`` and key/value head
+    ``kh``, ``kseg_gmem`` ``[B, S]`` at ``b`` (None without segment ids); ``accesses``:
+    the :class:`~ops.attention.mosaic_gpu_pairs.Access` of each bias / mask operand,
+    read for query head ``n`` from the block's first query row (``block_rows`` rows a
+    thread block)."""
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    walk = Walk.read(table_gmem, b, prog)
+
+    @pl.loop(walk.lo, walk.hi)
+    def _(j):
+        t, keys = j - walk.lo, pl.ds(j * block_kv, block_kv)
+        k_ring.produce(t, (k_gmem.at[b, keys, kh],
+                           None if kseg_gmem is None else kseg_gmem.at[b, keys],
+                           *(a.step_source(b, n, prog * block_rows, j) for a in accesses)))
+        v_ring.produce(t, (v_gmem.at[b, keys, kh],))
+
+
 __all__ = ["Ring", "Schedule", "WGMMA", "WGMMALayout", "Walk", "acc_set", "col_layout",
-           "range_table", "row_layout", "rows_vector", "smem", "swizzle_transforms", "zeros_tile"]
+           "range_table", "row_layout", "rows_vector", "smem", "stream_keys", "swizzle_transforms",
+           "zeros_tile"]

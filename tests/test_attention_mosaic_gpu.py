@@ -23,7 +23,9 @@ import ops
 from ops import _op
 from ops.attention import mosaic_gpu, mosaic_gpu_backward, mosaic_gpu_forward
 from ops.attention.masking import MaskSpec, fold_lengths, visible
-from ops.attention.mosaic_gpu_config import SMEM_BYTES, MosaicGPUConfig, fits, smem_bytes
+from ops.attention.mosaic_gpu_config import (COMPUTE_REGISTERS, SMEM_BYTES, MosaicGPUConfig,
+                                             backward_registers, fits, resolve_backward,
+                                             smem_bytes)
 from pallas_core import gpu as plgpu
 from pallas_core.gpu import target
 from tests.tolerances import BACKWARD, FORWARD, assert_close, for_dtype
@@ -189,12 +191,15 @@ def test_causal_gqa_soft_cap_sinks_bias_bfloat16():
 def test_window_segments_lengths_mla_dims_key_mask_float16():
     # T != S, neither a multiple of the tiles; head dims 48 / 32 (a value head dim of its
     # own, as MLA's 192 / 128), a two-sided window, segment ids with key lengths folded in,
-    # a mask over keys per batch entry.
+    # a mask over keys per batch entry; the backward's serial steps (each waits for its
+    # accumulating products before the next issues), 128 key rows a dQ step.
     b, t, s = 1, 100, 88
     _check(1, (b, t, s, 2, 1, 48, 32), jnp.float16, local_window_size=(24, 12),
            mask=(b, 1, 1, s), query_segment_ids=_segments(3, b, t),
            key_value_segment_ids=_segments(3, b, s),
-           key_value_seq_lengths=jnp.array([80], jnp.int32))
+           key_value_seq_lengths=jnp.array([80], jnp.int32),
+           block_sizes=MosaicGPUConfig(64, 128, 4, block_q_dkv=64, intra_wg_stages_dq=1,
+                                       intra_wg_stages_dkdv=1))
 
 
 def test_full_attention_one_compute_warpgroup_soft_cap_forward():
@@ -267,9 +272,9 @@ def test_lowered_modules_have_wgmma_tma_barriers_and_register_reallocation():
     # and 8 for p v, in each of the three loops (masked, unmasked, masked), and the
     # pipeline's prologue (the first q k^T) and epilogue (the last p v).
     assert fwd.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8 + 3 * 16 + 8
-    # dQ (64 key rows a step): q k^T and dO v^T 8 each (m64n64k16), ds k 4 (m64n128k16);
-    # dK/dV (64 query rows a step): k q^T and v dO^T 8 each, p^T dO and ds^T q 4 each.
-    assert dq.count("wgmma.mma_async") == 3 * 20
+    # dQ (128 key rows a step): q k^T, dO v^T and ds k 8 m64n128k16 each; dK/dV (64 query
+    # rows a step): k q^T and v dO^T 8 each (m64n64k16), p^T dO and ds^T q 4 each.
+    assert dq.count("wgmma.mma_async.sync.aligned.m64n128k16") == 3 * 24
     assert dkdv.count("wgmma.mma_async") == 3 * 24
     for module in (fwd, dq, dkdv):
         assert module.count("nvvm.setmaxregister") == 2  # 232 up (compute), 40 down (TMA)
@@ -302,25 +307,62 @@ def _wgmma_schedule(module: str) -> str:
     return " ".join(events)
 
 
-@pytest.mark.parametrize("h, stages", [(128, 2), (64, 2), (128, 1)])
-def test_forward_issues_the_next_products_before_this_tiles_softmax(h, stages):
+def _compute_loop_waits(module: str) -> list[int]:
+    """``mbarrier`` waits in each ``scf.for`` body up to its first ``scf.yield`` that
+    holds a ``wgmma`` (a compute warpgroup's loop carries its accumulators; the last
+    three are its masked, unmasked and masked loops)."""
+    counts = []
+    for body in module.split("scf.for")[1:]:
+        if "wgmma.mma_async" in body:
+            counts.append(body.split("scf.yield")[0].count("mbarrier.try_wait"))
+    return counts
+
+
+@pytest.mark.parametrize("h, config, orders", [
+    (128, MosaicGPUConfig(64, 128, 2, intra_wg_stages=2), (2, 1, 1)),
+    (64, MosaicGPUConfig(64, 128, 2, intra_wg_stages=2), (2, 2, 1)),
+    (64, MosaicGPUConfig(64, 128, 2, block_q_dkv=64), (2, 2, 2)),
+    (128, MosaicGPUConfig(64, 128, 2, intra_wg_stages=1, bwd_turns=1, intra_wg_stages_dq=1),
+     (1, 1, 1)),
+], ids=["d128", "d64", "d64-dkdv64", "d128-serial-no-turns"])
+def test_kernels_issue_the_next_products_before_this_steps_elementwise_work(h, config, orders):
     """FlashAttention-3's two-stage pipeline inside a warpgroup (section 3.2), read off the
-    lowered forward: in every loop step ``q k^T`` of tile j and ``p v`` of tile j-1 are
+    lowered kernels of a training step (``orders``: the forward's, dQ's and dK/dV's
+    stages). Forward: in every loop step ``q k^T`` of tile j and ``p v`` of tile j-1 are
     issued, the wait leaves one group (``p v``) in flight, tile j's exp2s run, and only
-    then the last wait; the first tile's ``q k^T`` and the last ``p v`` stand alone. With
-    ``intra_wg_stages=1`` each step runs ``q k^T``, its exp2s and ``p v`` in turn."""
+    then the last wait; the first tile's ``q k^T`` and the last ``p v`` stand alone; with
+    ``intra_wg_stages=1`` each step runs ``q k^T``, its exp2s and ``p v`` in turn. The
+    backward kernels alike: 2 issues step t's ``s``, ``dp`` and step t-1's accumulating
+    products, waits with those left (1 group in dQ, 2 in dK/dV), runs step t's exp2s;
+    1 waits for ``s``, ``dp``, runs the exp2s, then issues and waits for the
+    accumulating products. The defaults (``resolve_backward``): at head dim 128 both
+    serial (128-row dQ steps, 64-row dK/dV steps), at 64 dQ pipelined (128-row steps)
+    and dK/dV serial with 128-row steps or pipelined with 64. With two warpgroups taking
+    turns, each step of a compute loop waits twice more (its turn, the meeting after
+    issuing) than without."""
     q = jax.ShapeDtypeStruct((1, 512, 2, h), jnp.bfloat16)
-    config = MosaicGPUConfig(64, 128, 2, intra_wg_stages=stages)
-    (fwd,) = plgpu.mosaic_modules(lambda q, k, v: ops.dot_product_attention(
-        q, k, v, is_causal=True, implementation="mosaic_gpu", block_sizes=config), q, q, q)
-    # The producer's loop, then the compute warpgroup's three (masked, unmasked, masked).
-    if stages == 2:
-        step = "loop qk pv wait1 exp2 wait0"
-        want = f"loop qk wait0 exp2 {step} {step} {step} pv wait0"
-    else:
-        step = "loop qk wait0 exp2 pv wait0"
-        want = f"loop {step} {step} {step}"
-    assert _wgmma_schedule(fwd) == want
+
+    def train(q, k, v):
+        out, pullback = jax.vjp(lambda q, k, v: ops.dot_product_attention(
+            q, k, v, is_causal=True, implementation="mosaic_gpu", block_sizes=config), q, k, v)
+        return pullback(out)
+
+    modules = plgpu.mosaic_modules(train, q, q, q)
+    for name, module, stages in zip(("fwd", "dq", "dkdv"), modules, orders):
+        # The loops before the compute warpgroups' three (masked, unmasked, masked): the
+        # producer's, and in dK/dV the loops over the group's query heads.
+        before = "loop loop loop" if name == "dkdv" else "loop"
+        if stages == 2:
+            step = f"loop qk pv wait{2 if name == 'dkdv' else 1} exp2 wait0"
+            want = f"{before} qk wait0 exp2 {step} {step} {step} pv wait0"
+        else:
+            step = "loop qk wait0 exp2 pv wait0"
+            want = f"{before} {step} {step} {step}"
+        assert _wgmma_schedule(module) == want, name
+    # dQ's steps wait for the key and value stages, and with turns for its turn and at
+    # the meeting after issuing.
+    waits = _compute_loop_waits(modules[1])[-3:]
+    assert waits == [2 + 2 * (config.bwd_turns != 1)] * 3, waits
 
 
 @pytest.mark.parametrize("h, hv", [(64, 64), (128, 128), (256, 256), (192, 128)])
@@ -410,7 +452,9 @@ def test_empty_operands_give_the_reference():
 
 def test_config_is_checked_and_the_tuner_gets_candidates():
     for bad in (dict(block_q=32), dict(block_kv=320), dict(max_concurrent_steps=1),
-                dict(compute_wgs=3), dict(block_q_dkv=48), dict(intra_wg_stages=3)):
+                dict(compute_wgs=3), dict(block_q_dkv=48), dict(intra_wg_stages=3),
+                dict(max_concurrent_steps_bwd=1), dict(bwd_turns=3), dict(intra_wg_stages_dq=0),
+                dict(intra_wg_stages_dkdv=True), dict(compute_wgs=1, bwd_turns=2)):
         with pytest.raises(ValueError, match="MosaicGPUConfig"):
             MosaicGPUConfig(**bad)
     op = ops._op.get("dot_product_attention")
@@ -425,6 +469,37 @@ def test_config_is_checked_and_the_tuner_gets_candidates():
     problem = op.problem((8192, 8192, 128), "bfloat16")
     assert MosaicGPUConfig.heuristic(problem, device) == MosaicGPUConfig(64, 128, 2)
     assert mosaic_gpu_backward.dkdv_accumulator_registers(MosaicGPUConfig(), 128, 128) == 128
+
+
+@pytest.mark.parametrize("h, hv, kw, want", [
+    # dQ 128-row steps, serial: 64 + 128 + 32 = 224 registers (2 stages of them fill the
+    # shared memory); dK/dV 64-row steps, serial: 128 + 64 + 32 = 224 with the statistics
+    # folded (pipelined 256, 128-row steps 288).
+    (128, 128, {}, (2, 128, 1, 64, 1)),
+    # dQ pipelined: 32 + 128 + 32 + 32; dK/dV 128-row steps serial: 64 + 128 + 32.
+    (64, 64, {}, (4, 128, 2, 128, 1)),
+    # dK/dV: + 2 x 16 columns of statistics, 64-row steps pipelined: 64 + 64 + 32 + 32 + 32.
+    (64, 64, dict(soft_cap=True, dropout=True), (4, 128, 2, 64, 2)),
+    # The logsumexp's 16 columns: nothing holds the dK/dV kernel within 232; the fewest.
+    (128, 128, dict(soft_cap=True), (2, 128, 1, 64, 1)),
+    (192, 128, {}, (3, 64, 2, 64, 1)),  # MLA: dK/dV's accumulators alone take 160
+])
+def test_backward_is_resolved_within_registers_and_shared_memory(h, hv, kw, want):
+    tiles = resolve_backward(MosaicGPUConfig(64, 128, 2), h, hv, 2, **kw)
+    assert (tiles.max_concurrent_steps_bwd, tiles.dq_kv, tiles.intra_wg_stages_dq,
+            tiles.dkdv_q, tiles.intra_wg_stages_dkdv) == want
+    assert tiles.bwd_turns == 2
+    assert fits(tiles, h, hv, 2, False, ("dq", "dkdv"))
+    folds = dict(lse_folded="soft_cap" not in kw, delta_folded="dropout" not in kw)
+    for kernel in ("dq", "dkdv"):
+        stages = getattr(tiles, f"intra_wg_stages_{kernel}")
+        used = backward_registers(tiles, kernel, h, hv, stages=stages, **folds)
+        assert used <= COMPUTE_REGISTERS or (kernel, h, kw) in (
+            ("dkdv", 128, dict(soft_cap=True)), ("dkdv", 192, {})), (kernel, used)
+    # Fields given are kept; a 128-row dQ step at head dim 128 holds 224 (serial only).
+    kept = resolve_backward(MosaicGPUConfig(64, 128, 2, block_kv_dq=128, bwd_turns=1), 128, 128, 2)
+    assert (kept.bwd_turns, kept.intra_wg_stages_dq) == (1, 1)
+    assert backward_registers(kept, "dq", 128, 128) == 224
 
 
 # --- slow: the sweeps ----------------------------------------------------------------------------
@@ -470,6 +545,38 @@ def test_segment_ids_causal_and_deterministic_gradients():
     q, k, v, do = _inputs(12, b, t, t, 2, 2, 64)
     first = _mosaic(q, k, v, do, **kw)[2]
     again = _mosaic(q, k, v, do, **kw)[2]
+    for x, y in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, kw", [
+    # Round 2's backward: no turns, every step waits for its accumulating products.
+    (MosaicGPUConfig(64, 64, 2, bwd_turns=1, intra_wg_stages_dq=1, intra_wg_stages_dkdv=1), {}),
+    # Pipelined without turns, a 3-stage ring; a soft cap (the logsumexp not folded).
+    (MosaicGPUConfig(64, 64, 2, bwd_turns=1, max_concurrent_steps_bwd=3, intra_wg_stages_dq=2,
+                     intra_wg_stages_dkdv=2), dict(logits_soft_cap=4.0)),
+    # Turns and pipelines on a 2-stage ring (the producer waits for the accumulating
+    # products), 64-row steps, a bias tile (with its gradient).
+    (MosaicGPUConfig(64, 64, 2, max_concurrent_steps_bwd=2, block_kv_dq=64, block_q_dkv=64,
+                     intra_wg_stages_dq=2, intra_wg_stages_dkdv=2), dict(bias=(1, 4, 130, 100))),
+    # Serial steps with turns, 128-row dK/dV query steps, a soft cap.
+    (MosaicGPUConfig(64, 64, 3, block_q_dkv=128, intra_wg_stages_dq=1, intra_wg_stages_dkdv=1),
+     dict(logits_soft_cap=4.0)),
+    # One compute warpgroup (no turns), pipelined.
+    (MosaicGPUConfig(64, 64, 2, compute_wgs=1, intra_wg_stages_dq=2, intra_wg_stages_dkdv=2), {}),
+], ids=["serial-no-turns", "pipelined-no-turns-cap", "pipelined-turns-2stages-bias",
+        "serial-turns-dkdv128-cap", "one-warpgroup"])
+def test_backward_schedules_deterministic(config, kw):
+    """Each backward schedule against the float64 reference (causal GQA, lengths that do
+    not divide the tiles), and its gradients bit for bit the same on a second run."""
+    _check(16, (2, 130, 100, 4, 2, 64), jnp.bfloat16, block_sizes=config, is_causal=True, **kw)
+    q, k, v, do = _inputs(16, 2, 130, 100, 4, 2, 64)
+    kw = dict(kw)
+    bias = kw.pop("bias", None)
+    bias = None if bias is None else jax.random.normal(jax.random.key(17), bias, jnp.float32)
+    first = _mosaic(q, k, v, do, bias=bias, block_sizes=config, is_causal=True, **kw)[2]
+    again = _mosaic(q, k, v, do, bias=bias, block_sizes=config, is_causal=True, **kw)[2]
     for x, y in zip(first, again):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

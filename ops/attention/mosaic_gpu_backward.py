@@ -46,8 +46,10 @@ the GPU interpret mode cannot run (no semaphores): an opt-in at most.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,22 +58,33 @@ from jax import lax
 import pallas_core as pl
 from ops.attention.config import Config
 from ops.attention.masking import KEY_PAD, QUERY_PAD
-from ops.attention.mosaic_gpu_config import MosaicGPUConfig
-from ops.attention.mosaic_gpu_config import COMPUTE_REGISTERS
+from ops.attention.mosaic_gpu_config import COMPUTE_REGISTERS, MosaicGPUConfig, resolve_backward
 from ops.attention.mosaic_gpu_forward import pad_rows
 from ops.attention.mosaic_gpu_forward import pair_operands
 from ops.attention.mosaic_gpu_pairs import Access, combined
 from ops.attention.mosaic_gpu_pairs import scratch as pair_scratch
-from ops.attention.mosaic_gpu_tiles import (PRODUCER_REGISTERS, WGMMA, Ring, Walk, col_layout,
-                                            range_table, row_layout, smem, stream_keys,
-                                            swizzle_transforms, zeros_tile)
+from ops.attention.mosaic_gpu_tiles import (PRODUCER_REGISTERS, WGMMA, Ring, Schedule, Walk,
+                                            acc_set, col_layout, range_table, row_layout, smem,
+                                            stream_keys, swizzle_transforms, zeros_tile)
 from ops.attention.tile_math import Tile, backward_tile
+from ops.reduction._rows import logsumexp_shift
 from pallas_core import gpu as plgpu
 
 
 def dkdv_accumulator_registers(tiles: MosaicGPUConfig, head_dim: int, v_dim: int) -> int:
     """float32 registers per thread of the dK/dV kernel's two accumulators."""
     return tiles.dkdv_kv * (head_dim + v_dim) // 128
+
+
+def tiles_for(cfg: Config, tiles: MosaicGPUConfig, itemsize: int, want_dbias: bool = False,
+              pairs=()) -> MosaicGPUConfig:
+    """The backward's fields of ``tiles`` resolved for the call ``cfg``
+    (:func:`~ops.attention.mosaic_gpu_config.resolve_backward`)."""
+    problem = cfg.problem
+    return resolve_backward(tiles, problem.head_dim, problem.v_dim, itemsize,
+                            problem.spec.segments, pairs, want_dbias,
+                            soft_cap=cfg.score.softcap is not None,
+                            dropout=cfg.score.dropout_rate > 0)
 
 
 def backward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, out, lse, do,
@@ -84,6 +97,8 @@ def backward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, out, l
     writes tile by tile (zeros where no pair is visible)."""
     spec = cfg.problem.spec
     T = q.shape[1]
+    pairs_dq = pair_operands(bias, mask, transposed=False)
+    tiles = tiles_for(cfg, tiles, q.dtype.itemsize, want_dbias, tuple(p for p, _ in pairs_dq))
     cw = tiles.compute_wgs
     # Per-query statistics [B, N, L], L covering whole tiles of both kernels.
     multiple = math.lcm(cw * tiles.block_q, tiles.dkdv_q)
@@ -99,13 +114,138 @@ def backward(cfg: Config, tiles: MosaicGPUConfig, q, k, v, q_seg, kv_seg, out, l
         q_ids = kv_ids = None
     seeds = None if cfg.score.dropout_rate == 0 else jnp.reshape(seed, (1,)).astype(jnp.int32)
     dq, dbias = _dq(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids,
-                    seeds, pair_operands(bias, mask, transposed=False), want_dbias)
+                    seeds, pairs_dq, want_dbias)
     dk, dv = _dkdv(cfg, tiles, q_p, k_p, v_p, do_p, lse, delta, q_seg, kv_seg, q_ids, kv_ids,
                    seeds, pair_operands(bias, mask, transposed=True))
     S = k.shape[1]
     if want_dbias:
         return dq[:, :T], dk[:, :S], dv[:, :S], dbias[:, :, :T, :S]
     return dq[:, :T], dk[:, :S], dv[:, :S]
+
+
+# --------------------------------------------------------------------------
+# The walk of a compute warpgroup, shared by both kernels
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one kernel does in a walked step ``t`` (its ring slots ``t % stages``), in
+    the order :func:`walk` issues it.
+
+    Attributes:
+      products: ``products(t, s_ref, dp_ref)`` issues ``s`` and ``dp`` (two ``wgmma``
+        commit groups) into the two float32 accumulators, after waiting for the
+        step's operands to land.
+      grads: ``grads(position, t, s, dp, masked)`` the elementwise work on the
+        products (released operands it no longer needs): the tuple of 16-bit left
+        operands of the accumulating products.
+      accumulate: ``accumulate(t, acc_refs, operands)`` issues the accumulating
+        products (one ``wgmma`` commit group per accumulator).
+      done: ``done(t)`` releases the step's ring slots once those have run.
+      tile: ``[rows, walked]`` of ``s`` and ``dp``.
+    """
+
+    products: Callable
+    grads: Callable
+    accumulate: Callable
+    done: Callable
+    tile: tuple[int, int]
+
+
+def walk(loops: Callable, count, first, step: Step, accs: tuple, sched: Schedule,
+         stages: int) -> tuple:
+    """A compute warpgroup's walk of the backward: ``loops(body, carry, skip_first)``
+    runs ``carry = body(position, t, carry, masked)`` over the ``count`` walked steps
+    (``t`` from 0; the first, at ``first``, left out with ``skip_first``); returns
+    the float32 accumulators ``accs`` after every step.
+
+    ``stages=1``: step t issues its ``s`` and ``dp``, waits, runs its elementwise
+    work, then (in its turn) its accumulating products, and waits for them before
+    step t+1 issues (the fewest registers: nothing of step t is alive in step
+    t+1's). ``stages=2`` (FlashAttention-3's pipeline inside a warpgroup, section
+    3.2): step t issues its ``s`` and ``dp`` and step t-1's accumulating products
+    together, waits for the first two only (``wgmma.wait_group`` with the
+    accumulating groups left), runs its elementwise work while those run, then
+    waits for them; the first step's products and the last step's accumulation
+    stand alone. With ``sched`` (two compute warpgroups taking turns) each
+    warpgroup issues in its turn and meets the other after issuing and after its
+    elementwise work, so one's elementwise work runs while the other's products do
+    (section 3.1, as the forward).
+    """
+    rows, walked = step.tile
+    acc_shapes = tuple(a.shape for a in accs)
+    sched.stagger()
+    if stages == 1:
+        def body(position, t, accs, masked):
+            def issue(s_ref, dp_ref):
+                step.products(t, s_ref, dp_ref)
+                sched.meet()  # the other warpgroup's elementwise work runs while these do
+                return s_ref[...], dp_ref[...]
+
+            s, dp = pl.run_scoped(issue, plgpu.ACC((rows, walked), jnp.float32),
+                                  plgpu.ACC((rows, walked), jnp.float32))
+            operands = lax.optimization_barrier(step.grads(position, t, s, dp, masked))
+            sched.arrive()
+            sched.wait()
+            accs = pl.run_state(lambda refs: step.accumulate(t, refs, operands))(
+                tuple(plgpu.ACC.init(a) for a in accs))
+            step.done(t)
+            return accs
+
+        accs = loops(body, accs, False)
+    else:
+        def pipelined(accs):
+            def first_products(s_ref, dp_ref):
+                step.products(0, s_ref, dp_ref)
+                sched.meet()
+                s, dp = (plgpu.wgmma_accumulator_load(r, wait_n=0) for r in (s_ref, dp_ref))
+                return step.grads(first, 0, s, dp, True)
+
+            operands = pl.run_scoped(first_products, plgpu.ACC((rows, walked), jnp.float32),
+                                     plgpu.ACC((rows, walked), jnp.float32))
+            operands = lax.optimization_barrier(operands)
+            sched.arrive()
+
+            def body(position, t, carry, masked):
+                accs, previous = carry
+                sched.wait()
+
+                def issue(s_ref, dp_ref, *acc_refs):
+                    for ref, value in zip(acc_refs, accs):
+                        acc_set(ref, value)
+                    step.products(t, s_ref, dp_ref)
+                    step.accumulate(t - 1, acc_refs, previous)
+                    sched.meet()
+                    # s and dp done, the accumulating products running: the barrier keeps
+                    # the elementwise work after the wait.
+                    s, dp = lax.optimization_barrier(tuple(
+                        plgpu.wgmma_accumulator_load(r, wait_n=len(acc_refs))
+                        for r in (s_ref, dp_ref)))
+                    operands = step.grads(position, t, s, dp, masked)
+                    accs_new = lax.optimization_barrier(tuple(
+                        plgpu.wgmma_accumulator_load(r, wait_n=0) for r in acc_refs))
+                    return accs_new, operands
+
+                accs, operands = pl.run_scoped(
+                    issue, plgpu.ACC((rows, walked), jnp.float32),
+                    plgpu.ACC((rows, walked), jnp.float32),
+                    *(plgpu.ACC(shape, jnp.float32) for shape in acc_shapes))
+                step.done(t - 1)
+                accs, operands = lax.optimization_barrier((accs, operands))
+                sched.arrive()
+                return accs, operands
+
+            accs, operands = loops(body, (accs, operands), True)
+            last = count - 1
+            sched.wait()  # the last step's accumulation, in its turn
+            accs = pl.run_state(lambda refs: step.accumulate(last, refs, operands))(
+                tuple(plgpu.ACC.init(a) for a in accs))
+            step.done(last)
+            return accs
+
+        accs = lax.cond(count > 0, pipelined, lambda a: a, accs)
+    sched.unstagger()
+    return accs
 
 
 def _compiler_params():
@@ -134,7 +274,7 @@ def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds
     problem, spec = cfg.problem, cfg.problem.spec
     B, _, N, H = q.shape
     Hv = problem.v_dim
-    bq, bk, cw, st = tiles.block_q, tiles.dq_kv, tiles.compute_wgs, tiles.max_concurrent_steps
+    bq, bk, cw, st = tiles.block_q, tiles.dq_kv, tiles.compute_wgs, tiles.max_concurrent_steps_bwd
     nprog = pl.cdiv(spec.T, cw * bq)
     table = range_table(spec, B, bq, bk, cw, q_seg, kv_seg)
     operands = [q, k, v, do, lse, delta, table]
@@ -159,6 +299,7 @@ def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds
         v_full=plgpu.Barrier(num_barriers=st),
         k_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
         v_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
+        schedule=plgpu.Barrier(num_arrivals=2) if tiles.bwd_turns == 2 else None,
         pairs_smem=tuple(pair_scratch(pair, array, bq, bk, cw, st, False) for pair, array in pairs),
         dbias_smem=dbias_smem)
     if segments:
@@ -176,7 +317,7 @@ def _dq(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, seeds
 
 def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, q_smem, do_smem,
              lse_smem, delta_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-             pairs_smem, dbias_smem, qseg_smem=None, kseg_smem=None):
+             schedule, pairs_smem, dbias_smem, qseg_smem=None, kseg_smem=None):
     problem, spec, score = cfg.problem, cfg.problem.spec, cfg.score
     q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, table_gmem, *rest = refs
     qseg_gmem, kseg_gmem = (rest.pop(0), rest.pop(0)) if spec.segments else (None, None)
@@ -191,8 +332,8 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, q_smem, d
     n, b, prog = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("q")
     kh = lax.div(n, jnp.int32(problem.group))
     k_ring = Ring((k_smem, kseg_smem, *(a.smem for a in accesses)), k_full, k_empty,
-                  tiles.max_concurrent_steps)
-    v_ring = Ring((v_smem,), v_full, v_empty, tiles.max_concurrent_steps)
+                  tiles.max_concurrent_steps_bwd)
+    v_ring = Ring((v_smem,), v_full, v_empty, tiles.max_concurrent_steps_bwd)
 
     @pl.when(wg == cw)
     def _producer():
@@ -212,7 +353,7 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, q_smem, d
         plgpu.copy_gmem_to_smem(delta_gmem.at[b, n, rows], delta_smem.at[wg], bar)
         if qseg_gmem is not None:
             plgpu.copy_gmem_to_smem(qseg_gmem.at[b, rows], qseg_smem.at[wg], bar)
-        walk = Walk.read(table_gmem, b, prog, wg)
+        walked = Walk.read(table_gmem, b, prog, wg)
         dq0 = zeros_tile((bq, problem.head_dim))
         plgpu.barrier_wait(bar)
         lse = plgpu.load(lse_smem.at[wg], (), layout=row_layout())
@@ -222,19 +363,15 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, q_smem, d
         seed = None if seed_gmem is None else seed_gmem[0]
         head = b * problem.heads + n
 
-        def step(j, dq, masked):
-            t = j - walk.lo
+        def products(t, s_ref, dp_ref):  # both issued, then waited for together
             slot = k_ring.slot(t)
             k_ring.wait_full(t)
             v_ring.wait_full(t)
+            plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            plgpu.wgmma(dp_ref, do_tile, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
 
-            def products(s_ref, dp_ref):  # both issued, then one wait
-                plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                plgpu.wgmma(dp_ref, do_tile, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
-                return s_ref[...], dp_ref[...]
-
-            s, dp = pl.run_scoped(products, plgpu.ACC((bq, bk), jnp.float32),
-                                  plgpu.ACC((bq, bk), jnp.float32))
+        def grads(j, t, s, dp, masked):
+            slot = k_ring.slot(t)
             v_ring.release(t)
             q_seg = k_seg = None
             if masked and q_ids is not None:
@@ -245,20 +382,23 @@ def _dq_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, q_smem, d
                         layout=WGMMA)
             _, dscores, dbias = backward_tile(score, spec, tile, None, None, lse, delta, seed, bq,
                                               bk, masked, products=s, dp=dp)
-            ds16 = dscores.astype(dtype)
-
-            def dsk(acc_ref):
-                plgpu.wgmma(acc_ref, ds16, k_smem.at[slot])
-
-            dq = pl.run_state(dsk)(plgpu.ACC.init(dq))
-            k_ring.release(t)
             if dbias_gmem is not None:
                 _store_dbias(dbias, dbias_smem.at[wg], dbias_gmem.at[b, n, rows, pl.ds(j * bk, bk)])
-            return dq
+            return (dscores.astype(dtype),)
 
-        dq = walk.loops(step, dq0)
+        def accumulate(t, acc_refs, operands):
+            (dq_ref,), (ds16,) = acc_refs, operands
+            plgpu.wgmma(dq_ref, ds16, k_smem.at[k_ring.slot(t)])
+
+        def loops(body, carry, skip_first):
+            return walked.loops(lambda j, c, masked: body(j, j - walked.lo, c, masked), carry,
+                                start=walked.lo + 1 if skip_first else None)
+
+        (dq,) = walk(loops, walked.hi - walked.lo, walked.lo,
+                     Step(products, grads, accumulate, k_ring.release, (bq, bk)), (dq0,),
+                     Schedule(schedule, wg), tiles.intra_wg_stages_dq)
         if dbias_gmem is not None:  # the blocks no pair of which is visible: zeros
-            _zero_dbias_outside(walk, dbias_smem.at[wg], dbias_gmem.at[b, n, rows], bq, bk)
+            _zero_dbias_outside(walked, dbias_smem.at[wg], dbias_gmem.at[b, n, rows], bq, bk)
         q_tile[...] = (dq * score.scale).astype(dtype)  # the query tile's last reader is done
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_gmem.at[b, rows, n])
@@ -297,7 +437,8 @@ def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, see
     problem, spec = cfg.problem, cfg.problem.spec
     B, _, K, H = k.shape
     Hv = problem.v_dim
-    bq, bk, cw, st = tiles.dkdv_q, tiles.dkdv_kv, tiles.compute_wgs, tiles.max_concurrent_steps
+    bq, bk, cw = tiles.dkdv_q, tiles.dkdv_kv, tiles.compute_wgs
+    st = tiles.max_concurrent_steps_bwd
     nprog = pl.cdiv(spec.S, cw * bk)
     table = range_table(spec, B, bk, bq, cw, q_seg, kv_seg, transpose=True)
     operands = [q, k, v, do, lse, delta, table]
@@ -317,6 +458,7 @@ def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, see
         do_full=plgpu.Barrier(num_arrivals=2, num_barriers=st),
         q_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
         do_empty=plgpu.Barrier(num_arrivals=cw, num_barriers=st),
+        schedule=plgpu.Barrier(num_arrivals=2) if tiles.bwd_turns == 2 else None,
         pairs_smem=tuple(pair_scratch(pair, array, bk, bq, cw, st, True) for pair, array in pairs))
     if segments:
         scratch["kseg_smem"] = plgpu.SMEM((cw, bk), jnp.int32)
@@ -332,7 +474,7 @@ def _dkdv(cfg, tiles, q, k, v, do, lse, delta, q_seg, kv_seg, q_ids, kv_ids, see
 
 def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, k_smem, v_smem, q_smem,
                do_smem, lse_smem, delta_smem, kv_bar, q_full, do_full, q_empty, do_empty,
-               pairs_smem, kseg_smem=None, qseg_smem=None):
+               schedule, pairs_smem, kseg_smem=None, qseg_smem=None):
     problem, spec, score = cfg.problem, cfg.problem.spec, cfg.score
     q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, table_gmem, *rest = refs
     qseg_gmem, kseg_gmem = (rest.pop(0), rest.pop(0)) if spec.segments else (None, None)
@@ -346,24 +488,26 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, k_smem,
     wg = lax.axis_index("wg")
     kh, b, prog = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("kv")
     q_ring = Ring((q_smem, lse_smem, qseg_smem, *(a.smem for a in accesses)), q_full, q_empty,
-                  tiles.max_concurrent_steps)
-    do_ring = Ring((do_smem, delta_smem), do_full, do_empty, tiles.max_concurrent_steps)
+                  tiles.max_concurrent_steps_bwd)
+    do_ring = Ring((do_smem, delta_smem), do_full, do_empty, tiles.max_concurrent_steps_bwd)
 
-    def walk_group(walk: Walk, step, carry):
+    def walk_group(walk: Walk, step, carry, skip_first: bool = False):
         """``step(g, i, t, carry, masked)`` for every query head ``kh * G + g`` of the group
-        and query block ``i`` of ``[lo, hi)``; ``t`` counts the steps."""
+        and query block ``i`` of ``[lo, hi)``; ``t`` counts the steps (``skip_first``:
+        from the second)."""
         count = walk.hi - walk.lo
 
         def head(g, carry):
+            start = walk.lo + (g == 0).astype(jnp.int32) if skip_first else None
             return walk.loops(lambda i, c, masked: step(g, i, g * count + i - walk.lo, c, masked),
-                              carry)
+                              carry, start=start)
 
         return lax.fori_loop(0, G, head, carry)
 
     @pl.when(wg == cw)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        walk = Walk.read(table_gmem, b, prog)
+        walked = Walk.read(table_gmem, b, prog)
 
         def produce(g, i, t, carry, masked):
             n, rows = kh * G + g, pl.ds(i * bq, bq)
@@ -373,7 +517,7 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, k_smem,
             do_ring.produce(t, (do_gmem.at[b, rows, n], delta_gmem.at[b, n, rows]))
             return carry
 
-        walk_group(Walk(walk.lo, walk.hi, walk.lo, walk.lo), produce, 0)
+        walk_group(Walk(walked.lo, walked.hi, walked.lo, walked.lo), produce, 0)
 
     @pl.when(wg < cw)
     def _compute():
@@ -386,51 +530,67 @@ def _dkdv_body(*refs, cfg: Config, tiles: MosaicGPUConfig, pairs: tuple, k_smem,
         plgpu.copy_gmem_to_smem(v_gmem.at[b, keys, kh], v_tile, bar)
         if kseg_gmem is not None:
             plgpu.copy_gmem_to_smem(kseg_gmem.at[b, keys], kseg_smem.at[wg], bar)
-        walk = Walk.read(table_gmem, b, prog, wg)
-        carry0 = (zeros_tile((bk, problem.head_dim)), zeros_tile((bk, problem.v_dim)))
+        walked = Walk.read(table_gmem, b, prog, wg)
+        accs0 = (zeros_tile((bk, problem.v_dim)), zeros_tile((bk, problem.head_dim)))
         plgpu.barrier_wait(bar)
         k_ids = None if kseg_smem is None else plgpu.load(kseg_smem.at[wg], (),
                                                            layout=row_layout())
         seed = None if seed_gmem is None else seed_gmem[0]
+        # The per-query statistics go into the products' accumulators before the
+        # products are added (s^T - lse / scale, dp^T - delta), so a thread holds
+        # no [bq / 4] columns of them through the elementwise work; not with a soft cap
+        # (its tanh takes the raw products) or dropout (it scales dO v^T alone).
+        lse_folded, delta_folded = score.softcap is None, score.dropout_rate == 0
 
-        def step(g, i, t, carry, masked):
-            dk, dv = carry
+        def columns(ref, slot):
+            return plgpu.load(ref.at[slot], (), layout=col_layout())
+
+        def products(t, s_ref, dp_ref):  # s^T and dp^T, both issued, then one wait
             slot = q_ring.slot(t)
             q_ring.wait_full(t)
             do_ring.wait_full(t)
+            if lse_folded:
+                shift = logsumexp_shift(columns(lse_smem, slot)) * (-1.0 / score.scale)
+                acc_set(s_ref, lax.broadcast_in_dim(shift, (bk, bq), [1]))
+            if delta_folded:
+                acc_set(dp_ref, lax.broadcast_in_dim(-columns(delta_smem, slot), (bk, bq), [1]))
+            plgpu.wgmma(s_ref, k_tile, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+            plgpu.wgmma(dp_ref, v_tile, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
 
-            def products(s_ref, dp_ref):  # s^T and dp^T, both issued, then one wait
-                plgpu.wgmma(s_ref, k_tile, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-                plgpu.wgmma(dp_ref, v_tile, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-                return s_ref[...], dp_ref[...]
-
-            s, dp = pl.run_scoped(products, plgpu.ACC((bk, bq), jnp.float32),
-                                  plgpu.ACC((bk, bq), jnp.float32))
-            lse = plgpu.load(lse_smem.at[slot], (), layout=col_layout())
-            delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout())
+        def grads(position, t, s, dp, masked):
+            g, i = position
+            slot = q_ring.slot(t)
+            lse = None if lse_folded else columns(lse_smem, slot)
+            delta = None if delta_folded else columns(delta_smem, slot)
             q_seg = k_seg = None
             if masked and k_ids is not None:
                 k_seg = WGMMA.expand(k_ids, s, 0)
-                q_seg = WGMMA.expand(plgpu.load(qseg_smem.at[slot], (), layout=col_layout()), s, 1)
+                q_seg = WGMMA.expand(columns(qseg_smem, slot), s, 1)
             n = kh * G + g
             tile = Tile(q=None, k=None, i=i, j=j, head=b * problem.heads + n,
                         q_seg=q_seg, k_seg=k_seg, transposed=True, layout=WGMMA,
                         bias=combined(accesses, b, n, slot, wg, s))
             p, dscores, _ = backward_tile(score, spec, tile, None, None, lse, delta, seed, bq, bk,
                                           masked, products=s, dp=dp)
-            p16, ds16 = p.astype(dtype), dscores.astype(dtype)
+            return p.astype(dtype), dscores.astype(dtype)
 
-            def accumulate(refs):
-                dv_ref, dk_ref = refs
-                plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
-                plgpu.wgmma(dk_ref, ds16, q_smem.at[slot])
+        def accumulate(t, acc_refs, operands):
+            (dv_ref, dk_ref), (p16, ds16) = acc_refs, operands
+            slot = q_ring.slot(t)
+            plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
+            plgpu.wgmma(dk_ref, ds16, q_smem.at[slot])
 
-            dv, dk = pl.run_state(accumulate)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        def done(t):
             do_ring.release(t)
             q_ring.release(t)
-            return dk, dv
 
-        dk, dv = walk_group(walk, step, carry0)
+        def loops(body, carry, skip_first):
+            return walk_group(walked, lambda g, i, t, c, masked: body((g, i), t, c, masked),
+                              carry, skip_first)
+
+        dv, dk = walk(loops, G * (walked.hi - walked.lo), (0, walked.lo),
+                      Step(products, grads, accumulate, done, (bk, bq)), accs0,
+                      Schedule(schedule, wg), tiles.intra_wg_stages_dkdv)
         k_tile[...] = (dk * score.scale).astype(dtype)  # the tiles' last readers are done
         v_tile[...] = dv.astype(dtype)
         plgpu.commit_smem()

@@ -85,6 +85,21 @@ class MosaicGPUConfig(_op.KernelConfig):
         ``[block_q, block_kv]`` float32 accumulator and the previous tile's 16-bit
         probabilities stay in registers); 1 runs ``q k^T``, softmax and ``p v``
         of a tile in turn (registers for one tile).
+      max_concurrent_steps_bwd: shared-memory stages of the backward kernels'
+        rings (None: the most, up to 4, that both kernels' shared memory holds).
+      bwd_turns: compute warpgroups taking turns at the tensor cores in the
+        backward kernels: 2 (with ``compute_wgs=2``) is the ping-pong of the
+        forward (:class:`~ops.attention.mosaic_gpu_tiles.Schedule`: one
+        warpgroup's elementwise work runs while the other's products do), 1 lets
+        each issue its products whenever it is ready (None: ``compute_wgs``).
+      intra_wg_stages_dq / intra_wg_stages_dkdv: the pipeline inside a compute
+        warpgroup of the dQ / dK/dV kernel: 2 issues step t's ``s``, ``dp``
+        products with step t-1's accumulating products (``dq += ds k``; ``dv +=
+        p^T dO``, ``dk += ds^T q``) and runs step t's elementwise work while the
+        latter are on the tensor cores (step t-1's 16-bit operands stay in
+        registers); 1 waits for step t-1's accumulating products before issuing
+        step t's. None: 2 where :func:`backward_registers` fits the registers and
+        the ring has 3 stages, else 1 (:func:`resolve_backward`).
     """
 
     block_q: int = _op.tunable(64)
@@ -95,6 +110,10 @@ class MosaicGPUConfig(_op.KernelConfig):
     block_kv_dkv: int | None = _op.tunable(None)
     block_q_dkv: int | None = _op.tunable(None)
     intra_wg_stages: int = _op.tunable(2)
+    max_concurrent_steps_bwd: int | None = _op.tunable(None)
+    bwd_turns: int | None = _op.tunable(None)
+    intra_wg_stages_dq: int | None = _op.tunable(None)
+    intra_wg_stages_dkdv: int | None = _op.tunable(None)
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
@@ -105,17 +124,24 @@ class MosaicGPUConfig(_op.KernelConfig):
                     or value <= 0 or value % _ROW_QUANTUM or value > 256):
                 raise ValueError(f"MosaicGPUConfig: {name} must be a multiple of {_ROW_QUANTUM} "
                                  f"up to 256 (wgmma's rows per warpgroup), got {value!r}.")
-        steps = self.max_concurrent_steps
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not (
-                2 <= steps <= MAX_STAGES):
-            raise ValueError(f"MosaicGPUConfig: max_concurrent_steps must be an int in [2, "
-                             f"{MAX_STAGES}], got {steps!r}.")
-        if self.compute_wgs not in (1, 2) or isinstance(self.compute_wgs, bool):
-            raise ValueError(f"MosaicGPUConfig: compute_wgs must be 1 or 2, got "
-                             f"{self.compute_wgs!r}.")
-        if self.intra_wg_stages not in (1, 2) or isinstance(self.intra_wg_stages, bool):
-            raise ValueError(f"MosaicGPUConfig: intra_wg_stages must be 1 or 2, got "
-                             f"{self.intra_wg_stages!r}.")
+        for name in ("max_concurrent_steps", "max_concurrent_steps_bwd"):
+            steps = getattr(self, name)
+            if steps is None and name == "max_concurrent_steps_bwd":
+                continue
+            if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not (
+                    2 <= steps <= MAX_STAGES):
+                raise ValueError(f"MosaicGPUConfig: {name} must be an int in [2, "
+                                 f"{MAX_STAGES}], got {steps!r}.")
+        for name in ("compute_wgs", "intra_wg_stages", "bwd_turns", "intra_wg_stages_dq",
+                     "intra_wg_stages_dkdv"):
+            value = getattr(self, name)
+            if value is None and name not in ("compute_wgs", "intra_wg_stages"):
+                continue
+            if value not in (1, 2) or isinstance(value, bool):
+                raise ValueError(f"MosaicGPUConfig: {name} must be 1 or 2, got {value!r}.")
+        if self.bwd_turns is not None and self.bwd_turns > self.compute_wgs:
+            raise ValueError(f"MosaicGPUConfig: bwd_turns={self.bwd_turns} takes turns between "
+                             f"more compute warpgroups than compute_wgs={self.compute_wgs}.")
 
     @property
     def dq_kv(self) -> int:
@@ -157,7 +183,9 @@ class MosaicGPUConfig(_op.KernelConfig):
         head dims up to 64), the forward's pipeline inside a warpgroup of 2 or 1
         stages, every one whose forward, dQ and dK/dV kernels fit the shared memory
         (:func:`smem_bytes`) and whose forward fits a compute thread's registers
-        (:func:`forward_registers`); the backward's tiles 64 or 128 key rows for dQ."""
+        (:func:`forward_registers`); the backward's tiles 64 or 128 key rows for dQ
+        (128 where :func:`backward_registers` holds them), the rest of the backward
+        resolved by :func:`resolve_backward`."""
         T, S, head_dim = problem.shape
         itemsize = np.dtype(problem.dtype).itemsize
         segments, pairs = _segments(problem), _pairs(problem)
@@ -170,7 +198,9 @@ class MosaicGPUConfig(_op.KernelConfig):
                 continue
             config = cls(bq, bk, stages, wgs, block_kv_dq=bk_dq, intra_wg_stages=overlap)
             if (forward_registers(config, head_dim, head_dim) <= COMPUTE_REGISTERS
-                    and fits(config, head_dim, head_dim, itemsize, segments, pairs=pairs)):
+                    and fits(config, head_dim, head_dim, itemsize, segments, pairs=pairs)
+                    and (bk_dq == 64 or backward_registers(
+                        config, "dq", head_dim, head_dim, stages=1) <= COMPUTE_REGISTERS)):
                 out.append(config)
         return tuple(out) or (cls.heuristic(problem, device),)
 
@@ -202,6 +232,90 @@ def forward_registers(config: MosaicGPUConfig, head_dim: int, v_dim: int) -> int
     return (bq * v_dim + bq * bk) // 128 + tiles16 * bq * bk // 256 + _OTHER_REGISTERS
 
 
+def backward_registers(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, *,
+                       stages: int = 1, lse_folded: bool = True,
+                       delta_folded: bool = True) -> int:
+    """An upper bound on the registers a compute thread of the backward's ``kernel``
+    ("dq" or "dkdv") needs with ``stages`` steps in flight inside a warpgroup
+    (:attr:`MosaicGPUConfig.intra_wg_stages_dq` / ``_dkdv``), as
+    :func:`forward_registers` counts the forward's: the float32 accumulators (dQ
+    ``block_q x head_dim``; dK and dV ``block_kv_dkv x (head_dim + v_dim)``), the
+    step's two float32 products ``s`` and ``dp``, the previous step's 16-bit operands
+    still read by its ``wgmma`` with 2 stages (dQ: ``ds``; dK/dV: ``p`` and ``ds``;
+    this step's are formed where its float32 products die), the dK/dV kernel's
+    per-query statistics (its tiles are transposed, so a thread holds ``block_q_dkv
+    / 4`` columns of the logsumexp and of delta each, unless folded into the products'
+    accumulators: ``lse_folded`` without a soft cap, ``delta_folded`` without
+    dropout), and :data:`_OTHER_REGISTERS`."""
+    if kernel == "dq":
+        rows, walked = config.block_q, config.dq_kv
+        accumulators, operands, columns = rows * head_dim // 128, rows * walked // 256, 0
+    elif kernel == "dkdv":
+        rows, walked = config.dkdv_kv, config.dkdv_q
+        accumulators, operands = rows * (head_dim + v_dim) // 128, 2 * rows * walked // 256
+        columns = (walked // 4) * ((not lse_folded) + (not delta_folded))
+    else:
+        raise ValueError(f"kernel: expected 'dq' or 'dkdv', got {kernel!r}.")
+    products = 2 * rows * walked // 128
+    return accumulators + products + (stages - 1) * operands + columns + _OTHER_REGISTERS
+
+
+def resolve_backward(config: MosaicGPUConfig, head_dim: int, v_dim: int, itemsize: int,
+                     segments: bool = False, pairs=(), dbias: bool = False,
+                     soft_cap: bool = False, dropout: bool = False) -> MosaicGPUConfig:
+    """``config`` with every backward field set (the kernels run with these); fields
+    already set are kept.
+
+    Each kernel takes the first of (128-row walked steps, pipelined), (128, serial),
+    (64, pipelined), (64, serial) (:attr:`MosaicGPUConfig.block_kv_dq` /
+    ``block_q_dkv``; ``intra_wg_stages_dq`` / ``_dkdv``) that
+    :func:`backward_registers` holds within :data:`COMPUTE_REGISTERS` and whose
+    shared memory (:func:`smem_bytes`) holds a ring of 2 stages, 3 when pipelined
+    (so the producer refills a slot while the previous step's accumulating products
+    still read theirs); none: 64-row serial steps, the fewest registers. Longer steps
+    first: a ``wgmma`` of N = 64 reading both operands from shared memory (``s`` and
+    ``dp`` of 64-row steps) needs 128 bytes a clock of it, all an SM has; N = 128
+    needs 96. The ring: the most stages, up to 4, both kernels' shared memory holds
+    (a kernel left with fewer than 3 is serial); the turns: ``compute_wgs``."""
+    fields = {"dq": "block_kv_dq", "dkdv": "block_q_dkv"}
+    given = config.max_concurrent_steps_bwd
+    chosen, most = {}, {}
+
+    def ring(candidate, kernel):
+        """The most stages (up to 4, or the given count) the kernel's memory holds."""
+        for st in ((given,) if given else (4, 3, 2)):
+            if smem_bytes(dataclasses.replace(candidate, max_concurrent_steps_bwd=st), kernel,
+                          head_dim, v_dim, itemsize, segments, pairs, dbias) <= SMEM_BYTES:
+                return st
+        return 0
+
+    for kernel, field in fields.items():
+        stages_field = f"intra_wg_stages_{kernel}"
+        walked_options = (getattr(config, field),) if getattr(config, field) else (128, 64)
+        stage_options = ((getattr(config, stages_field),) if getattr(config, stages_field)
+                         else (2, 1))
+        for walked, stages in itertools.product(walked_options, stage_options):
+            candidate = dataclasses.replace(config, **{field: walked})
+            steps = ring(candidate, kernel)
+            if steps >= (3 if stages == 2 else 2) and backward_registers(
+                    candidate, kernel, head_dim, v_dim, stages=stages, lse_folded=not soft_cap,
+                    delta_folded=not dropout) <= COMPUTE_REGISTERS:
+                chosen[kernel], most[kernel] = (walked, stages), steps
+                break
+        else:  # over the registers whatever the steps: the fewest
+            walked = getattr(config, field) or 64
+            chosen[kernel] = (walked, stage_options[-1])
+            most[kernel] = ring(dataclasses.replace(config, **{field: walked}), kernel)
+    steps = given or max(2, min(most.values()))
+    stages = {k: 1 if s == 2 and steps < 3 and getattr(config, f"intra_wg_stages_{k}") is None
+              else s for k, (_, s) in chosen.items()}
+    return dataclasses.replace(
+        config, max_concurrent_steps_bwd=steps, block_kv_dq=chosen["dq"][0],
+        block_q_dkv=chosen["dkdv"][0],
+        bwd_turns=config.compute_wgs if config.bwd_turns is None else config.bwd_turns,
+        intra_wg_stages_dq=stages["dq"], intra_wg_stages_dkdv=stages["dkdv"])
+
+
 def smem_bytes(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, itemsize: int,
                segments: bool = False, pairs=(), dbias: bool = False) -> int:
     """The shared memory one thread block of ``kernel`` ("forward", "dq" or "dkdv")
@@ -211,6 +325,8 @@ def smem_bytes(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, 
     ``dbias``: the dQ kernel also writes the bias gradient (a float32 tile per
     warpgroup)."""
     cw, st = config.compute_wgs, config.max_concurrent_steps
+    if kernel != "forward":  # the backward's rings (unresolved: the fewest stages)
+        st = config.max_concurrent_steps_bwd or 2
     rows, walked = {"forward": (config.block_q, config.block_kv),
                     "dq": (config.block_q, config.dq_kv),
                     "dkdv": (config.dkdv_kv, config.dkdv_q)}.get(kernel, (0, 0))

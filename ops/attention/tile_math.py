@@ -289,16 +289,28 @@ def backward_tile(score: ScoreMath, spec: MaskSpec | None, tile: Tile, v, do, ls
     transposed with ``tile.transposed``) when the caller formed them itself (a
     Mosaic GPU kernel's ``wgmma``; ``v`` and ``do`` are then unused); ``lse`` and
     ``delta`` may then be 1-D per-query vectors, broadcast by ``tile.layout``.
+
+    ``lse`` None: the caller's ``products`` already have each query's
+    ``logsumexp_shift(lse) / scale`` taken off (it started their accumulator
+    there; not with a soft cap, whose tanh takes the raw products). ``delta``
+    None: ``dp`` is already ``dO v^T - delta`` (not with dropout, which scales
+    ``dO v^T`` alone).
     """
     q_axis = 1 if tile.transposed else 0
     s2, capped = logits_log2(score, spec, tile, bq, bk, bound_q=True, masked=masked,
                              products=products)
-    p = jnp.exp2(s2 - tile.layout.expand(logsumexp_shift(lse * LOG2E), s2, q_axis))
+    if lse is None and score.softcap is not None:
+        raise ValueError("backward_tile: lse=None (folded into the products) with a soft cap.")
+    if delta is None and score.dropout_rate:
+        raise ValueError("backward_tile: delta=None (folded into dp) with dropout.")
+    if lse is not None:
+        s2 = s2 - tile.layout.expand(logsumexp_shift(lse * LOG2E), s2, q_axis)
+    p = jnp.exp2(s2)
     keep = dropout_keep(score, tile, seed, bq, bk)
     if dp is None:
         dp = dot(v, do, 1, 1) if tile.transposed else dot(do, v, 1, 1)
     dp = _apply_dropout(score, dp, keep)
-    dbias = p * (dp - tile.layout.expand(delta, dp, q_axis))
+    dbias = p * (dp if delta is None else dp - tile.layout.expand(delta, dp, q_axis))
     dscores = dbias if capped is None else dbias * (1.0 - capped * capped)
     return _apply_dropout(score, p, keep), dscores, dbias
 

@@ -47,7 +47,11 @@ heads, head dim):
   (``B * T = 16384``) at T = S = 512, 2k, 4k, 8k and 16k, a 2048-wide model
   (``N * H = 2048``: head dim 64 with 32 heads, 128 with 16), causal and not,
   bfloat16; plus grouped-query attention 8:1 (32 query heads sharing 4
-  key/value heads) at 4k, causal.
+  key/value heads) at 4k, causal; plus a logit soft cap (``logits_soft_cap=30``,
+  Gemma 2's) at 8k, causal, head dims 128 and 64 (variant ``causal+softcap30``),
+  which jax.nn cannot express: its baseline is the same attention written in
+  jnp (:func:`xla_soft_capped_attention`), and neither cuDNN nor JAX's ``mha``
+  has a column; the same kernel's rate without the cap is the plain causal case.
 * CPUs run our kernels through the Pallas interpreter: tiny sizes, one
   causal float32 case and one grouped-query bfloat16 case whose 200 rows fill
   no block exactly.
@@ -84,13 +88,16 @@ class Shape(NamedTuple):
     head_dim: int
     causal: bool
     dtype: str
+    soft_cap: float | None = None  # logits_soft_cap, or None
 
     @property
     def variant(self) -> str:
-        """``causal`` or ``full``, with ``+gqaG`` when G query heads share a key/value head."""
+        """``causal`` or ``full``, with ``+gqaG`` when G query heads share a key/value head
+        and ``+softcapC`` with a logit soft cap C."""
         mask = "causal" if self.causal else "full"
         group = self.heads // self.kv_heads
-        return mask if group == 1 else f"{mask}+gqa{group}"
+        name = mask if group == 1 else f"{mask}+gqa{group}"
+        return name if self.soft_cap is None else f"{name}+softcap{self.soft_cap:g}"
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -98,11 +105,12 @@ class Shape(NamedTuple):
 
 
 def _model_shape(seq_len: int, head_dim: int, causal: bool, *, tokens: int = 16384,
-                 width: int = 2048, kv_group: int = 1, dtype: str = "bfloat16") -> Shape:
+                 width: int = 2048, kv_group: int = 1, dtype: str = "bfloat16",
+                 soft_cap: float | None = None) -> Shape:
     """``tokens`` per batch at ``seq_len``, ``width // head_dim`` query heads."""
     heads = width // head_dim
     return Shape(tokens // seq_len, seq_len, seq_len, heads, heads // kv_group, head_dim, causal,
-                 dtype)
+                 dtype, soft_cap)
 
 
 ACCELERATOR_SHAPES = tuple(
@@ -110,7 +118,8 @@ ACCELERATOR_SHAPES = tuple(
     for head_dim in (64, 128)
     for seq_len in (512, 2048, 4096, 8192, 16384)
     for causal in (False, True)
-) + (_model_shape(4096, 64, True, kv_group=8),)
+) + (_model_shape(4096, 64, True, kv_group=8),) + tuple(
+    _model_shape(8192, head_dim, True, soft_cap=30.0) for head_dim in (128, 64))
 CPU_SHAPES = (
     Shape(1, 128, 128, 2, 2, 32, True, "float32"),
     Shape(1, 200, 200, 4, 2, 32, False, "bfloat16"),
@@ -173,18 +182,26 @@ def make_case(shape: Shape, pass_name: str, implementations: tuple[str, ...],
     None leaves out the ``jax_pallas`` column (JAX's ``mha``), else its
     ``interpret`` flag; problems ``mha`` cannot express get no column either.
     """
-    fns = {harness.BASELINE: functools.partial(jax_nn_attention, causal=shape.causal,
-                                               implementation="xla")}
-    for name in extra:
-        fns[name] = functools.partial(jax_nn_attention, causal=shape.causal, implementation=name)
+    cap = shape.soft_cap
+    if cap is None:
+        fns = {harness.BASELINE: functools.partial(jax_nn_attention, causal=shape.causal,
+                                                   implementation="xla")}
+        for name in extra:
+            fns[name] = functools.partial(jax_nn_attention, causal=shape.causal,
+                                          implementation=name)
+    else:  # jax.nn (and so cuDNN through it) has no soft cap
+        fns = {harness.BASELINE: functools.partial(xla_soft_capped_attention,
+                                                   causal=shape.causal, soft_cap=cap)}
     for name in implementations:
-        fns[name] = functools.partial(ours_attention, causal=shape.causal, implementation=name)
-    # No column where mha cannot compute this problem (GQA, lengths its blocks do not divide).
-    if jax_pallas_interpret is not None and jax_pallas_ops.mha_unsupported(
+        fns[name] = functools.partial(ours_attention, causal=shape.causal, implementation=name,
+                                      soft_cap=cap)
+    # No column where mha cannot compute this problem (GQA, lengths its blocks do not divide,
+    # a soft cap).
+    if jax_pallas_interpret is not None and cap is None and jax_pallas_ops.mha_unsupported(
             shape.q_len, shape.kv_len, shape.heads, shape.kv_heads) is None:
         fns[jax_pallas_ops.NAME] = functools.partial(jax_pallas_ops.mha, causal=shape.causal,
                                                      interpret=jax_pallas_interpret)
-    reference = functools.partial(exact_reference, causal=shape.causal)
+    reference = functools.partial(exact_reference, causal=shape.causal, soft_cap=cap)
     fwd_bwd = pass_name == "fwd+bwd"
     if fwd_bwd:
         fns = {name: harness.forward_and_backward(fn) for name, fn in fns.items()}
@@ -214,12 +231,31 @@ def jax_nn_attention(q, k, v, *, causal: bool, implementation: str):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
 
 
-def ours_attention(q, k, v, *, causal: bool, implementation: str):
-    return ops.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+def xla_soft_capped_attention(q, k, v, *, causal: bool, soft_cap: float):
+    """What a user writes for a soft-capped attention, which jax.nn cannot express: the
+    logits ``cap * tanh(q k^T / (sqrt(H) cap))`` in float32, masked, softmax, ``p v`` in
+    the inputs' dtype (XLA materialises the ``[B, N, T, S]`` logits, as jax.nn's XLA
+    path does)."""
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = soft_cap * jnp.tanh(logits * (h ** -0.5 / soft_cap))
+    if causal:
+        logits = jnp.where(jnp.arange(s)[None, :] <= jnp.arange(t)[:, None], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, v.shape[-1])
 
 
-def exact_reference(q, k, v, *, causal: bool, chunk: int = REFERENCE_CHUNK):
-    """Exact attention: ``softmax(q k^T / sqrt(H)) v`` per head, in the dtype of
+def ours_attention(q, k, v, *, causal: bool, implementation: str, soft_cap: float | None = None):
+    return ops.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation,
+                                     logits_soft_cap=soft_cap)
+
+
+def exact_reference(q, k, v, *, causal: bool, chunk: int = REFERENCE_CHUNK,
+                    soft_cap: float | None = None):
+    """Exact attention: ``softmax(q k^T / sqrt(H)) v`` per head (the logits ``soft_cap *
+    tanh(logits / soft_cap)`` with a soft cap), in the dtype of
     :func:`benchmarks.harness.upcast` (float64 under the harness's reference, else float32).
 
     Queries are processed ``chunk`` rows at a time (all at once when ``chunk``
@@ -240,6 +276,8 @@ def exact_reference(q, k, v, *, causal: bool, chunk: int = REFERENCE_CHUNK):
     def chunk_attention(first_row, q_chunk):
         logits = jnp.einsum("btkgh,bskh->bkgts", q_chunk, k, precision=lax.Precision.HIGHEST)
         logits = logits * (h ** -0.5)
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
         if causal:
             q_pos = first_row + jnp.arange(rows)[:, None]
             logits = jnp.where(jnp.arange(s)[None, :] <= q_pos, logits, -jnp.inf)

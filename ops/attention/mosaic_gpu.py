@@ -13,7 +13,9 @@ The kernels (FlashAttention-3, Shah et al. 2024, sections 3.1-3.3):
 * backward (:mod:`ops.attention.mosaic_gpu_backward`): ``delta = rowsum(dO *
   O)`` in XLA, then a dQ kernel and a dK/dV kernel of the same shape (a
   producer streaming the walked operands, compute warpgroups owning their
-  rows), every product on ``wgmma``, no atomics: bit-for-bit deterministic.
+  rows, taking turns at the tensor cores as the forward's, each step serial
+  or pipelined inside a warpgroup as its registers allow), every product on
+  ``wgmma``, no atomics: bit-for-bit deterministic.
 
 The same kernels run everywhere ``pallas_core.gpu.kernel`` runs them: on an
 sm_90+ GPU through JAX's Mosaic GPU lowering; on a host without a GPU in
@@ -70,11 +72,16 @@ them). B=2, T=S=8192, bfloat16, the heuristic's tiles:
   MUFU op each) and 64 multiplies (the tanh's argument) per thread a step, its
   factor folded into the ``exp2``'s multiply-add; sinks nothing in the loop
   (they start the carry); a ``[T, S]`` bias one more TMA tile a step.
-* dQ (64 x 64 steps): 20 ``wgmma`` a step (8 + 8 ``m64n64k16`` for ``q k^T``
-  and ``dO v^T``, issued together and waited once, 4 ``m64n128k16`` for
-  ``ds k``), 32 ``ex2`` per thread, 2 TMA loads; dK/dV (64 key rows per
-  warpgroup, 64-row query steps): 24 ``wgmma`` a step (``k q^T``, ``v dO^T``,
-  ``p^T dO``, ``ds^T q``), 32 ``ex2``, 4 TMA loads; neither has a ping-pong.
+* backward at head dim 128 (round 2: dQ and dK/dV 64 x 64 steps, no
+  ping-pong): dQ 64 x 128 steps, 24 ``m64n128k16`` ``wgmma`` a step (8 + 8 for
+  ``q k^T`` and ``dO v^T``, 8 for ``ds k``), 64 ``ex2`` per thread, 2 TMA
+  loads; dK/dV (64 key rows per warpgroup, 64-row query steps): 16
+  ``m64n64k16`` (``k q^T``, ``v dO^T``) and 8 ``m64n128k16`` (``p^T dO``,
+  ``ds^T q``), 32 ``ex2``, 4 TMA loads; both serial inside a warpgroup (224
+  registers counted each), the two warpgroups taking turns. At head dim 64 the
+  dQ kernel pipelines (step t's products issued with step t-1's ``ds k``) and
+  the dK/dV kernel walks 128-row query steps. The step-by-step view and what
+  limits it: :mod:`ops.attention.mosaic_gpu_backward`.
 
 Predicted figures (H100 / H200: 989 TFLOP/s dense bf16, i.e. 4096 flops per
 clock per SM; 16 ``ex2`` per clock per SM on the MUFU, FlashAttention-3's "3.9
@@ -86,7 +93,8 @@ products, and the pipeline inside each keeps a second commit group queued, so
 the tensor cores wait neither for a softmax nor for a warpgroup's own ``p v``
 before its next ``q k^T``: tensor-core bound, as FlashAttention-3 (whose
 ablation, section 4.3, credits this pipeline with 582 -> 661 TFLOP/s at head
-dim 128, full attention, 8k). Round 1's figures (ping-pong only) and this round's:
+dim 128, full attention, 8k). Round 1's figures (ping-pong only) and now's (the
+backward as of round 3):
 
 ====================  ======  ======  =====  ==========================
 case                  round1  now     cuDNN  ratio now
@@ -94,7 +102,9 @@ case                  round1  now     cuDNN  ratio now
 fwd d128 full          ~470    ~520    519   ~1.0x
 fwd d128 causal        ~420    ~465    471   ~0.99x
 fwd d64 causal         ~300    ~330    352   ~0.94x
-fwd+bwd d128 causal    ~300    ~305    433   ~0.7x (backward unchanged)
+fwd+bwd d128 causal    ~300    ~375    433   ~0.87x (round 2: ~305)
+fwd+bwd d128 full      --      ~410    498   ~0.82x
+fwd+bwd d64 causal     --      ~330    362   ~0.92x
 ====================  ======  ======  =====  ==========================
 
 At head dim 64 a tile's products take 512 tensor-core clocks and its ``ex2``
@@ -106,9 +116,10 @@ score: at head dim 128, 1024 MUFU clocks a tile against 1024 of products
 (about 0.85x of the same kernel without); at 64, twice the MUFU work of a
 MUFU-bound loop (about 0.6x); both short of "within 10%" (the lever left:
 part of the ``exp2``\ s on the FMA pipes as a polynomial). Sinks cost nothing
-measurable. The backward (7 products per tile against the 5 counted, no
-ping-pong, no pipeline) holds forward+backward near 0.7x; what it needs is in
-:mod:`ops.attention.mosaic_gpu_backward`. Persistent scheduling is not built:
+measurable. The backward (7 products per tile against the 5 counted) has the
+ping-pong and, where the registers hold it, the pipeline and 128-row steps;
+at head dim 128 its dK/dV kernel's N = 64 products keep forward+backward near
+0.87x (what is left: :mod:`ops.attention.mosaic_gpu_backward`). Persistent scheduling is not built:
 2048 causal blocks of 128 rows on 132 SMs run longest first, so the last wave
 holds the shortest walks, and at full attention 15.5 waves of equal blocks
 lose at most 3%. The lease queue (``benchmarks/lease_queue.json``,

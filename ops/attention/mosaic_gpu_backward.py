@@ -1,6 +1,7 @@
 """The backward kernels of ``implementation="mosaic_gpu"``: dQ and dK/dV on ``wgmma``
 (FlashAttention-2, Dao 2023, Algorithm 2, split in two kernels; the warpgroup
-structure of FlashAttention-3, Shah et al. 2024, section 3).
+structure, ping-pong and pipeline of FlashAttention-3, Shah et al. 2024,
+sections 3.1-3.2).
 
 ``delta = rowsum(dO * O)`` is one XLA pass; each kernel is then a producer
 warpgroup streaming the walked tiles by TMA into a ring of shared-memory
@@ -18,31 +19,95 @@ on the accumulator registers:
   key rows are every product's M (``wgmma``'s 64 rows per warpgroup), and
   ``dv += p^T dO``, ``dk += ds^T q`` take them from registers. A GQA group's
   query heads are summed in the accumulators: no ``[B, S, N, H]``
-  intermediate, no atomics.
+  intermediate, no atomics. The accumulators of ``s^T`` and ``dp^T`` start at
+  ``-lse / scale`` and ``-delta`` of their query columns (without a soft cap,
+  resp. dropout), so a thread holds no ``block_q_dkv / 4`` columns of them
+  through the elementwise work.
 
-Nothing is accumulated across thread blocks, so the gradients are
-bit-for-bit deterministic. Both kernels walk only the blocks the masks let
-through (:func:`~ops.attention.mosaic_gpu_tiles.range_table`, transposed for
-dK/dV) and evaluate the mask only off each warpgroup's fully visible range.
+Both kernels run one walk (:func:`walk`, a :class:`Step` each): with two
+compute warpgroups they take turns at the tensor cores as the forward's do
+(:class:`~ops.attention.mosaic_gpu_tiles.Schedule`, ``bwd_turns``), so one's
+elementwise work runs while the other's products do; inside a warpgroup a
+step is serial (``intra_wg_stages_*=1``: ``s``, ``dp``; wait; elementwise;
+the accumulating products; wait) or pipelined (2: step t's ``s``, ``dp`` and
+step t-1's accumulating products issued together, step t's elementwise work
+while the latter run). :func:`~ops.attention.mosaic_gpu_config.resolve_backward`
+picks per kernel the walked step length (128 or 64 rows) and the schedule
+that :func:`~ops.attention.mosaic_gpu_config.backward_registers` holds.
 
-Speed (not built yet; the static view of the whole op is in
-:mod:`ops.attention.mosaic_gpu`): the two kernels form ``q k^T`` and ``dO v^T``
-twice, 7 products per tile against the 5 a FLOP count credits, so
-forward+backward at 0.9x cuDNN (390 of its 433 TFLOP/s, causal, head dim 128)
-needs the backward's products at about 510 TFLOP/s executed, 73% of the
-measured matmul ceiling, where FlashAttention-3's single kernel runs about 560
-on an H100. In order of what they buy: (1) a ping-pong between the two compute
-warpgroups of each kernel (:class:`~ops.attention.mosaic_gpu_tiles.Schedule`,
-as the forward) and 128-row walked steps, so one warpgroup's elementwise work
-hides under the other's products and each ``wgmma`` has N = 128 (the dQ kernel
-at 64 x 128 holds 3 x 64 float32 registers and 32 of 16-bit dS: at the edge of
-the 232; ``block_kv_dq=128`` is a tuner candidate already); (2) the dK/dV
-kernel's next step's ``k q^T`` and ``v dO^T`` issued before this step's
-``p^T dO`` / ``ds^T q`` are waited for, as the forward's pipeline; (3) the 5
-product form, dQ accumulated by the dK/dV kernel in float32 through TMA
-reduce-add stores, deterministic only with a per-query-block semaphore
-ordering the key blocks' adds (FlashAttention-3's deterministic mode), which
-the GPU interpret mode cannot run (no semaphores): an opt-in at most.
+Nothing is accumulated across thread blocks and every sum runs in a fixed
+order, so the gradients are bit-for-bit deterministic. Both kernels walk only
+the blocks the masks let through
+(:func:`~ops.attention.mosaic_gpu_tiles.range_table`, transposed for dK/dV)
+and evaluate the mask only off each warpgroup's fully visible range.
+
+Static view (``plgpu.mosaic_modules``; B=2, T=S=8192, causal, bfloat16, the
+resolved tiles). Round 2 (both kernels 64 x 64 steps, each warpgroup on its
+own, every step ``s``/``dp``, wait, elementwise, accumulate, wait), per step of
+a compute warpgroup:
+
+* dQ, head dim 128: 2 stage waits, 16 ``m64n64k16`` ``wgmma`` from shared
+  memory (``q k^T``, ``dO v^T``), wait 0, 32 ``ex2`` a thread, 4
+  ``m64n128k16`` from registers (``ds k``), wait 0, 2 releases; 132 KiB of
+  shared memory (2 stages);
+* dK/dV, head dim 128: 2 stage waits, 16 ``m64n64k16`` (``k q^T``, ``v
+  dO^T``), wait 0, 32 ``ex2``, 8 ``m64n128k16`` from registers (``p^T dO``,
+  ``ds^T q``), wait 0, 2 releases; 132 KiB; at head dim 64 both kernels 12
+  ``m64n64k16`` from shared memory a step, 101 KiB (4 stages).
+
+Now (``resolve_backward``'s choices; the turns add per step a wait for the
+warpgroup's turn, a meeting after issuing and an arrival after its elementwise
+work):
+
+* head dim 128: dQ 64 x 128 steps, serial (224 registers counted): 16
+  ``m64n128k16`` from shared memory, meeting, wait 0, 64 ``ex2``, arrival,
+  turn, 8 ``m64n128k16`` from registers (``ds k``, K = 128), wait 0; 196 KiB,
+  2 stages. dK/dV 64 x 64 steps, serial (224 with the statistics folded;
+  pipelined 256, 128-row steps 288): 16 ``m64n64k16``, meeting, wait 0, 32
+  ``ex2``, arrival, turn, 8 ``m64n128k16``, wait 0; 132 KiB, 2 stages;
+* head dim 64: dQ 64 x 128, pipelined (224): turn, 8 ``m64n128k16`` for
+  step t and 8 ``m64n64k16`` from registers for step t-1's ``ds k``, meeting,
+  ``wait_group 1``, 64 ``ex2``, wait 0; 164 KiB, 4 stages. dK/dV 64 x 128,
+  serial (224): 8 ``m64n128k16`` from shared memory, 64 ``ex2``, 16
+  ``m64n64k16`` from registers; 167 KiB, 4 stages.
+
+Predicted (H200; 697 TFLOP/s measured matmul ceiling; the cost model of
+:mod:`ops.attention.mosaic_gpu`). The backward executes 7 products a tile
+against the 5 counted, so forward+backward at 0.9x cuDNN (390 of its 433
+TFLOP/s, causal, head dim 128) needs the products at about 510 TFLOP/s
+executed, 0.73 of the ceiling. A ``wgmma`` of N = 64 reading both operands
+from shared memory needs 128 bytes a clock of it, all an SM has (about 0.65 of
+the matmul rate); N = 128 needs 96 (about 0.9); from registers, 64 or less.
+So 128-row walked steps come first where the registers hold them, then the
+turns: each warpgroup's elementwise work (about 300 clocks a 64 x 64 step, 600
+a 64 x 128 one) hides under the other's products (770-1220 tensor-core
+clocks), where round 2's independent warpgroups lose about 15% when their
+elementwise work and waits coincide. At head dim 128 the dK/dV kernel (64-row
+query steps, N = 64 products) is the limit: about 0.67 of the ceiling, dQ
+about 0.80:
+
+====================  ======  ======  =====  ==========
+fwd+bwd               round2  now     cuDNN  ratio now
+====================  ======  ======  =====  ==========
+d128 causal            ~325    ~375    433   ~0.87x
+d128 full              ~360    ~410    498   ~0.82x
+d64 causal             ~280    ~330    362   ~0.92x
+====================  ======  ======  =====  ==========
+
+Short of 0.9x at head dim 128: what is left is the dK/dV kernel's N = 64
+products (128-row query steps need 288 registers; two compute warpgroups
+sharing a 128-row query step, FlashAttention-3's layout, would make ``s``
+``[64, 128]`` per warpgroup with ``dk``, ``dv`` split between them, 64
+registers more than a warpgroup has with ``dq`` beside them) and the 2 products
+the two kernels repeat. FlashAttention-3's single kernel removes those by
+adding dQ across key blocks: in float32 through TMA reduce-add stores ordered
+by a per-query-block semaphore (deterministic), which the GPU interpret mode
+cannot run (no semaphores), or as partials per key block reduced in a fixed
+order afterwards: at B=2, 16 heads of 128, T=8192, causal, 4096 (key block of
+128, query tile of 64) pairs a head, each a 32 KiB float32 ``[64, 128]``
+partial: 4.3 GB written and read back, about 1.8 ms of HBM traffic at 4.8
+TB/s against the whole dQ kernel's ~1.5 ms, so the two kernels stay. The lease
+queue (``mosaic-gpu-attention-*-train``) times the schedules as arms.
 """
 from __future__ import annotations
 

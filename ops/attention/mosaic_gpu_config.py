@@ -33,6 +33,17 @@ tile takes at most 224 (64 + 64 + 2 x 32 + 32; FlashAttention-3's 176- and
 192-row key tiles do not fit), at 64 a 64 x 128 tile 192 and 128 x 64 224,
 at 256 a 64 x 64 tile 224; 256-row key tiles fit only at head dim 16 with the
 serial step (``intra_wg_stages=1``).
+
+The backward (:func:`backward_registers`, :func:`resolve_backward`, which sets
+its fields at trace time): its rings have their own stages
+(``max_concurrent_steps_bwd``, the most up to 4 that both kernels hold), and
+each kernel takes the longest walked step and the pipeline inside a warpgroup
+that its registers hold: at head dim 128 dQ 64 x 128 serial (64 + 128 + 32 =
+224: dQ, ``s`` and ``dp``, others; 2 stages of 128-row key/value tiles, 196
+KiB) and dK/dV 64 x 64 serial (128 + 64 + 32 = 224, the per-query statistics
+folded into the products' accumulators; 240 with a soft cap or dropout, the
+fewest there is); at head dim 64 dQ 64 x 128 pipelined (224) and dK/dV 64 x 128
+serial (224), 4 stages.
 """
 from __future__ import annotations
 
@@ -323,7 +334,8 @@ def smem_bytes(config: MosaicGPUConfig, kernel: str, head_dim: int, v_dim: int, 
     (value/output), 16-bit operands of ``itemsize`` bytes (see the module docstring);
     ``pairs``: the bias / mask operands (:class:`ops.attention.mosaic_gpu_pairs.Pair`);
     ``dbias``: the dQ kernel also writes the bias gradient (a float32 tile per
-    warpgroup)."""
+    warpgroup). The backward kernels' rings have ``max_concurrent_steps_bwd``
+    stages (unresolved: 2, the fewest)."""
     cw, st = config.compute_wgs, config.max_concurrent_steps
     if kernel != "forward":  # the backward's rings (unresolved: the fewest stages)
         st = config.max_concurrent_steps_bwd or 2

@@ -9,6 +9,7 @@ inputs whose shapes divide no tile; the lowered Mosaic GPU modules are read back
 kernel here (tracing, the cuda lowering and the interpreter): the sweeps are
 ``@pytest.mark.slow``.
 """
+import dataclasses
 import re
 
 import jax
@@ -198,6 +199,21 @@ def test_supported_says_why_before_tracing(monkeypatch):
 
     monkeypatch.setattr(target, "default_device", lambda: A100())
     assert "sm_90" in _reason(plain(), x, w, platform="gpu")
+
+
+@pytest.mark.parametrize("kind, refused", [("NVIDIA H200", False), ("NVIDIA H100 80GB HBM3", False),
+                                           ("NVIDIA A100-SXM4-80GB", True)])
+def test_a_call_resolved_for_another_gpu_is_judged_by_its_family(kind, refused):
+    """From this host (no such GPU), the matmul family keeps mosaic_gpu for an sm_90 device
+    kind and refuses it for an older one, as resolve_implementation(device_kind=) asks."""
+    x, w, _ = _operands(16, 64, 64, jnp.bfloat16)
+    for fn, args in ((ops.fused_matmul, (x, w)), (ops.gated_linear_unit, (x, (w, w))),
+                     (ops.linear_cross_entropy, (x, w, jnp.zeros((16,), jnp.int32)))):
+        call = dataclasses.replace(_op_call(fn, *args), target=_op.Target.of_kind(kind))
+        why = call.op.implementations["mosaic_gpu"].why_not(call)
+        assert (why is not None) == refused, (fn.__name__, kind, why)
+        if refused:
+            assert "sm_80" in why and kind in why
 
 
 def test_options_not_built_fall_back():

@@ -653,7 +653,7 @@ def products_call(operands: Sequence[Operand], products, *, num_accs: int, tile,
     accumulator) and ``dw`` (two accumulators on one ``x^T`` tile).
 
     Args:
-      operands: the :class:`Operand`\ s; every left operand contracts the same dim, and
+      operands: the :class:`Operand`\\ s; every left operand contracts the same dim, and
         every right operand another.
       stacked_outs: per output, whether it is an ``[M, 2, N]`` array (both halves of a
         column tile in one block) rather than ``[M, N]``.

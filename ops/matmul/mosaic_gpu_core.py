@@ -106,6 +106,7 @@ from jax import lax
 
 import pallas_core as pl
 from pallas_core import gpu as plgpu
+from pallas_core._jax_internals import JAXPR_CALLS, as_closed, find_eqn
 from ops.matmul.mosaic_gpu_config import (MAX_STAGES, MIN_STAGES, SMEM_BYTES, SWIZZLE_ELEMS,
                                           MosaicMatmulConfig)
 
@@ -220,8 +221,9 @@ def store_accumulator(tile: Tile) -> tuple:
 # Calls whose body is what they compute (custom derivatives are not needed in a kernel:
 # the op's custom_vjp differentiates outside it). JAX's Mosaic GPU lowering has no rule
 # for custom_jvp_call / custom_vjp_call, so their bodies are inlined.
-_INLINED = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "pjit", "jit",
-            "closed_call", "core_call", "eval_jaxpr", "remat2", "checkpoint")
+# (``remat2``: jax.checkpoint / jax.remat.)
+_INLINED = JAXPR_CALLS | frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+                                    "remat2"})
 
 
 def _body_of(eqn):
@@ -230,7 +232,7 @@ def _body_of(eqn):
     for key in ("call_jaxpr", "jaxpr", "fun_jaxpr"):
         sub = eqn.params.get(key)
         if sub is not None:
-            return sub if hasattr(sub, "consts") else jax.extend.core.ClosedJaxpr(sub, ())
+            return as_closed(sub)
     return None
 
 
@@ -300,7 +302,6 @@ def unlowerable(fn: Callable | None, what: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - a function that does not trace is reported
         return f"{what} does not trace on a float32 tile ({type(e).__name__}: {e})"
     rules = _lowering_rules()
-    from pallas_core._jax_internals import find_eqn
     bad = find_eqn(closed.jaxpr, lambda eqn: eqn.primitive.name not in rules
                    and not list(jax.extend.core.jaxprs_in_params(eqn.params)))
     if bad is None:
@@ -503,7 +504,7 @@ def _locate(plan: _Plan, mi, tables) -> _At:
     return _At(mi * bm)
 
 
-def _lhs_view(gmem, transposed, offset, m0, block_m, batch=None):
+def _lhs_view(gmem, transposed, offset, m0, block_m):
     rows = pl.ds(offset + m0, block_m)
     return gmem.at[:, rows] if transposed else gmem.at[rows, :]
 

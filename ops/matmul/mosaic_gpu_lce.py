@@ -40,6 +40,7 @@ from jax import lax
 from ops import _op
 from ops.matmul import mosaic_gpu_core as core
 from ops.matmul.mosaic_gpu_config import MosaicMatmulConfig
+from ops.reduction.lm_loss import soft_cap as _soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +65,6 @@ class MosaicLceConfig(MosaicMatmulConfig):
                 if c not in out:
                     out.append(c)
         return tuple(out)
-
-
-def _soft_cap(z, cap):
-    return z if cap is None else cap * jnp.tanh(z / cap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,14 +192,14 @@ def test_window_segments_lengths_mla_dims_key_mask_float16():
     # T != S, neither a multiple of the tiles; head dims 48 / 32 (a value head dim of its
     # own, as MLA's 192 / 128), a two-sided window, segment ids with key lengths folded in,
     # a mask over keys per batch entry; the backward's serial steps (each waits for its
-    # accumulating products before the next issues), 128 key rows a dQ step.
+    # accumulating products before the next issues), 128 rows a step in both kernels
+    # (the causal GQA case: dQ 128 and dK/dV 64, pipelined).
     b, t, s = 1, 100, 88
     _check(1, (b, t, s, 2, 1, 48, 32), jnp.float16, local_window_size=(24, 12),
            mask=(b, 1, 1, s), query_segment_ids=_segments(3, b, t),
            key_value_segment_ids=_segments(3, b, s),
            key_value_seq_lengths=jnp.array([80], jnp.int32),
-           block_sizes=MosaicGPUConfig(64, 128, 4, block_q_dkv=64, intra_wg_stages_dq=1,
-                                       intra_wg_stages_dkdv=1))
+           block_sizes=MosaicGPUConfig(64, 128, 4, intra_wg_stages_dq=1, intra_wg_stages_dkdv=1))
 
 
 def test_full_attention_one_compute_warpgroup_soft_cap_forward():
@@ -258,20 +258,23 @@ def test_races_are_checked(monkeypatch):
 
 
 def test_lowered_modules_have_wgmma_tma_barriers_and_register_reallocation():
+    """The kernels of a training step at head dim 128 with the serial steps of round 1's
+    forward and round 2's backward (no turns in the backward); the backward's step
+    lengths as resolved by default (128 key rows a dQ step, 64 query rows a dK/dV one)."""
     B, T, N, H = 2, 1024, 4, 128
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+    config = MosaicGPUConfig(64, 128, 2, intra_wg_stages=1, bwd_turns=1)
 
     def train(q, k, v):
         out, pullback = jax.vjp(
-            lambda q, k, v: ops.dot_product_attention(q, k, v, is_causal=True,
+            lambda q, k, v: ops.dot_product_attention(q, k, v, is_causal=True, block_sizes=config,
                                                       implementation="mosaic_gpu"), q, k, v)
         return pullback(out)
 
     fwd, dq, dkdv = plgpu.mosaic_modules(train, q, q, q)
-    # Per key/value step of the heuristic's 64 x 128 tiles: 8 m64n128k16 wgmma for q k^T
-    # and 8 for p v, in each of the three loops (masked, unmasked, masked), and the
-    # pipeline's prologue (the first q k^T) and epilogue (the last p v).
-    assert fwd.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8 + 3 * 16 + 8
+    # Per key/value step of 64 x 128 tiles: 8 m64n128k16 wgmma for q k^T and 8 for p v, in
+    # each of the three loops (masked, unmasked, masked).
+    assert fwd.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 3 * 16
     # dQ (128 key rows a step): q k^T, dO v^T and ds k 8 m64n128k16 each; dK/dV (64 query
     # rows a step): k q^T and v dO^T 8 each (m64n64k16), p^T dO and ds^T q 4 each.
     assert dq.count("wgmma.mma_async.sync.aligned.m64n128k16") == 3 * 24
@@ -282,6 +285,8 @@ def test_lowered_modules_have_wgmma_tma_barriers_and_register_reallocation():
         assert re.search(r"cp\.async\.bulk\.tensor\.global\.shared", module)  # TMA stores
         assert "nvvm.mbarrier.try_wait.parity" in module and "nvvm.mbarrier.arrive" in module
     assert "ex2.approx" in fwd  # the softmax on exp2
+    # Every kernel serial, dQ's steps waiting for no turn (see the next test).
+    _assert_schedules((fwd, dq, dkdv), (1, 1, 1), turns=False)
 
 
 _EVENTS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+[^{]*\{[^}]*\}, (\{)?"
@@ -318,36 +323,9 @@ def _compute_loop_waits(module: str) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("h, config, orders", [
-    (128, MosaicGPUConfig(64, 128, 2, intra_wg_stages=2), (2, 1, 1)),
-    (64, MosaicGPUConfig(64, 128, 2, intra_wg_stages=2), (2, 2, 1)),
-    (64, MosaicGPUConfig(64, 128, 2, block_q_dkv=64), (2, 2, 2)),
-    (128, MosaicGPUConfig(64, 128, 2, intra_wg_stages=1, bwd_turns=1, intra_wg_stages_dq=1),
-     (1, 1, 1)),
-], ids=["d128", "d64", "d64-dkdv64", "d128-serial-no-turns"])
-def test_kernels_issue_the_next_products_before_this_steps_elementwise_work(h, config, orders):
-    """FlashAttention-3's two-stage pipeline inside a warpgroup (section 3.2), read off the
-    lowered kernels of a training step (``orders``: the forward's, dQ's and dK/dV's
-    stages). Forward: in every loop step ``q k^T`` of tile j and ``p v`` of tile j-1 are
-    issued, the wait leaves one group (``p v``) in flight, tile j's exp2s run, and only
-    then the last wait; the first tile's ``q k^T`` and the last ``p v`` stand alone; with
-    ``intra_wg_stages=1`` each step runs ``q k^T``, its exp2s and ``p v`` in turn. The
-    backward kernels alike: 2 issues step t's ``s``, ``dp`` and step t-1's accumulating
-    products, waits with those left (1 group in dQ, 2 in dK/dV), runs step t's exp2s;
-    1 waits for ``s``, ``dp``, runs the exp2s, then issues and waits for the
-    accumulating products. The defaults (``resolve_backward``): at head dim 128 both
-    serial (128-row dQ steps, 64-row dK/dV steps), at 64 dQ pipelined (128-row steps)
-    and dK/dV serial with 128-row steps or pipelined with 64. With two warpgroups taking
-    turns, each step of a compute loop waits twice more (its turn, the meeting after
-    issuing) than without."""
-    q = jax.ShapeDtypeStruct((1, 512, 2, h), jnp.bfloat16)
-
-    def train(q, k, v):
-        out, pullback = jax.vjp(lambda q, k, v: ops.dot_product_attention(
-            q, k, v, is_causal=True, implementation="mosaic_gpu", block_sizes=config), q, k, v)
-        return pullback(out)
-
-    modules = plgpu.mosaic_modules(train, q, q, q)
+def _assert_schedules(modules, orders, turns: bool):
+    """The forward's, dQ's and dK/dV's lowered modules follow their pipelines inside a
+    warpgroup (``orders``: each one's stages), and dQ's steps wait as the turns say."""
     for name, module, stages in zip(("fwd", "dq", "dkdv"), modules, orders):
         # The loops before the compute warpgroups' three (masked, unmasked, masked): the
         # producer's, and in dK/dV the loops over the group's query heads.
@@ -362,7 +340,32 @@ def test_kernels_issue_the_next_products_before_this_steps_elementwise_work(h, c
     # dQ's steps wait for the key and value stages, and with turns for its turn and at
     # the meeting after issuing.
     waits = _compute_loop_waits(modules[1])[-3:]
-    assert waits == [2 + 2 * (config.bwd_turns != 1)] * 3, waits
+    assert waits == [2 + 2 * turns] * 3, waits
+
+
+def test_kernels_issue_the_next_products_before_this_steps_elementwise_work():
+    """FlashAttention-3's two-stage pipeline inside a warpgroup (section 3.2), read off the
+    lowered kernels of a training step (``orders``: the forward's, dQ's and dK/dV's
+    stages). Forward: in every loop step ``q k^T`` of tile j and ``p v`` of tile j-1 are
+    issued, the wait leaves one group (``p v``) in flight, tile j's exp2s run, and only
+    then the last wait; the first tile's ``q k^T`` and the last ``p v`` stand alone; with
+    ``intra_wg_stages=1`` each step runs ``q k^T``, its exp2s and ``p v`` in turn. The
+    backward kernels alike: 2 issues step t's ``s``, ``dp`` and step t-1's accumulating
+    products, waits with those left (1 group in dQ, 2 in dK/dV), runs step t's exp2s;
+    1 waits for ``s``, ``dp``, runs the exp2s, then issues and waits for the
+    accumulating products (the previous test; the defaults at head dim 128). With two
+    warpgroups taking turns, each step of a compute loop waits twice more (its turn, the
+    meeting after issuing) than without. Here at head dim 64, every kernel pipelined
+    (64-row dK/dV steps), turns."""
+    q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    config = MosaicGPUConfig(64, 128, 2, block_q_dkv=64)
+
+    def train(q, k, v):
+        out, pullback = jax.vjp(lambda q, k, v: ops.dot_product_attention(
+            q, k, v, is_causal=True, implementation="mosaic_gpu", block_sizes=config), q, k, v)
+        return pullback(out)
+
+    _assert_schedules(plgpu.mosaic_modules(train, q, q, q), (2, 2, 2), turns=True)
 
 
 @pytest.mark.parametrize("h, hv", [(64, 64), (128, 128), (256, 256), (192, 128)])

@@ -294,20 +294,29 @@ def _lowering_rules() -> frozenset:
 def unlowerable(fn: Callable | None, what: str) -> str | None:
     """None when Mosaic GPU's lowering takes ``fn`` on a float32 tile (with its calls
     :func:`inlined`), else why not (the first primitive it has no rule for). Read by
-    the ops' ``supported`` before anything is traced."""
+    the ops' ``supported`` before anything is traced, on every call that may run on
+    Mosaic GPU: the verdict is traced once per function."""
     if fn is None:
         return None
     try:
+        verdict = _unlowerable_verdict(fn)
+    except TypeError:  # an unhashable callable: no caching
+        verdict = _unlowerable_verdict.__wrapped__(fn)
+    return None if verdict is None else f"{what} {verdict}"
+
+
+@functools.lru_cache(maxsize=64)
+def _unlowerable_verdict(fn: Callable) -> str | None:
+    try:
         closed = jax.make_jaxpr(inlined(fn))(jax.ShapeDtypeStruct((64, 64), jnp.float32))
     except Exception as e:  # noqa: BLE001 - a function that does not trace is reported
-        return f"{what} does not trace on a float32 tile ({type(e).__name__}: {e})"
+        return f"does not trace on a float32 tile ({type(e).__name__}: {e})"
     rules = _lowering_rules()
     bad = find_eqn(closed.jaxpr, lambda eqn: eqn.primitive.name not in rules
                    and not list(jax.extend.core.jaxprs_in_params(eqn.params)))
     if bad is None:
         return None
-    return (f"{what} uses {bad.primitive.name!r}, which JAX's Mosaic GPU lowering has no rule "
-            "for")
+    return f"uses {bad.primitive.name!r}, which JAX's Mosaic GPU lowering has no rule for"
 
 
 # --------------------------------------------------------------------------

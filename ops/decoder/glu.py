@@ -686,9 +686,8 @@ def _mosaic_supported(call: Call) -> str | None:
     kernels (a ``GluConfig``; a ``(block_m, block_n, block_k)`` tuple becomes one) as
     ``block_sizes``, a GPU older than sm_90."""
     a = call.args
-    found = mosaic_gpu.reasons(a["x"].dtype, block_sizes=a["explicit"], activation=a["act"],
-                               call=call)
-    return "; ".join(found) if found else None
+    return mosaic_gpu.why_not(a["x"].dtype, block_sizes=a["explicit"], activation=a["act"],
+                              call=call)
 
 
 def _mosaic_run(call: Call):

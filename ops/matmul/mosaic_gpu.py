@@ -112,13 +112,14 @@ def as_config(block_sizes) -> MosaicMatmulConfig | None:
     return MosaicMatmulConfig(*block_sizes)
 
 
-def reasons(dtype, *, block_sizes=None, activation=None, call=None) -> list[str]:
-    """Why the Mosaic GPU core cannot run a call: its dtype, its tiles, its activation,
-    its device (an empty list when it can)."""
+def why_not(dtype, *, block_sizes=None, activation=None, call=None) -> str | None:
+    """Why the Mosaic GPU core cannot run a call, every reason joined: its dtype, its
+    tiles, its activation, its device (None when it can). What the matmul family's
+    ``supported`` returns."""
     found = [core.unsupported_dtype(dtype), block_sizes_unsupported(block_sizes),
              core.unlowerable(activation, "the activation"),
              device_unsupported(call) if call is not None else None]
-    return [r for r in found if r]
+    return "; ".join(r for r in found if r) or None
 
 
 def supported(call: _op.Call) -> str | None:
@@ -126,8 +127,7 @@ def supported(call: _op.Call) -> str | None:
     not (read before anything is traced): float32 operands, an activation Mosaic GPU's
     lowering cannot take, Triton tiles as ``block_sizes``, a GPU older than sm_90."""
     a = call.args
-    found = reasons(a["x"].dtype, block_sizes=a["blocks"], activation=a["act"], call=call)
-    return "; ".join(found) if found else None
+    return why_not(a["x"].dtype, block_sizes=a["blocks"], activation=a["act"], call=call)
 
 
 @dataclasses.dataclass(frozen=True)

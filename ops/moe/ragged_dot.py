@@ -388,8 +388,7 @@ def _mosaic_supported(call: Call) -> str | None:
     other kernels' ``RaggedDotConfig`` (a tuple becomes one) as ``block_sizes``, a GPU older
     than sm_90."""
     a = call.args
-    found = mosaic_gpu.reasons(a["lhs"].dtype, block_sizes=a["explicit"], call=call)
-    return "; ".join(found) if found else None
+    return mosaic_gpu.why_not(a["lhs"].dtype, block_sizes=a["explicit"], call=call)
 
 
 def _mosaic_run(call: Call):

@@ -806,8 +806,7 @@ def _mosaic_supported(call: _op.Call) -> str | None:
     ``LinearCrossEntropyConfig`` (the other kernels' tiles) as ``block_sizes``, a GPU
     older than sm_90."""
     a = call.args
-    found = mosaic_gpu.reasons(a["x"].dtype, block_sizes=a["blocks"], call=call)
-    return "; ".join(found) if found else None
+    return mosaic_gpu.why_not(a["x"].dtype, block_sizes=a["blocks"], call=call)
 
 
 def _mosaic_run(call: _op.Call):

@@ -88,7 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(their speed says nothing about the kernels).")
     parser.add_argument("--no-static", action="store_true",
                         help="On a host without a GPU, skip the sm_90 compiles and roofline bounds.")
-    parser.add_argument("--budget-s", type=_positive_seconds, default=None, metavar="SECONDS",
+    parser.add_argument("--budget-s", type=checkpoint.positive_seconds, default=None,
+                        metavar="SECONDS",
                         help="Start no new case after SECONDS (the report lists the cases not "
                              "run; --resume runs them later). Default: no limit.")
     parser.add_argument("--resume", type=Path, default=None, metavar="RESULTS_JSON",
@@ -98,16 +99,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Compile again even if the static results of this source tree are "
                              "cached (see benchmarks.roofline.cache_dir).")
     return parser.parse_args(argv)
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return seconds
 
 
 def default_out_dir(now: datetime.datetime, info: dict[str, str], quick: bool) -> Path:

@@ -20,6 +20,7 @@ platform, or from another kind of run (timed vs accuracy only).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import signal
@@ -27,6 +28,18 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+
+def positive_seconds(text: str) -> float:
+    """``--budget-s``'s argparse type: a positive number of seconds (what :class:`Budget`
+    takes), else argparse's usage error."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return seconds
 
 
 class Budget:

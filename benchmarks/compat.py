@@ -49,7 +49,7 @@ from typing import Any
 
 import jax
 
-from benchmarks import provenance
+from benchmarks import checkpoint, provenance
 
 # Implementations whose Triton source we generate, and those lowered for cuda through JAX.
 SOURCE_IMPLEMENTATIONS = ("triton",)
@@ -305,7 +305,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Only the registered ops' examples, not the benchmark cases.")
     parser.add_argument("--no-ops", action="store_true",
                         help="Only the benchmark cases, not the registered ops' examples.")
-    parser.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--budget-s", type=checkpoint.positive_seconds, default=None,
+                        metavar="SECONDS",
                         help="Start no new check after SECONDS (the report lists those not run).")
     return parser.parse_args(argv)
 
@@ -323,8 +324,9 @@ def main(argv=None) -> int:
     jax.clear_caches()  # kernels traced before would be taken from JAX's caches, unseen
     verdicts, not_run = [], []
     out_text: list[str] = []
+    budget = checkpoint.Budget(args.budget_s, start=start)
     for item in items:
-        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+        if budget.spent():
             not_run.append(f"{item['item']} [{item['implementation']}]")
             continue
         verdict = check_item(item)

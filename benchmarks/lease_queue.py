@@ -326,7 +326,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Each arm on its op's quick case (always so on a CPU).")
     parser.add_argument("--out", type=Path, default=None,
                         help="Folder for queue.jsonl (rows as measured) and queue.md.")
-    parser.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--budget-s", type=checkpoint.positive_seconds, default=None,
+                        metavar="SECONDS",
                         help="Start no experiment after SECONDS (the report lists those not run).")
     parser.add_argument("--iters", type=int, default=30,
                         help="Timed samples per arm over all rounds (default 30).")

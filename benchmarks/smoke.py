@@ -103,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "smoke.txt (default: print only).")
     parser.add_argument("--filter", default=None, metavar="SUBSTR",
                         help="Only cases whose name contains SUBSTR.")
-    parser.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--budget-s", type=checkpoint.positive_seconds, default=None,
+                        metavar="SECONDS",
                         help="Start no new case after SECONDS (the summary lists those not run).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the random inputs.")
     return parser.parse_args(argv)

@@ -77,3 +77,15 @@ def test_budget_must_be_positive():
     with pytest.raises(ValueError, match="budget_s"):
         checkpoint.Budget(0)
     assert not checkpoint.Budget(None).spent()
+
+
+@pytest.mark.parametrize("module", ["benchmarks.__main__", "benchmarks.smoke", "benchmarks.compat",
+                                    "benchmarks.lease_queue"])
+def test_every_budgeted_cli_refuses_a_budget_that_is_not_positive(module, capsys):
+    import importlib
+    parse_args = importlib.import_module(module).parse_args
+    assert parse_args(["--budget-s", "2.5"]).budget_s == 2.5
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            parse_args(["--budget-s", bad])
+        assert "positive number of seconds" in capsys.readouterr().err

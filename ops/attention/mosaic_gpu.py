@@ -158,24 +158,10 @@ MAX_DKDV_ACCUMULATOR_REGISTERS = 160
 
 
 def _why_not_device(call: _op.Call) -> str | None:
-    """Why the call's GPU cannot run Mosaic GPU's warpgroup kernels (None: it can, or it
-    is no GPU: a host without one runs them in the interpret mode). This process's own
-    GPU is asked for its compute capability; a device kind it does not have (a call
-    resolved for another machine) is judged by its family (:attr:`ops._op.Target.sm`)."""
-    if call.target.platform != "gpu":
-        return None
-    device = target.default_device()
-    if getattr(device, "device_kind", None) == call.target.device_kind:
-        try:
-            target.check_gpu(device, "implementation='mosaic_gpu'")
-        except NotImplementedError as e:
-            return str(e)
-        return None
-    sm = call.target.sm
-    if sm is not None and sm[3:].isdigit() and int(sm[3:]) < 90:
-        return (f"Mosaic GPU kernels (warpgroups, TMA, wgmma) need sm_90 or newer; "
-                f"{call.target.device_kind!r} is {sm}")
-    return None
+    """Why the call's GPU cannot run Mosaic GPU's warpgroup kernels, or None
+    (:func:`pallas_core.gpu.target.why_not_gpu`)."""
+    t = call.target
+    return target.why_not_gpu(t.platform, t.device_kind, t.sm, "implementation='mosaic_gpu'")
 
 
 # CUDA runtimes whose ptxas miscompiles Mosaic GPU's masked attention loops (JAX's own

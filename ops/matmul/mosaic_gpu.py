@@ -69,25 +69,11 @@ IMPLEMENTATION = "mosaic_gpu"
 
 def device_unsupported(call: _op.Call) -> str | None:
     """Why the call's GPU cannot run Mosaic GPU's warpgroup kernels (a GPU older than
-    sm_90), or None (an sm_90+ GPU; no GPU: a host without one runs them in the
-    interpret mode). This process's own GPU is asked for its compute capability; a
-    device kind it does not have (a call resolved for another machine, say an H200
-    from a CPU host) is judged by its family (:attr:`ops._op.Target.sm`)."""
-    if call.target.platform != "gpu":
-        return None
+    sm_90), or None (:func:`pallas_core.gpu.target.why_not_gpu`)."""
     from pallas_core.gpu import target
-    device = target.default_device()
-    if getattr(device, "device_kind", None) == call.target.device_kind:
-        try:
-            target.check_gpu(device, f"{call.op.name}: implementation='mosaic_gpu'")
-        except NotImplementedError as e:
-            return str(e)
-        return None
-    sm = call.target.sm
-    if sm is not None and sm[3:].isdigit() and int(sm[3:]) < 90:
-        return (f"Mosaic GPU kernels (warpgroups, TMA, wgmma) need sm_90 or newer; "
-                f"{call.target.device_kind!r} is {sm}")
-    return None
+    t = call.target
+    return target.why_not_gpu(t.platform, t.device_kind, t.sm,
+                              f"{call.op.name}: implementation='mosaic_gpu'")
 
 
 def block_sizes_unsupported(block_sizes) -> str | None:

@@ -86,6 +86,29 @@ def check_gpu(device, what: str) -> None:
             f"{cc[0]}.{cc[1]}). Use another implementation on this GPU.")
 
 
+def why_not_gpu(platform: str, device_kind: str, sm: str | None, what: str) -> str | None:
+    """Why a GPU of ``device_kind`` cannot run Mosaic GPU's warpgroup kernels, or None.
+
+    None also for another ``platform`` (a host without a GPU runs the kernels in the
+    interpret mode). This process's own GPU, where it is of ``device_kind``, is asked
+    for its compute capability (:func:`check_gpu`); another kind (a call resolved for
+    another machine, say an H200 from a CPU host) is judged by its family's
+    ``sm`` (``"sm_90"``; None: unknown, not refused)."""
+    if platform != "gpu":
+        return None
+    device = default_device()
+    if getattr(device, "device_kind", None) == device_kind:
+        try:
+            check_gpu(device, what)
+        except NotImplementedError as e:
+            return str(e)
+        return None
+    if sm is not None and sm[3:].isdigit() and int(sm[3:]) < 90:
+        return (f"{what}: Mosaic GPU kernels (warpgroups, TMA, wgmma) need sm_90 or newer; "
+                f"{device_kind!r} is {sm}")
+    return None
+
+
 def forced_interpret_params():
     """JAX's ``force_gpu_interpret_mode`` params in force, or None."""
     from jax._src import config

